@@ -1,0 +1,201 @@
+"""Plain-PyTorch reference of GGD-BAM attention: the prior, Scalable Softmax and masked attention.
+
+Everything here materializes (query x key) tensors. It is the ground truth the fused Triton kernels
+(`triton_bam.py`) are tested against, and the "bam_eager" / "bam_sdpa" attention implementations.
+
+Shapes: B batch, H query heads, Hkv key/value heads, Lq queries, Lk keys, D head size.
+Positions are absolute token positions in the sequence (cache included): query i sits at
+`query_positions[i]`, key j at `j` (keys are stored in order from position 0).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def prior_offset(theta_mu: torch.Tensor) -> torch.Tensor:
+    """mu = exp(theta_mu) - exp(-theta_mu) = 2 sinh(theta_mu)."""
+    return torch.exp(theta_mu) - torch.exp(-theta_mu)
+
+
+def ggd_bias(
+    distance: torch.Tensor,
+    theta_alpha: torch.Tensor,
+    theta_beta: torch.Tensor,
+    theta_mu: torch.Tensor,
+    formula: str = "current",
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """GGD prior for every head at the given key-minus-query distances.
+
+    Args:
+        distance: (...) float, j - i (<= 0 for visible causal keys).
+        theta_alpha, theta_beta, theta_mu: (H,) per-head parameters.
+    Returns:
+        (H, ...) float32 bias.
+    """
+    view = (-1,) + (1,) * distance.dim()
+    alpha = theta_alpha.float().view(view)
+    beta = theta_beta.float().view(view)
+    mu = prior_offset(theta_mu.float()).view(view)
+    shifted = distance.float().unsqueeze(0) - mu
+    if formula == "current":
+        return -torch.exp(alpha) * (shifted.abs() + eps).pow(beta)
+    if formula == "legacy":
+        return -((shifted * torch.exp(alpha)).abs() + eps).pow(beta)
+    raise ValueError(f"unknown prior formula {formula!r}; expected 'current' or 'legacy'")
+
+
+def relative_distance(query_positions: torch.Tensor, key_length: int) -> torch.Tensor:
+    """(Lq, Lk) float32 distances j - i, from absolute query positions (Lq,) and keys at 0..Lk-1."""
+    keys = torch.arange(key_length, device=query_positions.device, dtype=torch.float32)
+    return keys[None, :] - query_positions.to(torch.float32)[:, None]
+
+
+def visibility_from_positions(
+    query_positions: torch.Tensor,
+    key_length: int,
+    key_valid: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Boolean (B or 1, 1, Lq, Lk) mask: causal, minus padded keys, minus keys of other documents.
+
+    Args:
+        query_positions: (Lq,) int absolute positions.
+        key_valid: (B, Lk) bool, False for padding.
+        document_ids: (B, Lk) int document index of every key position (packed sequences). Queries take the
+            document of the key slot at their own position.
+    """
+    keys = torch.arange(key_length, device=query_positions.device)
+    visible = (keys[None, :] <= query_positions[:, None])[None, None]
+    if key_valid is not None:
+        visible = visible & key_valid[:, None, None, :].bool()
+    if document_ids is not None:
+        query_documents = document_ids[:, query_positions]
+        visible = visible & (query_documents[:, None, :, None] == document_ids[:, None, None, :])
+    return visible
+
+
+def visible_key_counts(
+    query_positions: torch.Tensor,
+    key_length: int,
+    key_valid: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(B or 1, Lq) int64 number of keys each query sees, without materializing the mask.
+
+    Equals `visibility_from_positions(...).sum(-1)` for contiguous documents.
+    """
+    device = query_positions.device
+    if key_valid is None:
+        key_valid = torch.ones(1 if document_ids is None else document_ids.shape[0], key_length, device=device)
+    valid_count = key_valid.long().cumsum(-1)
+    if document_ids is not None:
+        starts = torch.ones_like(document_ids, dtype=torch.bool)
+        starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        count_before = valid_count - key_valid.long()
+        base = torch.where(starts, count_before, torch.zeros_like(count_before)).cummax(-1).values
+        valid_count = valid_count - base
+    return valid_count[:, query_positions.clamp(max=key_length - 1)] * (query_positions < key_length)
+
+
+def ssmax_factor(counts: torch.Tensor, ssmax_scale: torch.Tensor) -> torch.Tensor:
+    """Scalable-Softmax row factor c_i = s_h * ln(n_i): counts (B, Lq) -> (B, H, Lq, 1) float32.
+
+    n_i = 0 (a row that sees nothing) is clamped to 1, so the factor is 0 there instead of -inf.
+    """
+    log_counts = counts.clamp(min=1).to(torch.float32).log()
+    return ssmax_scale.float()[None, :, None, None] * log_counts[:, None, :, None]
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, Hkv, L, D) -> (B, Hkv * n_rep, L, D), each key/value head shared by n_rep query heads."""
+    if n_rep == 1:
+        return hidden_states
+    batch, kv_heads, length, head_dim = hidden_states.shape
+    expanded = hidden_states[:, :, None].expand(batch, kv_heads, n_rep, length, head_dim)
+    return expanded.reshape(batch, kv_heads * n_rep, length, head_dim)
+
+
+def _rows_with_keys(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows that see no key would give NaN: let them see everything, and report which rows are real."""
+    has_keys = visible.any(-1, keepdim=True)
+    return visible | ~has_keys, has_keys
+
+
+def bam_attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor,
+    bias: torch.Tensor,
+    scaling: float,
+    row_factor: torch.Tensor | None = None,
+    ssmax_prior: bool = True,
+    dropout: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Materialized GGD-BAM attention with an fp32 softmax.
+
+    score_ij = c_i * (q_i.k_j * scaling + b_ij)   (ssmax_prior) or   c_i * q_i.k_j * scaling + b_ij
+
+    Args:
+        query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D).
+        visible: bool, broadcastable to (B, H, Lq, Lk).
+        bias: float32, broadcastable to (B, H, Lq, Lk).
+        row_factor: SSMax factor c (B, H, Lq, 1) float32, or None for plain softmax.
+    Returns:
+        output (B, H, Lq, D) in the query dtype (zero for rows that see no key), probabilities (B, H, Lq, Lk).
+    """
+    n_rep = query.shape[1] // key.shape[1]
+    key = repeat_kv(key, n_rep)
+    value = repeat_kv(value, n_rep)
+    scores = torch.matmul(query, key.transpose(2, 3)).float() * scaling
+    if row_factor is None:
+        scores = scores + bias
+    elif ssmax_prior:
+        scores = (scores + bias) * row_factor
+    else:
+        scores = scores * row_factor + bias
+    visible, has_keys = _rows_with_keys(visible)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(has_keys, probs, torch.zeros_like(probs))
+    if dropout > 0.0:
+        probs = F.dropout(probs, p=dropout, training=True)
+    output = torch.matmul(probs.to(value.dtype), value)
+    return output, probs
+
+
+def bam_attention_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor,
+    bias: torch.Tensor,
+    scaling: float,
+    row_factor: torch.Tensor | None = None,
+    ssmax_prior: bool = True,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Same result as `bam_attention_reference` through `F.scaled_dot_product_attention` with a float mask.
+
+    The SSMax factor multiplies the queries (so q.k is scaled per row); the prior, scaled or not, is the mask.
+    """
+    n_rep = query.shape[1] // key.shape[1]
+    key = repeat_kv(key, n_rep)
+    value = repeat_kv(value, n_rep)
+    visible, has_keys = _rows_with_keys(visible)
+    if row_factor is not None:
+        query = (query.float() * row_factor).to(query.dtype)
+        if ssmax_prior:
+            bias = bias * row_factor
+    float_mask = torch.where(visible, bias, torch.full_like(bias, float("-inf"))).to(query.dtype)
+    output = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=float_mask, dropout_p=dropout, scale=scaling
+    )
+    return torch.where(has_keys, output, torch.zeros_like(output))
+
+
+def default_scaling(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
