@@ -1,0 +1,645 @@
+"""BamLlama: a Llama decoder without RoPE whose attention adds a learnable Generalized-Gaussian prior.
+
+Attention logit for query i (absolute position p_i) and key j, head h:
+
+    score_ij = c_i * (q_i.k_j / sqrt(d) + b_h(p_i, j))        (ssmax_prior, the reference default)
+    b_h(p, j) = -exp(theta_alpha_h) * (|(j - p) - mu_h| + eps) ** theta_beta_h
+
+with c_i = s_h * ln(n_i) under Scalable Softmax (n_i = keys visible to query i), else 1. The attention itself
+is dispatched through Transformers' attention interface: "bam_eager" (materialized reference),
+"bam_sdpa" (bias as a float mask) and "bam_triton" (fused kernels, never materializes the bias).
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    create_causal_mask,
+    find_packed_sequence_indices,
+    sdpa_mask,
+)
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .attention_bam import (
+    bam_attention_reference,
+    bam_attention_sdpa,
+    ggd_bias,
+    relative_distance,
+    ssmax_factor,
+    visibility_from_positions,
+)
+from .configuration_bam import BamLlamaConfig
+from .triton_bam import TRITON_AVAILABLE, ggd_attention, triton_usable
+
+
+try:
+    from transformers import initialization as hf_init
+except ImportError:  # older 5.x releases
+    hf_init = None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Prior and Scalable Softmax
+# --------------------------------------------------------------------------------------------------------
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi slopes (Press et al.): 2^(-8k/n) for a power of two n, interleaved otherwise."""
+
+    def power_of_two_slopes(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (k + 1) for k in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return torch.tensor(power_of_two_slopes(num_heads))
+    closest = 2 ** math.floor(math.log2(num_heads))
+    extra = power_of_two_slopes(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(power_of_two_slopes(closest) + extra)
+
+
+def initial_prior_values(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
+    """Per-head initial theta_alpha / theta_beta / theta_mu from the config's init schemes."""
+    heads = config.num_attention_heads
+    if config.theta_alpha_init == "alibi":
+        theta_alpha = alibi_slopes(heads).log()
+    else:
+        theta_alpha = torch.full((heads,), float(config.theta_alpha_init))
+    if config.theta_beta_init == "linear":
+        theta_beta = torch.linspace(0.0, 1.0, heads)
+    else:
+        theta_beta = torch.full((heads,), float(config.theta_beta_init))
+    theta_mu = torch.full((heads,), float(config.theta_mu_init))
+    return {"theta_alpha": theta_alpha, "theta_beta": theta_beta, "theta_mu": theta_mu}
+
+
+class BamPrior(nn.Module):
+    """The per-head GGD positional prior: three scalars per head."""
+
+    def __init__(self, config: BamLlamaConfig):
+        super().__init__()
+        heads = config.num_attention_heads
+        self.formula = config.prior_formula
+        self.eps = config.prior_eps
+        self.theta_alpha = nn.Parameter(torch.zeros(heads), requires_grad=config.train_theta_alpha)
+        self.theta_beta = nn.Parameter(torch.zeros(heads), requires_grad=config.train_theta_beta)
+        self.theta_mu = nn.Parameter(torch.zeros(heads), requires_grad=config.train_theta_mu)
+        self.reset_parameters(config)
+
+    @torch.no_grad()
+    def reset_parameters(self, config: BamLlamaConfig) -> None:
+        for name, value in initial_prior_values(config).items():
+            _copy_init(getattr(self, name), value)
+
+    def bias(self, query_positions: torch.Tensor, key_length: int) -> torch.Tensor:
+        """(1, H, Lq, Lk) float32 prior for queries at absolute positions (Lq,) and keys 0..Lk-1."""
+        distance = relative_distance(query_positions, key_length)
+        return ggd_bias(distance, self.theta_alpha, self.theta_beta, self.theta_mu, self.formula, self.eps)[None]
+
+    def extra_repr(self) -> str:
+        return f"heads={self.theta_alpha.numel()}, formula={self.formula}, eps={self.eps}"
+
+
+class BamScalableSoftmax(nn.Module):
+    """Scalable Softmax: row factor c_i = s_h * ln(n_i), n_i the number of keys query i sees."""
+
+    def __init__(self, config: BamLlamaConfig):
+        super().__init__()
+        self.prior_scaled = config.ssmax_prior
+        self.scale = nn.Parameter(torch.zeros(config.num_attention_heads), requires_grad=config.train_ssmax_scale)
+        self.reset_parameters(config)
+
+    @torch.no_grad()
+    def reset_parameters(self, config: BamLlamaConfig) -> None:
+        _copy_init(self.scale, torch.full_like(self.scale, float(config.ssmax_scale_init)))
+
+    def row_factor(self, visible_counts: torch.Tensor) -> torch.Tensor:
+        """(B, Lq) counts -> (B, H, Lq, 1) float32 factor."""
+        return ssmax_factor(visible_counts, self.scale)
+
+
+def _copy_init(parameter: torch.Tensor, value: torch.Tensor) -> None:
+    value = value.to(device=parameter.device, dtype=parameter.dtype)
+    if hf_init is not None:
+        hf_init.copy_(parameter, value)
+    elif parameter.device.type != "meta":
+        parameter.copy_(value)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Attention implementations (registered with Transformers' AttentionInterface)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _visible_mask(attention_mask, query_positions, key_length, document_ids=None) -> torch.Tensor:
+    """The boolean (B, 1, Lq, Lk) visibility from whatever mask the mask interface produced."""
+    if attention_mask is None or attention_mask.dim() == 2:
+        return visibility_from_positions(query_positions, key_length, attention_mask, document_ids)
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    return attention_mask > torch.finfo(attention_mask.dtype).min / 2  # a custom additive mask
+
+
+def _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids=None):
+    visible = _visible_mask(attention_mask, query_positions, key.shape[2], document_ids)
+    bias = prior.bias(query_positions, key.shape[2])
+    row_factor = module.ssmax.row_factor(visible.sum(-1).squeeze(1)) if module.ssmax is not None else None
+    return visible, bias, row_factor
+
+
+def bam_eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    *,
+    query_positions: torch.Tensor,
+    prior: BamPrior,
+    document_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: materialized bias, fp32 softmax. Returns (B, Lq, H, D) and the probabilities."""
+    visible, bias, row_factor = _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids)
+    output, probs = bam_attention_reference(
+        query, key, value, visible, bias, scaling, row_factor, module.config.ssmax_prior, dropout
+    )
+    return output.transpose(1, 2).contiguous(), probs
+
+
+def bam_sdpa_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    *,
+    query_positions: torch.Tensor,
+    prior: BamPrior,
+    document_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """PyTorch SDPA with the (SSMax-scaled) prior passed as a float mask."""
+    visible, bias, row_factor = _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids)
+    output = bam_attention_sdpa(query, key, value, visible, bias, scaling, row_factor, module.config.ssmax_prior, dropout)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def bam_triton_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    *,
+    query_positions: torch.Tensor,
+    prior: BamPrior,
+    document_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Fused Triton kernels; falls back to SDPA off-GPU, with dropout, or with a custom 4D mask."""
+    custom_mask = attention_mask is not None and attention_mask.dim() == 4
+    if custom_mask or dropout > 0.0 or not triton_usable(query):
+        return bam_sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling, dropout,
+            query_positions=query_positions, prior=prior, document_ids=document_ids,
+        )
+    ssmax = module.ssmax
+    output = ggd_attention(
+        query, key, value, prior.theta_alpha, prior.theta_beta, prior.theta_mu, query_positions,
+        scaling=scaling, formula=prior.formula, eps=prior.eps, key_valid=attention_mask,
+        document_ids=document_ids, ssmax_scale=None if ssmax is None else ssmax.scale,
+        ssmax_prior=module.config.ssmax_prior,
+    )
+    return output.transpose(1, 2).contiguous(), None
+
+
+def bam_boolean_mask(*args, **kwargs) -> torch.Tensor:
+    """The full boolean (B, 1, Lq, Lk) mask; never skipped, since the prior must be added everywhere."""
+    kwargs["allow_is_causal_skip"] = False
+    kwargs["allow_is_bidirectional_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def bam_key_padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """For the fused kernels: a (B, kv_length) key-validity mask, or None when nothing is padded.
+
+    Causality and documents are handled in the kernel from positions and document ids.
+    """
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, kv_offset : kv_offset + kv_length].bool()
+    missing = kv_length - attention_mask.shape[1]
+    if missing > 0:  # static caches are longer than the mask; the unfilled tail is hidden by causality
+        attention_mask = nn.functional.pad(attention_mask, (0, missing), value=True)
+    return None if bool(attention_mask.all()) else attention_mask
+
+
+BAM_ATTENTION_FUNCTIONS = {
+    "bam_eager": (bam_eager_attention_forward, bam_boolean_mask),
+    "bam_sdpa": (bam_sdpa_attention_forward, bam_boolean_mask),
+    "bam_triton": (bam_triton_attention_forward, bam_key_padding_mask),
+}
+ATTENTION_ALIASES = {"eager": "bam_eager", "sdpa": "bam_sdpa"}
+
+
+def register_bam_attention() -> None:
+    """Register BAM's attention and mask functions; idempotent (runs on every import of this module)."""
+    for name, (attention_fn, mask_fn) in BAM_ATTENTION_FUNCTIONS.items():
+        ALL_ATTENTION_FUNCTIONS.register(name, attention_fn)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask_fn)
+
+
+register_bam_attention()
+
+
+def default_attn_implementation() -> str:
+    return "bam_triton" if TRITON_AVAILABLE and torch.cuda.is_available() else "bam_sdpa"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------------------
+
+
+class BamRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class BamMLP(nn.Module):
+    def __init__(self, config: BamLlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+
+
+class BamAttention(nn.Module):
+    """Multi-head (GQA) attention without RoPE; position enters only through the GGD prior."""
+
+    def __init__(self, config: BamLlamaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.prior = BamPrior(config) if config.prior_scope == "layer" else None
+        self.ssmax = BamScalableSoftmax(config) if config.ssmax else None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        query_positions: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        shared_prior: BamPrior | None = None,
+        document_ids: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, Lq, D)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, Hkv, Lq, D)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, bam_eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            query_positions=query_positions,
+            prior=self.prior if self.prior is not None else shared_prior,
+            document_ids=document_ids,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+class BamDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: BamLlamaConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = BamAttention(config, layer_idx)
+        self.mlp = BamMLP(config)
+        self.input_layernorm = BamRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = BamRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        query_positions: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        shared_prior: BamPrior | None = None,
+        document_ids: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        residual = hidden_states
+        hidden_states, attn_weights = self.self_attn(
+            self.input_layernorm(hidden_states),
+            query_positions=query_positions,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            shared_prior=shared_prior,
+            document_ids=document_ids,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states, attn_weights
+
+
+# --------------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------------
+
+
+class BamLlamaPreTrainedModel(PreTrainedModel):
+    config_class = BamLlamaConfig
+    config: BamLlamaConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["BamDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    # Flash / flex / kernel backends would silently drop the prior.
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        """Map Transformers' names onto BAM's: None -> the fastest available, eager/sdpa -> bam_eager/bam_sdpa."""
+        if requested_attention is None:
+            return default_attn_implementation()
+        implementation = ATTENTION_ALIASES.get(requested_attention, requested_attention)
+        if implementation not in BAM_ATTENTION_FUNCTIONS:
+            raise ValueError(
+                f"attn_implementation={requested_attention!r} is not supported by BamLlama: other backends would drop "
+                f"the positional prior. Choose one of {sorted(BAM_ATTENTION_FUNCTIONS)} (or 'eager' / 'sdpa')."
+            )
+        if implementation == "bam_triton" and not TRITON_AVAILABLE:
+            raise ValueError("attn_implementation='bam_triton' needs the `triton` package, which is not installed")
+        return implementation
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        model = super().from_pretrained(*args, **kwargs)
+        model.apply_prior_trainability()
+        return model
+
+    def apply_prior_trainability(self) -> None:
+        """Freeze or unfreeze the prior and SSMax parameters as the config says (loading resets requires_grad)."""
+        flags = {
+            "theta_alpha": self.config.train_theta_alpha,
+            "theta_beta": self.config.train_theta_beta,
+            "theta_mu": self.config.train_theta_mu,
+        }
+        for module in self.modules():
+            if isinstance(module, BamPrior):
+                for name, trainable in flags.items():
+                    getattr(module, name).requires_grad_(trainable)
+            elif isinstance(module, BamScalableSoftmax):
+                module.scale.requires_grad_(self.config.train_ssmax_scale)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save weights, config and the remote code, with an `auto_map` for AutoConfig/AutoModel/AutoModelForCausalLM."""
+        self.config.auto_map = dict(REMOTE_CODE_AUTO_MAP)
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (BamPrior, BamScalableSoftmax)):
+            module.reset_parameters(self.config)
+        else:
+            super()._init_weights(module)
+
+
+class BamLlamaModel(BamLlamaPreTrainedModel):
+    def __init__(self, config: BamLlamaConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([BamDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = BamRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.prior = BamPrior(config) if config.prior_scope == "global" else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        kwargs.pop("cache_position", None)  # positions come from the cache length, read below
+
+        # Absolute query positions, read from the cache BEFORE any layer updates it.
+        past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+        query_positions = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+        if position_ids is None:
+            position_ids = query_positions.unsqueeze(0)
+        document_ids = self._packed_document_ids(inputs_embeds, attention_mask, position_ids, past_key_values)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+
+        hidden_states = inputs_embeds
+        all_hidden_states = () if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        for decoder_layer in self.layers:
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            hidden_states, attn_weights = decoder_layer(
+                hidden_states,
+                query_positions=query_positions,
+                attention_mask=causal_mask,
+                past_key_values=past_key_values,
+                shared_prior=self.prior,
+                document_ids=document_ids,
+                **kwargs,
+            )
+            if output_attentions:
+                all_attentions += (attn_weights,)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+        )
+
+    @staticmethod
+    def _packed_document_ids(inputs_embeds, attention_mask, position_ids, past_key_values) -> torch.Tensor | None:
+        """Document index per token when several sequences are packed in a row (position_ids restart at 0).
+
+        Like Transformers' own detection, only without a padding mask and without a cache.
+        """
+        if attention_mask is not None or past_key_values is not None:
+            return None
+        return find_packed_sequence_indices(position_ids.expand(inputs_embeds.shape[0], -1))
+
+
+class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: BamLlamaConfig):
+        super().__init__(config)
+        self.model = BamLlamaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+# Saved folders carry this code, so they load with trust_remote_code=True where bam_llama is not installed.
+REMOTE_CODE_AUTO_MAP = {
+    "AutoConfig": "configuration_bam.BamLlamaConfig",
+    "AutoModel": "modeling_bam.BamLlamaModel",
+    "AutoModelForCausalLM": "modeling_bam.BamLlamaForCausalLM",
+}
+BamLlamaConfig.register_for_auto_class()
+BamLlamaModel.register_for_auto_class("AutoModel")
+BamLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+
+__all__ = [
+    "BamLlamaForCausalLM",
+    "BamLlamaModel",
+    "BamLlamaPreTrainedModel",
+    "BamPrior",
+    "BamScalableSoftmax",
+    "register_bam_attention",
+]
