@@ -1,0 +1,61 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+
+FIXTURES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "official-bam"
+
+
+def tiny_config(**overrides):
+    from bam_llama import BamLlamaConfig
+
+    values = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        train_context_length=16,
+    )
+    values.update(overrides)
+    return BamLlamaConfig(**values)
+
+
+def randomize_prior(model, seed: int = 0) -> None:
+    """Give every prior / SSMax parameter distinct non-trivial values (negative beta, non-zero mu included)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            heads = parameter.numel()
+            if name.endswith("theta_alpha"):
+                parameter.copy_(torch.rand(heads, generator=generator) * 2 - 1.5)
+            elif name.endswith("theta_beta"):
+                parameter.copy_(torch.linspace(-0.5, 1.2, heads))
+            elif name.endswith("theta_mu"):
+                parameter.copy_(torch.rand(heads, generator=generator) - 0.5)
+            elif name.endswith("ssmax.scale"):
+                parameter.copy_(0.8 + 0.4 * torch.rand(heads, generator=generator))
+
+
+def tiny_model(attn_implementation: str = "eager", seed: int = 0, **overrides):
+    from bam_llama import BamLlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = BamLlamaForCausalLM(tiny_config(**overrides))
+    model.set_attn_implementation(attn_implementation)
+    randomize_prior(model, seed)
+    return model.eval()
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
+
+
+def pytest_configure(config):
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
