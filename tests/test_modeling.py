@@ -111,7 +111,8 @@ def test_eager_and_sdpa_agree_with_gradients(variant):
         torch.testing.assert_close(grads["eager"][name], grads["sdpa"][name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_triton_implementation_falls_back_off_gpu():
+def test_triton_implementation_falls_back_off_gpu(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU tensor without the interpreter: the SDPA path runs
     input_ids = torch.randint(0, 97, (2, 11))
     reference = logits(tiny_model("sdpa", ssmax=True), input_ids)
     fused = logits(tiny_model("bam_triton", ssmax=True), input_ids)
@@ -160,9 +161,11 @@ def test_cached_greedy_generate_equals_uncached(implementation):
     assert torch.equal(cached, static)
 
 
-@pytest.mark.parametrize("variant", ["plain", "ssmax"])
-def test_left_padded_batch_equals_rows_alone(variant):
-    model = tiny_model("sdpa", **VARIANTS[variant])
+@pytest.mark.parametrize(
+    "implementation, variant", [("sdpa", "plain"), ("sdpa", "ssmax"), ("eager", "ssmax"), ("bam_triton", "ssmax")]
+)
+def test_left_padded_batch_equals_rows_alone(implementation, variant):
+    model = tiny_model(implementation, **VARIANTS[variant])
     rows = [torch.randint(3, 97, (n,)) for n in (9, 5)]
     width = max(len(r) for r in rows)
     input_ids = torch.zeros(2, width, dtype=torch.long)
