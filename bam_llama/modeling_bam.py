@@ -10,6 +10,7 @@ is dispatched through Transformers' attention interface: "bam_eager" (materializ
 "bam_sdpa" (bias as a float mask) and "bam_triton" (fused kernels, never materializes the bias).
 """
 
+import inspect
 import math
 from collections.abc import Callable
 
@@ -235,14 +236,7 @@ def bam_boolean_mask(*args, **kwargs) -> torch.Tensor:
 
 
 def bam_key_padding_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int = 0,
-    kv_offset: int = 0,
-    mask_function: Callable | None = None,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs,
+    *, kv_length: int, kv_offset: int = 0, attention_mask: torch.Tensor | None = None, **kwargs
 ) -> torch.Tensor | None:
     """For the fused kernels: a (B, kv_length) key-validity mask, or None when nothing is padded.
 
@@ -514,12 +508,8 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
             position_ids = query_positions.unsqueeze(0)
         document_ids = self._packed_document_ids(inputs_embeds, attention_mask, position_ids, past_key_values)
 
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
+        causal_mask = _create_causal_mask(
+            self.config, inputs_embeds, attention_mask, past_key_values, position_ids, query_positions
         )
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
@@ -560,6 +550,19 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         if attention_mask is not None or past_key_values is not None:
             return None
         return find_packed_sequence_indices(position_ids.expand(inputs_embeds.shape[0], -1))
+
+
+_CAUSAL_MASK_PARAMETERS = inspect.signature(create_causal_mask).parameters
+
+
+def _create_causal_mask(config, inputs_embeds, attention_mask, past_key_values, position_ids, query_positions):
+    """`create_causal_mask` across Transformers 5.x: early releases name the embeddings `input_embeds` and
+    take `cache_position`; later ones read the query offset from the cache."""
+    kwargs = dict(config=config, attention_mask=attention_mask, past_key_values=past_key_values, position_ids=position_ids)
+    kwargs["inputs_embeds" if "inputs_embeds" in _CAUSAL_MASK_PARAMETERS else "input_embeds"] = inputs_embeds
+    if "cache_position" in _CAUSAL_MASK_PARAMETERS:
+        kwargs["cache_position"] = query_positions
+    return create_causal_mask(**kwargs)
 
 
 class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
