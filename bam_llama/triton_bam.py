@@ -678,7 +678,7 @@ class _Problem:
     positions: torch.Tensor  # (Lq,) int64
     qk_scale: torch.Tensor  # (B, H, Lq) float32: c_i * scaling
     bias_scale: torch.Tensor  # (B, H, Lq) float32: c_i (ssmax_prior) or 1
-    log_counts: Optional[torch.Tensor]  # (B or 1, Lq) float32 ln max(n_i, 1), with SSMax
+    counts: Optional[torch.Tensor]  # (B or 1, Lq) int64 visible keys n_i, with SSMax or when asked for
     key_valid: Optional[torch.Tensor]  # (B, Lk) uint8
     document_ids: Optional[torch.Tensor]  # (B, Lk) int32
     document_start: Optional[torch.Tensor]  # (B, Lk) int32: first key of the document of each key
@@ -714,18 +714,19 @@ def _document_bounds(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return document_start.to(torch.int32).contiguous(), document_end.to(torch.int32).contiguous()
 
 
-def _prepare_problem(query, key, query_positions, key_valid, document_ids, ssmax_scale, scaling, ssmax_prior):
+def _prepare_problem(query, key, query_positions, key_valid, document_ids, ssmax_scale, scaling, ssmax_prior,
+                     with_counts=False):
     batch, heads, q_len, head_dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     device = query.device
     positions = query_positions.to(device=device, dtype=torch.int64).contiguous()
 
+    counts = None
+    if ssmax_scale is not None or with_counts:
+        counts = visible_key_counts(positions, k_len, key_valid, document_ids)  # (B or 1, Lq)
     if ssmax_scale is None:
-        log_counts = None
         factor = torch.ones(1, 1, 1, device=device)  # (1, 1, 1)
     else:
-        counts = visible_key_counts(positions, k_len, key_valid, document_ids)  # (B or 1, Lq)
-        log_counts = counts.clamp(min=1).to(torch.float32).log()
         factor = ssmax_factor(counts, ssmax_scale.detach())[..., 0]  # (B or 1, H, Lq)
     qk_scale = (factor * scaling).expand(batch, heads, q_len).contiguous()
     bias_scale = (factor if ssmax_prior else torch.ones_like(factor)).expand(batch, heads, q_len).contiguous()
@@ -737,7 +738,7 @@ def _prepare_problem(query, key, query_positions, key_valid, document_ids, ssmax
         document_ids = document_ids.to(device=device, dtype=torch.int32).expand(batch, k_len).contiguous()
         document_start, document_end = _document_bounds(document_ids)
     return _Problem(
-        batch, heads, kv_heads, q_len, k_len, head_dim, positions, qk_scale, bias_scale, log_counts,
+        batch, heads, kv_heads, q_len, k_len, head_dim, positions, qk_scale, bias_scale, counts,
         key_valid, document_ids, document_start, document_end,
     )
 
@@ -847,7 +848,8 @@ def _attention_backward(grad_out, query, key, value, out, lse, theta_alpha, thet
                         key_valid, document_ids, ssmax_scale, scaling, formula, eps, ssmax_prior, prior_grads,
                         ssmax_grad):
     problem = _prepare_problem(query, key, query_positions, key_valid, document_ids, ssmax_scale, scaling,
-                               ssmax_prior)
+                               ssmax_prior,
+                               with_counts=prior_grads)
     tables = _prior_tables(theta_alpha, theta_beta, theta_mu, problem.k_len, formula, eps, prior_grads)
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # (B, H, Lq): sum_j P_ij dP_ij
     grad_q, grad_k, grad_v = (_new_output(torch.empty_like(tensor)) for tensor in (query, key, value))
@@ -885,12 +887,17 @@ def _attention_backward(grad_out, query, key, value, out, lse, theta_alpha, thet
 def _prior_gradients(row_grads: torch.Tensor, problem: _Problem, needed: bool) -> list[torch.Tensor]:
     """(H,) gradients of theta_alpha, theta_beta, theta_mu: the per-row partials summed over batch and queries.
 
-    d loss / d b_ij = dS_ij * c_i with ssmax_prior, dS_ij otherwise (c_i is BiasScale).
+    d loss / d b_ij = dS_ij * c_i with ssmax_prior, dS_ij otherwise (c_i is BiasScale). A row that sees a single
+    key has probability 1 whatever its score, so its gradients are exactly 0; but its dS is rounding noise
+    (dP - Delta summed in two orders), which a derivative table entry of eps ** beta ~ 1e10 (negative beta,
+    mu ~ 0, the first token of every sequence) would amplify. Those rows are left out.
     """
     if not needed:
         return [row_grads.new_zeros(problem.heads) for _ in range(3)]
     row_grads = row_grads.view(4, problem.batch, problem.heads, problem.q_len)
-    return [(row_grads[kind] * problem.bias_scale).sum(dim=(0, 2)) for kind in range(3)]
+    several_keys = (problem.counts > 1)[:, None, :]  # (B or 1, 1, Lq)
+    weights = torch.where(several_keys, problem.bias_scale, 0.0)  # (B, H, Lq)
+    return [(row_grads[kind] * weights).sum(dim=(0, 2)) for kind in range(3)]
 
 
 def _ssmax_gradient(row_grads: torch.Tensor, problem: _Problem, needed: bool) -> torch.Tensor:
@@ -898,7 +905,8 @@ def _ssmax_gradient(row_grads: torch.Tensor, problem: _Problem, needed: bool) ->
     if not needed:
         return row_grads.new_zeros(problem.heads)
     row_grads = row_grads.view(4, problem.batch, problem.heads, problem.q_len)
-    return (row_grads[3] * problem.log_counts[:, None, :]).sum(dim=(0, 2))
+    log_counts = problem.counts.clamp(min=1).to(torch.float32).log()  # (B or 1, Lq); 0 for single-key rows
+    return (row_grads[3] * log_counts[:, None, :]).sum(dim=(0, 2))
 
 
 def _new_output(tensor: torch.Tensor) -> torch.Tensor:
