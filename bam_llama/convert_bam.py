@@ -1,0 +1,1142 @@
+"""Convert checkpoints to and from BamLlama.
+
+    bam-convert reference RUN_DIR OUT_DIR      reference GGD-BAM run (model.pt + args.json) -> BamLlama folder
+    bam-convert llama LLAMA_DIR OUT_DIR        Hugging Face LlamaForCausalLM folder -> BamLlama folder (RoPE dropped)
+    bam-convert to-reference BAM_DIR OUT_DIR   BamLlama folder -> reference run (model.pt + args.json)
+
+Inputs are checked completely (keys, shapes, variant) before anything is written. Tensors are then streamed: the
+reference `model.pt` is memory-mapped, safetensors are read one shard at a time, and the output is written shard by
+shard. Everything goes to a hidden staging folder beside OUT_DIR that is renamed into place only once complete, so a
+failure leaves nothing behind and an existing OUT_DIR is replaced only with `force`.
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import LlamaConfig
+from transformers.activations import ACT2FN
+from transformers.dynamic_module_utils import custom_object_save
+
+from .configuration_bam import PRIOR_FORMULAS, PRIOR_SCOPES, BamLlamaConfig
+from .modeling_bam import REMOTE_CODE_AUTO_MAP, BamLlamaForCausalLM, BamPrior, BamScalableSoftmax
+
+
+VARIANTS = ("bam", "bam_ssmax")
+LLAMA_PRIOR_INITS = {
+    "uniform": dict(theta_alpha_init=0.0, theta_beta_init=0.0),  # bias -1 everywhere: no positional preference
+    "alibi": dict(theta_alpha_init="alibi", theta_beta_init=1.0),  # bias -slope_h * |j - i|: ALiBi
+}
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+MIN_MAX_POSITION_EMBEDDINGS = 1 << 20
+
+# Reference (Meta Llama layout) names -> BamLlama names.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
+REFERENCE_ATTENTION_WEIGHTS = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+}
+REFERENCE_FEED_FORWARD_WEIGHTS = {
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+# The prior parameters were renamed upstream; both generations store them as (1, H, 1, 1).
+PRIOR_NAME_GENERATIONS = {
+    "shape-scale-loc": {"shape": "theta_beta", "scale": "theta_alpha", "loc": "theta_mu"},
+    "theta": {"theta_beta": "theta_beta", "theta_alpha": "theta_alpha", "theta_mu": "theta_mu"},
+}
+PRIOR_TRAIN_FLAGS = {  # model_args flag per generation, for theta_beta, theta_alpha, theta_mu
+    "shape-scale-loc": ("train_shape", "train_scale", "train_loc"),
+    "theta": ("train_theta_beta", "train_theta_alpha", "train_theta_mu"),
+}
+REFERENCE_PRIOR_KEY = re.compile(r"(?:layers\.(\d+)\.attention\.)?prior\.(\w+)")
+ROTARY_BUFFER_KEY = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+class ConversionError(Exception):
+    """Bad input. The message names the file, key or setting at fault; nothing has been written."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# Output folder: staged beside OUT_DIR, renamed into place when complete
+# --------------------------------------------------------------------------------------------------------
+
+
+def check_output_dir(out_dir: Path, force: bool, inputs: Iterable[Path] = ()) -> None:
+    for source in inputs:
+        if out_dir == source or out_dir in source.parents:
+            raise ConversionError(f"the output folder {out_dir} would replace the input {source}")
+    if out_dir.exists() or out_dir.is_symlink():
+        if not force:
+            raise ConversionError(f"the output folder {out_dir} already exists; pass --force to replace it")
+
+
+@contextlib.contextmanager
+def staged_output_dir(out_dir: Path, force: bool, inputs: Iterable[Path] = ()) -> Iterator[Path]:
+    """Yield an empty folder beside `out_dir`; it becomes `out_dir` if the block succeeds and is deleted otherwise."""
+    inputs = tuple(inputs)
+    check_output_dir(out_dir, force, inputs)
+    created_parents = make_parents(out_dir.parent)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    try:
+        yield staging
+        check_output_dir(out_dir, force, inputs)
+        apply_umask_permissions(staging)
+        move_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for folder in reversed(created_parents):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
+def make_parents(folder: Path) -> list[Path]:
+    """Create `folder` and its missing parents; return the folders created, outermost first."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    created = []
+    for folder in reversed(missing):
+        folder.mkdir()
+        created.append(folder)
+    return created
+
+
+def apply_umask_permissions(folder: Path) -> None:
+    """mkdtemp (and safetensors) create private files; give the output the permissions of ordinary new files."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def move_into_place(staging: Path, out_dir: Path) -> None:
+    if not (out_dir.exists() or out_dir.is_symlink()):
+        os.replace(staging, out_dir)
+        return
+    trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
+    os.replace(out_dir, trash / out_dir.name)
+    os.replace(staging, out_dir)
+    shutil.rmtree(trash)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Safetensors: reading shard headers, writing shard by shard
+# --------------------------------------------------------------------------------------------------------
+
+
+def parse_size(size: str | int) -> int:
+    """'5GB', '500MB', '2GiB' or a number of bytes -> bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
+    if match is None or float(match.group(1)) <= 0:
+        raise ConversionError(f"cannot read the shard size {size!r}; write it like 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * units[match.group(2) or ""])
+
+
+class SafetensorsShardWriter:
+    """Writes named tensors into `model.safetensors`, or into numbered shards plus an index when they exceed
+    `max_shard_size`. Holds at most one shard of tensors at a time."""
+
+    def __init__(self, folder: Path, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE):
+        self.folder = folder
+        self.max_shard_bytes = parse_size(max_shard_size)
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_storages: set[int] = set()
+        self.pending_bytes = 0
+        self.shard_names: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
+            self.flush()
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in self.pending_storages:
+            tensor = tensor.clone()  # safetensors refuses tensors that share memory
+            storage = tensor.untyped_storage().data_ptr()
+        self.pending_storages.add(storage)
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        save_file(self.pending, self.folder / self._partial_name(len(self.shard_names)), metadata={"format": "pt"})
+        self.shard_names.append(list(self.pending))
+        self.pending, self.pending_storages, self.pending_bytes = {}, set(), 0
+
+    def finish(self) -> list[str]:
+        """Write the last shard, give the shards their final names and write the index; return the file names."""
+        self.flush()
+        if len(self.shard_names) == 1:
+            os.replace(self.folder / self._partial_name(0), self.folder / "model.safetensors")
+            return ["model.safetensors"]
+        count = len(self.shard_names)
+        files, weight_map = [], {}
+        for index, names in enumerate(self.shard_names):
+            file_name = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self.folder / self._partial_name(index), self.folder / file_name)
+            files.append(file_name)
+            weight_map.update(dict.fromkeys(names, file_name))
+        index_file = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2) + "\n")
+        return files + ["model.safetensors.index.json"]
+
+    @staticmethod
+    def _partial_name(index: int) -> str:
+        return f"shard-{index:05d}.safetensors.partial"
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files of a Transformers folder: the shards named by the index, or model.safetensors."""
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ConversionError(f"{index_path} has no readable weight_map ({error})") from None
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        missing = [path.name for path in files if not path.is_file()]
+        if missing:
+            raise ConversionError(f"missing shard files listed in {index_path}: {', '.join(missing)}")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    hint = " (only PyTorch .bin weights found: save them as safetensors first)" if any(folder.glob("*.bin")) else ""
+    raise ConversionError(f"missing weights: no model.safetensors or model.safetensors.index.json in {folder}{hint}")
+
+
+def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, read from the shard headers only."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as shard:
+                for name in shard.keys():
+                    if name in shapes:
+                        raise ConversionError(f"tensor {name!r} appears in more than one shard ({path.name} and another)")
+                    shapes[name] = tuple(shard.get_slice(name).get_shape())
+        except ConversionError:
+            raise
+        except Exception as error:
+            raise ConversionError(f"cannot read {path}: {error}") from None
+    return shapes
+
+
+def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors one at a time, opening one shard at a time."""
+    for path in files:
+        with safe_open(path, framework="pt") as shard:
+            for name in shard.keys():
+                yield name, shard.get_tensor(name)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Shared checks and writing helpers
+# --------------------------------------------------------------------------------------------------------
+
+
+def format_names(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def check_keys_and_shapes(found: Mapping[str, tuple], expected: Mapping[str, tuple], source: str, layout: str) -> None:
+    """Raise a ConversionError naming every unknown key, missing key and shape mismatch."""
+    unknown = [name for name in found if name not in expected]
+    missing = [name for name in expected if name not in found]
+    mismatched = [
+        f"{name} has shape {tuple(found[name])}, expected {tuple(expected[name])}"
+        for name in expected
+        if name in found and tuple(found[name]) != tuple(expected[name])
+    ]
+    problems = []
+    if unknown:
+        problems.append(f"unknown keys: {format_names(unknown)}")
+    if missing:
+        problems.append(f"missing keys: {format_names(missing)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {format_names(mismatched)}")
+    if problems:
+        raise ConversionError(f"{source} does not match {layout}:\n  " + "\n  ".join(problems))
+
+
+def is_per_head_parameter(bam_name: str) -> bool:
+    """Prior and SSMax parameters: (H,) in BamLlama, (1, H, 1, 1) in the reference code."""
+    return ".prior." in bam_name or bam_name.endswith(".ssmax.scale")
+
+
+def bam_parameter_shapes(config: BamLlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of every BamLlamaForCausalLM parameter for `config` (built on the meta device)."""
+    with torch.device("meta"):
+        model = BamLlamaForCausalLM(config)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def saved_parameter_shapes(config: BamLlamaConfig) -> dict[str, tuple[int, ...]]:
+    """As `bam_parameter_shapes`, without the output head when it is tied to the embedding (not saved)."""
+    shapes = bam_parameter_shapes(config)
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight")
+    return shapes
+
+
+def cast_weight(bam_name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """Cast to `dtype`, except the small prior / SSMax parameters, which keep their precision."""
+    if dtype is None or not tensor.is_floating_point() or is_per_head_parameter(bam_name):
+        return tensor
+    return tensor.to(dtype)
+
+
+def parse_dtype(name: str) -> torch.dtype | None:
+    if name not in DTYPES:
+        raise ConversionError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def save_config_and_code(config: BamLlamaConfig, folder: Path) -> None:
+    """config.json plus the modeling code, so the folder loads with trust_remote_code=True."""
+    config.architectures = ["BamLlamaForCausalLM"]
+    config.auto_map = dict(REMOTE_CODE_AUTO_MAP)
+    custom_object_save(BamLlamaForCausalLM, folder)  # modeling_bam.py and the modules it imports relatively
+    config.save_pretrained(folder)  # config.json and configuration_bam.py
+
+
+def tokenizer_files_at(path: Path) -> list[Path]:
+    """A tokenizer file, or the tokenizer files of a folder."""
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = [path / name for name in TOKENIZER_FILES if (path / name).is_file()]
+        if not files:
+            raise ConversionError(f"no tokenizer files in {path} (looked for {', '.join(TOKENIZER_FILES)})")
+        return files
+    raise ConversionError(f"the tokenizer path {path} does not exist")
+
+
+def copy_files(files: Iterable[Path], folder: Path) -> None:
+    for path in files:
+        shutil.copyfile(path, folder / path.name)
+
+
+def write_model_card(folder: Path, title: str, lines: list[str], base_model: str | None = None) -> None:
+    header = ["---", "library_name: transformers", "tags:", "- bam", "- ggd-bam"]
+    if base_model is not None:
+        header.append(f"base_model: {base_model}")
+    header.append("---")
+    usage = [
+        "Load it with `import bam_llama` and `AutoModelForCausalLM.from_pretrained(path)`, or without the package",
+        "with `trust_remote_code=True` (the modeling code is in this folder).",
+    ]
+    body = [f"# {title}", "", *lines, "", *usage]
+    (folder / "README.md").write_text("\n".join(header + [""] + body) + "\n")
+
+
+def quiet(*args, **kwargs) -> None:
+    pass
+
+
+# --------------------------------------------------------------------------------------------------------
+# Reference <-> BamLlama key table
+# --------------------------------------------------------------------------------------------------------
+
+
+def reference_key_table(config: BamLlamaConfig, prior_names: str = "shape-scale-loc") -> dict[str, str]:
+    """Reference state-dict name -> BamLlama name for every parameter, in the reference code's order."""
+    prior = PRIOR_NAME_GENERATIONS[prior_names]
+    table = {"tok_embeddings.weight": "model.embed_tokens.weight"}
+    for layer in range(config.num_hidden_layers):
+        reference, bam = f"layers.{layer}.", f"model.layers.{layer}."
+        if config.ssmax:
+            table[reference + "attention.seq_scale"] = bam + "self_attn.ssmax.scale"
+        for reference_name, bam_name in REFERENCE_ATTENTION_WEIGHTS.items():
+            table[reference + reference_name] = bam + bam_name
+        if config.prior_scope == "layer":
+            for reference_name, bam_name in prior.items():
+                table[f"{reference}attention.prior.{reference_name}"] = f"{bam}self_attn.prior.{bam_name}"
+        for reference_name, bam_name in REFERENCE_FEED_FORWARD_WEIGHTS.items():
+            table[reference + reference_name] = bam + bam_name
+    table["norm.weight"] = "model.norm.weight"
+    table["output.weight"] = "lm_head.weight"
+    if config.prior_scope == "global":
+        for reference_name, bam_name in prior.items():
+            table[f"prior.{reference_name}"] = f"model.prior.{bam_name}"
+    return table
+
+
+def checked_reference_key_table(config: BamLlamaConfig, prior_names: str) -> tuple[dict[str, str], dict[str, tuple]]:
+    """The key table and the BamLlama shapes, after checking the table still covers the model exactly."""
+    table = reference_key_table(config, prior_names)
+    shapes = bam_parameter_shapes(config)
+    if set(table.values()) != set(shapes):
+        drift = sorted(set(table.values()) ^ set(shapes))
+        raise RuntimeError(f"convert_bam's key table no longer matches BamLlamaForCausalLM: {format_names(drift)}")
+    return table, shapes
+
+
+def reference_shape(bam_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (1, shape[0], 1, 1) if is_per_head_parameter(bam_name) else shape
+
+
+def reference_ffn_hidden_size(model_args: dict) -> int:
+    """The reference FeedForward width: dim, times ffn_dim_multiplier when given, rounded up to multiple_of."""
+    hidden = model_args["dim"]
+    if model_args.get("ffn_dim_multiplier") is not None:
+        hidden = int(model_args["ffn_dim_multiplier"] * hidden)
+    multiple_of = model_args.get("multiple_of") or 1
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Reference run -> BamLlama
+# --------------------------------------------------------------------------------------------------------
+
+
+def read_run_args(run_dir: Path) -> dict:
+    """args.json of a reference run ({"args", "dataset_args", "model_args"}); `Infinity` is accepted."""
+    path = run_dir / "args.json"
+    if not path.is_file():
+        raise ConversionError(f"missing file {path} (the reference run's arguments, written beside model.pt)")
+    try:
+        run_args = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConversionError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(run_args, dict) or not isinstance(run_args.get("model_args"), dict):
+        raise ConversionError(f"{path} has no model_args section; the model cannot be rebuilt without it")
+    if not isinstance(run_args.get("args", {}), dict):
+        raise ConversionError(f"{path}: 'args' is not a JSON object")
+    for field in ("dim", "n_layers", "n_heads", "vocab_size"):
+        if not isinstance(run_args["model_args"].get(field), int):
+            raise ConversionError(f"{path}: model_args.{field} is missing or not an integer")
+    return run_args
+
+
+def load_reference_state_dict(run_dir: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """model.pt memory-mapped, with DDP / torch.compile prefixes stripped; also returns the prefixes found."""
+    path = run_dir / "model.pt"
+    if not path.is_file():
+        raise ConversionError(f"missing file {path} (the reference checkpoint)")
+    try:
+        state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception:  # files from the legacy (non-zip) serialization cannot be memory-mapped
+        try:
+            state_dict = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise ConversionError(f"cannot read {path} as a state_dict: {error}") from None
+    if not isinstance(state_dict, Mapping):
+        raise ConversionError(f"{path} holds a {type(state_dict).__name__}, not a state_dict")
+    not_tensors = [str(name) for name, value in state_dict.items() if not isinstance(value, torch.Tensor)]
+    if not_tensors:
+        raise ConversionError(f"{path} is not a plain state_dict; entries that are not tensors: {format_names(not_tensors)}")
+    return strip_wrapper_prefixes(state_dict, path)
+
+
+def strip_wrapper_prefixes(state_dict: Mapping[str, torch.Tensor], path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    stripped: dict[str, torch.Tensor] = {}
+    original_names: dict[str, str] = {}
+    prefixes_found: set[str] = set()
+    for original_name, tensor in state_dict.items():
+        name = original_name
+        while prefix := next((prefix for prefix in WRAPPER_PREFIXES if name.startswith(prefix)), None):
+            name = name[len(prefix) :]
+            prefixes_found.add(prefix)
+        if name in stripped:
+            raise ConversionError(
+                f"{path} holds both {original_names[name]!r} and {original_name!r}, the same parameter once the "
+                f"wrapper prefixes {WRAPPER_PREFIXES} are stripped"
+            )
+        stripped[name] = tensor
+        original_names[name] = original_name
+    return stripped, sorted(prefixes_found)
+
+
+def detect_prior_names(names: Iterable[str]) -> str:
+    """Which prior parameter-name generation the checkpoint uses: 'shape-scale-loc' or 'theta'."""
+    parameters = {match.group(2) for name in names if (match := REFERENCE_PRIOR_KEY.fullmatch(name))}
+    generations = [generation for generation, known in PRIOR_NAME_GENERATIONS.items() if parameters & known.keys()]
+    if not parameters:
+        raise ConversionError(
+            "model.pt has no positional-prior parameters (prior.shape/scale/loc, prior.theta_*, or "
+            "layers.N.attention.prior.*): it is not a GGD-BAM checkpoint"
+        )
+    if len(generations) > 1:
+        raise ConversionError(f"model.pt mixes the two prior parameter-name generations: {sorted(parameters)}")
+    if not generations:
+        raise ConversionError(
+            f"unknown prior parameter names {sorted(parameters)}; expected shape/scale/loc or theta_beta/theta_alpha/theta_mu"
+        )
+    return generations[0]
+
+
+def detect_prior_scope(names: Iterable[str], model_args: dict) -> str:
+    """'global' (prior.*) or 'layer' (layers.N.attention.prior.*), checked against global_positional_encoding."""
+    layers = {match.group(1) for name in names if (match := REFERENCE_PRIOR_KEY.fullmatch(name))}
+    if None in layers and len(layers) > 1:
+        raise ConversionError("model.pt has both a global prior (prior.*) and per-layer priors (layers.N.attention.prior.*)")
+    scope = "global" if None in layers else "layer"
+    declared = model_args.get("global_positional_encoding")
+    if declared is not None and bool(declared) != (scope == "global"):
+        found = "a global prior (prior.*)" if scope == "global" else "per-layer priors (layers.N.attention.prior.*)"
+        raise ConversionError(
+            f"args.json model_args.global_positional_encoding is {declared} but model.pt has {found}"
+        )
+    return scope
+
+
+def decide_variant(requested: str | None, run_args: dict, names: Iterable[str]) -> tuple[str, str]:
+    """The variant and where it came from: --variant and args.json must agree, and the seq_scale keys must fit."""
+    declared = {}
+    if requested is not None:
+        declared["--variant"] = requested
+    encoding = run_args.get("args", {}).get("position_encoding")
+    if encoding is not None:
+        declared["args.json args.position_encoding"] = encoding
+    for source, value in declared.items():
+        if value not in VARIANTS:
+            raise ConversionError(f"{source} is {value!r}, which is not a GGD-BAM variant ({' or '.join(VARIANTS)})")
+    has_ssmax = any(name.endswith("attention.seq_scale") for name in names)
+    if not declared:
+        likely = "bam_ssmax (model.pt has seq_scale keys)" if has_ssmax else "bam (model.pt has no seq_scale keys)"
+        raise ConversionError(
+            "cannot decide the variant: args.json has no args.position_encoding and --variant was not given; "
+            f"pass --variant (probably {likely})"
+        )
+    if len(set(declared.values())) > 1:
+        raise ConversionError("contradictory variants: " + ", ".join(f"{s} says {v!r}" for s, v in declared.items()))
+    source, variant = next(iter(declared.items()))
+    if has_ssmax != (variant == "bam_ssmax"):
+        keys = "has SSMax keys" if has_ssmax else "has no SSMax keys"
+        raise ConversionError(f"{source} says {variant!r} but model.pt {keys} (layers.N.attention.seq_scale)")
+    return variant, source
+
+
+def reference_train_context_length(run_args: dict) -> int | None:
+    """The training sequence length: args.sequence_length (newer runs set max_seq_len to 1.5x it), else max_seq_len."""
+    for value in (run_args.get("args", {}).get("sequence_length"), run_args["model_args"].get("max_seq_len")):
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def train_flag(model_args: dict, index: int, default: bool) -> bool:
+    """A prior parameter's train flag under either generation's name (index: 0 beta, 1 alpha, 2 mu)."""
+    for flags in PRIOR_TRAIN_FLAGS.values():
+        if model_args.get(flags[index]) is not None:
+            return bool(model_args[flags[index]])
+    return default
+
+
+def reference_config(run_args: dict, variant: str, prior_scope: str, formula: str) -> BamLlamaConfig:
+    """The BamLlamaConfig of a reference run, from args.json's model_args."""
+    model_args = run_args["model_args"]
+    heads = model_args["n_heads"]
+    values = dict(
+        vocab_size=model_args["vocab_size"],
+        hidden_size=model_args["dim"],
+        intermediate_size=reference_ffn_hidden_size(model_args),
+        num_hidden_layers=model_args["n_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=model_args.get("n_kv_heads") or heads,
+        rms_norm_eps=model_args.get("norm_eps", 1e-5),
+        tie_word_embeddings=False,
+        bos_token_id=1,  # Mistral v0.3 tokenizer
+        eos_token_id=2,
+        prior_scope=prior_scope,
+        prior_formula=formula,
+        train_theta_beta=train_flag(model_args, 0, default=True),
+        train_theta_alpha=train_flag(model_args, 1, default=True),
+        train_theta_mu=train_flag(model_args, 2, default=False),
+        ssmax=variant == "bam_ssmax",
+        ssmax_prior=bool(model_args.get("ssmax_prior", True)),
+        train_ssmax_scale=bool(model_args.get("seq_scale", True)),
+    )
+    train_context_length = reference_train_context_length(run_args)
+    if train_context_length is not None:
+        values["train_context_length"] = train_context_length
+        values["max_position_embeddings"] = max(MIN_MAX_POSITION_EMBEDDINGS, train_context_length)
+    try:
+        return BamLlamaConfig(**values)
+    except (ValueError, TypeError) as error:
+        raise ConversionError(f"args.json model_args describe an invalid model: {error}") from None
+
+
+def convert_reference_checkpoint(
+    run_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    formula: str | None = None,
+    variant: str | None = None,
+    dtype: str = "auto",
+    force: bool = False,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    verbose: bool = True,
+) -> Path:
+    """Convert a reference GGD-BAM run folder (model.pt + args.json) into a BamLlama folder.
+
+    Args:
+        formula: "current" (default) or "legacy" (the pre-May-2025 prior, scale inside the power). The weights
+            cannot tell them apart; the choice is recorded in `config.prior_formula` and `config.converted_from`.
+        variant: "bam" or "bam_ssmax"; must agree with args.json's position_encoding when both are given.
+        dtype: "auto" keeps the stored dtype; otherwise every weight but the prior / SSMax parameters is cast.
+    """
+    log = print if verbose else quiet
+    run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
+    tokenizer = Path(tokenizer).resolve() if tokenizer is not None else None
+    inputs = (run_dir,) if tokenizer is None else (run_dir, tokenizer)
+    check_output_dir(out_dir, force, inputs)
+    target_dtype = parse_dtype(dtype)
+    if formula is not None and formula not in PRIOR_FORMULAS:
+        raise ConversionError(f"unknown prior formula {formula!r}; expected one of {PRIOR_FORMULAS}")
+    if not run_dir.is_dir():
+        raise ConversionError(f"the reference run folder {run_dir} does not exist")
+
+    run_args = read_run_args(run_dir)
+    state_dict, prefixes = load_reference_state_dict(run_dir)
+    prior_names = detect_prior_names(state_dict)
+    prior_scope = detect_prior_scope(state_dict, run_args["model_args"])
+    variant, variant_source = decide_variant(variant, run_args, state_dict)
+    formula_source = "--formula" if formula is not None else "default: the reference code's formula since May 2025"
+    formula = formula or "current"
+    config = reference_config(run_args, variant, prior_scope, formula)
+    table, shapes = checked_reference_key_table(config, prior_names)
+    expected = {name: reference_shape(bam_name, shapes[bam_name]) for name, bam_name in table.items()}
+    found = {name: tuple(tensor.shape) for name, tensor in state_dict.items()}
+    check_keys_and_shapes(found, expected, f"{run_dir / 'model.pt'}", describe_reference_layout(config, prior_names))
+    tokenizer_files = tokenizer_files_at(tokenizer) if tokenizer is not None else []
+
+    weights_dtype = target_dtype or state_dict["tok_embeddings.weight"].dtype
+    config.dtype = dtype_name(weights_dtype)
+    config.converted_from = {
+        "format": "bam-reference",
+        "source": str(run_dir),
+        "variant": variant,
+        "variant_from": variant_source,
+        "prior_formula": formula,
+        "prior_formula_from": formula_source,
+        "prior_parameter_names": prior_names,
+        "stripped_prefixes": prefixes,
+        "run_args": run_args,
+    }
+    log(f"reference run {run_dir}")
+    log(f"  variant {variant} (from {variant_source}); {prior_scope} prior; parameter names {prior_names}")
+    log(f"  prior formula {formula} ({formula_source})")
+    if formula == "legacy" and prior_names == "theta":
+        log("  note: theta_* names come from upstream code newer than the legacy formula; check --formula")
+    if prefixes:
+        log(f"  stripped key prefixes: {', '.join(prefixes)}")
+    if config.num_key_value_heads != config.num_attention_heads:
+        log(f"  grouped-query attention: {config.num_key_value_heads} key/value heads for {config.num_attention_heads} heads")
+
+    with staged_output_dir(out_dir, force, inputs) as staging:
+        writer = SafetensorsShardWriter(staging, max_shard_size)
+        for reference_name, bam_name in table.items():
+            tensor = state_dict[reference_name]
+            if is_per_head_parameter(bam_name):
+                tensor = tensor.reshape(-1)
+            writer.add(bam_name, cast_weight(bam_name, tensor, target_dtype))
+        files = writer.finish()
+        save_config_and_code(config, staging)
+        copy_files(tokenizer_files, staging)
+        write_model_card(
+            staging,
+            f"BamLlama converted from the reference GGD-BAM run `{run_dir.name}`",
+            [
+                f"Converted by `bam-convert reference` from `{run_dir}`.",
+                "",
+                f"- variant: `{variant}` (from {variant_source})",
+                f"- prior: {prior_scope}, formula `{formula}` ({formula_source})",
+                f"- reference parameter names: {prior_names}",
+                f"- weights dtype: {config.dtype}",
+            ],
+        )
+    log(f"wrote {out_dir} ({', '.join(files)}{', tokenizer' if tokenizer_files else ''})")
+    return out_dir
+
+
+def describe_reference_layout(config: BamLlamaConfig, prior_names: str) -> str:
+    variant = "bam_ssmax" if config.ssmax else "bam"
+    return (
+        f"the reference {variant} layout with a {config.prior_scope} prior ({prior_names} names), "
+        f"{config.num_hidden_layers} layers, dim {config.hidden_size}, {config.num_attention_heads} heads, "
+        f"{config.num_key_value_heads} kv heads, FFN {config.intermediate_size}, vocab {config.vocab_size}"
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Hugging Face Llama -> BamLlama
+# --------------------------------------------------------------------------------------------------------
+
+
+def read_llama_config(llama_dir: Path) -> LlamaConfig:
+    path = llama_dir / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"missing file {path}")
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as error:
+        raise ConversionError(f"{path} is not a JSON config: {error}") from None
+    if model_type != "llama":
+        raise ConversionError(f"{path} has model_type {model_type!r}; only Llama checkpoints (model_type 'llama') are supported")
+    config = LlamaConfig.from_pretrained(llama_dir)
+    unsupported = []
+    if getattr(config, "attention_bias", False):
+        unsupported.append("attention_bias=True (BamLlama's attention projections have no bias)")
+    if getattr(config, "mlp_bias", False):
+        unsupported.append("mlp_bias=True (BamLlama's MLP projections have no bias)")
+    if config.hidden_act not in ACT2FN:
+        unsupported.append(f"hidden_act={config.hidden_act!r} (not a Transformers activation)")
+    if getattr(config, "quantization_config", None) is not None:
+        unsupported.append("quantization_config (quantized weights; convert the unquantized checkpoint)")
+    if unsupported:
+        raise ConversionError(f"{path}: unsupported Llama settings: " + "; ".join(unsupported))
+    return config
+
+
+def bam_config_from_llama(
+    llama: LlamaConfig,
+    prior: str,
+    ssmax: bool,
+    train_context_length: int | None,
+    prior_scope: str,
+    ssmax_scale_init: float,
+) -> BamLlamaConfig:
+    if prior not in LLAMA_PRIOR_INITS:
+        raise ConversionError(f"unknown prior initialisation {prior!r}; expected one of {', '.join(LLAMA_PRIOR_INITS)}")
+    if prior_scope not in PRIOR_SCOPES:
+        raise ConversionError(f"unknown prior scope {prior_scope!r}; expected one of {PRIOR_SCOPES}")
+    train_context_length = train_context_length or llama.max_position_embeddings
+    try:
+        return BamLlamaConfig(
+            vocab_size=llama.vocab_size,
+            hidden_size=llama.hidden_size,
+            intermediate_size=llama.intermediate_size,
+            num_hidden_layers=llama.num_hidden_layers,
+            num_attention_heads=llama.num_attention_heads,
+            num_key_value_heads=llama.num_key_value_heads,
+            head_dim=getattr(llama, "head_dim", None),
+            hidden_act=llama.hidden_act,
+            rms_norm_eps=llama.rms_norm_eps,
+            initializer_range=llama.initializer_range,
+            attention_dropout=llama.attention_dropout,
+            tie_word_embeddings=llama.tie_word_embeddings,
+            pad_token_id=llama.pad_token_id,
+            bos_token_id=llama.bos_token_id,
+            eos_token_id=llama.eos_token_id,
+            train_context_length=train_context_length,
+            max_position_embeddings=max(MIN_MAX_POSITION_EMBEDDINGS, train_context_length),
+            prior_scope=prior_scope,
+            ssmax=ssmax,
+            ssmax_scale_init=ssmax_scale_init,
+            **LLAMA_PRIOR_INITS[prior],
+        )
+    except (ValueError, TypeError) as error:
+        raise ConversionError(f"the Llama config gives an invalid BamLlama config: {error}") from None
+
+
+def initial_prior_state(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
+    """Freshly initialised prior (and SSMax) parameters by the schemes in `config`, under their BamLlama names."""
+    prior = BamPrior(config).state_dict()
+    state = {}
+    if config.prior_scope == "global":
+        state.update({f"model.prior.{name}": value for name, value in prior.items()})
+    for layer in range(config.num_hidden_layers):
+        if config.prior_scope == "layer":
+            state.update({f"model.layers.{layer}.self_attn.prior.{name}": value.clone() for name, value in prior.items()})
+        if config.ssmax:
+            state[f"model.layers.{layer}.self_attn.ssmax.scale"] = BamScalableSoftmax(config).scale.detach().clone()
+    return state
+
+
+def source_dtype(llama: LlamaConfig, files: list[Path]) -> torch.dtype:
+    dtype = getattr(llama, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    with safe_open(files[0], framework="pt") as shard:
+        return shard.get_tensor(next(iter(shard.keys()))).dtype
+
+
+def convert_llama_checkpoint(
+    llama_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    prior: str = "uniform",
+    ssmax: bool = False,
+    train_context_length: int | None = None,
+    prior_scope: str = "global",
+    ssmax_scale_init: float = 1.0,
+    base_model: str | None = None,
+    dtype: str = "auto",
+    force: bool = False,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    verbose: bool = True,
+) -> Path:
+    """Convert a Hugging Face LlamaForCausalLM folder into a BamLlama folder: same weights, RoPE dropped.
+
+    The result is a starting point for context-extension fine-tuning, not a drop-in replacement: without RoPE the
+    attention is no longer position-aware until the prior (and SSMax) are trained.
+
+    Args:
+        prior: "uniform" (theta 0: a constant bias, no positional preference) or "alibi" (theta_beta 1,
+            theta_alpha = log ALiBi slopes: exactly ALiBi).
+        ssmax: add Scalable Softmax with scale `ssmax_scale_init`.
+        train_context_length: recorded in the config; defaults to the Llama max_position_embeddings.
+        base_model: the source recorded in the config and model card (e.g. its Hub id); defaults to the folder.
+    """
+    log = print if verbose else quiet
+    llama_dir, out_dir = Path(llama_dir).resolve(), Path(out_dir).resolve()
+    check_output_dir(out_dir, force, (llama_dir,))
+    target_dtype = parse_dtype(dtype)
+    if not llama_dir.is_dir():
+        raise ConversionError(f"the Llama folder {llama_dir} does not exist")
+
+    llama = read_llama_config(llama_dir)
+    files = safetensors_files(llama_dir)
+    found = safetensors_shapes(files)
+    config = bam_config_from_llama(llama, prior, ssmax, train_context_length, prior_scope, ssmax_scale_init)
+    expected = {name: shape for name, shape in saved_parameter_shapes(config).items() if not is_per_head_parameter(name)}
+    dropped = [name for name in found if ROTARY_BUFFER_KEY.fullmatch(name)]
+    if config.tie_word_embeddings and "lm_head.weight" in found:
+        dropped.append("lm_head.weight")  # tied to the embedding, as Transformers loads it
+    kept = {name: shape for name, shape in found.items() if name not in dropped}
+    check_keys_and_shapes(kept, expected, f"the weights in {llama_dir}", "the Llama layout of its config.json")
+
+    base_model = base_model or str(llama_dir)
+    config.dtype = dtype_name(target_dtype or source_dtype(llama, files))
+    config.base_model = base_model
+    config.converted_from = {
+        "format": "llama",
+        "source": str(llama_dir),
+        "base_model": base_model,
+        "prior_init": prior,
+        "ssmax": ssmax,
+        "dropped": "RoPE" + (f" (rope_parameters {llama.rope_parameters})" if getattr(llama, "rope_parameters", None) else ""),
+    }
+    extra_files = [llama_dir / name for name in (*TOKENIZER_FILES, "generation_config.json") if (llama_dir / name).is_file()]
+    log(f"Llama model {llama_dir} ({len(files)} weight file{'s' if len(files) > 1 else ''})")
+    log(f"  RoPE dropped; prior {prior} ({prior_scope}); SSMax {'on' if ssmax else 'off'}; train_context_length {config.train_context_length}")
+    log("  note: without RoPE the model must be fine-tuned before use")
+
+    with staged_output_dir(out_dir, force, (llama_dir,)) as staging:
+        writer = SafetensorsShardWriter(staging, max_shard_size)
+        for name, tensor in iterate_safetensors(files):
+            if name not in dropped:
+                writer.add(name, cast_weight(name, tensor, target_dtype))
+        for name, tensor in initial_prior_state(config).items():
+            writer.add(name, tensor)
+        written = writer.finish()
+        save_config_and_code(config, staging)
+        copy_files(extra_files, staging)
+        write_model_card(
+            staging,
+            f"BamLlama converted from {base_model}",
+            [
+                f"Converted by `bam-convert llama` from `{base_model}`: the Llama weights unchanged, RoPE removed, a",
+                f"GGD-BAM positional prior added (initialised `{prior}`, {prior_scope})"
+                + (" and Scalable Softmax." if ssmax else "."),
+                "",
+                "It has not been trained with the prior yet: fine-tune it (e.g. for context extension) before use.",
+            ],
+            base_model=base_model if not Path(base_model).exists() else None,
+        )
+    log(f"wrote {out_dir} ({', '.join(written)}{', tokenizer' if extra_files else ''})")
+    return out_dir
+
+
+# --------------------------------------------------------------------------------------------------------
+# BamLlama -> reference run
+# --------------------------------------------------------------------------------------------------------
+
+
+def read_bam_config(bam_dir: Path) -> BamLlamaConfig:
+    path = bam_dir / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"missing file {path}")
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as error:
+        raise ConversionError(f"{path} is not a JSON config: {error}") from None
+    if model_type != BamLlamaConfig.model_type:
+        raise ConversionError(f"{path} has model_type {model_type!r}, not {BamLlamaConfig.model_type!r}")
+    try:
+        return BamLlamaConfig.from_pretrained(bam_dir)
+    except (ValueError, TypeError) as error:
+        raise ConversionError(f"{path} is not a valid BamLlama config: {error}") from None
+
+
+def check_reference_compatible(config: BamLlamaConfig) -> None:
+    problems = []
+    if config.head_dim * config.num_attention_heads != config.hidden_size:
+        problems.append(f"head_dim {config.head_dim} x {config.num_attention_heads} heads != hidden_size {config.hidden_size}")
+    if config.hidden_act != "silu":
+        problems.append(f"hidden_act {config.hidden_act!r} (the reference FeedForward is SwiGLU with silu)")
+    if problems:
+        raise ConversionError("the reference code cannot represent this model: " + "; ".join(problems))
+
+
+def ffn_dim_multiplier_for(hidden_size: int, intermediate_size: int) -> float:
+    """A multiplier m with int(m * hidden_size) == intermediate_size, as the reference FeedForward computes it."""
+    multiplier = intermediate_size / hidden_size
+    while int(multiplier * hidden_size) < intermediate_size:
+        multiplier = math.nextafter(multiplier, math.inf)
+    return multiplier
+
+
+def synthesized_model_args(config: BamLlamaConfig, prior_names: str) -> dict:
+    """model_args for the reference ModelArgs dataclass, from a BamLlama config."""
+    beta_flag, alpha_flag, mu_flag = PRIOR_TRAIN_FLAGS[prior_names]
+    model_args = {
+        "dim": config.hidden_size,
+        "n_layers": config.num_hidden_layers,
+        "n_heads": config.num_attention_heads,
+        "n_kv_heads": None if config.num_key_value_heads == config.num_attention_heads else config.num_key_value_heads,
+        "vocab_size": config.vocab_size,
+        "multiple_of": 1,
+        "ffn_dim_multiplier": ffn_dim_multiplier_for(config.hidden_size, config.intermediate_size),
+        "norm_eps": config.rms_norm_eps,
+        "max_seq_len": config.train_context_length,
+        beta_flag: config.train_theta_beta,
+        alpha_flag: config.train_theta_alpha,
+        mu_flag: config.train_theta_mu,
+        "global_positional_encoding": config.prior_scope == "global",
+    }
+    if config.ssmax:
+        model_args.update(seq_scale=config.train_ssmax_scale, ssmax_prior=config.ssmax_prior)
+    return model_args
+
+
+ARCHITECTURE_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "prior_scope", "ssmax", "ssmax_prior",
+)
+
+
+def recorded_run_args(config: BamLlamaConfig, prior_names: str) -> dict | None:
+    """The args.json recorded at conversion, if it still describes this model with these parameter names."""
+    recorded = getattr(config, "converted_from", None)
+    if not isinstance(recorded, dict) or recorded.get("format") != "bam-reference":
+        return None
+    if recorded.get("prior_parameter_names") != prior_names or not isinstance(recorded.get("run_args"), dict):
+        return None
+    run_args = recorded["run_args"]
+    variant = "bam_ssmax" if config.ssmax else "bam"
+    try:
+        rebuilt = reference_config(run_args, variant, config.prior_scope, config.prior_formula)
+    except (ConversionError, KeyError, TypeError):
+        return None
+    if run_args.get("args", {}).get("position_encoding", variant) != variant:
+        return None
+    if any(getattr(rebuilt, field) != getattr(config, field) for field in ARCHITECTURE_FIELDS):
+        return None
+    return run_args
+
+
+def reference_run_args(config: BamLlamaConfig, prior_names: str) -> tuple[dict, str]:
+    """args.json for the reference loader (it reads args.position_encoding and model_args), and its origin."""
+    recorded = recorded_run_args(config, prior_names)
+    if recorded is not None:
+        return recorded, "recorded at conversion"
+    args = {
+        "position_encoding": "bam_ssmax" if config.ssmax else "bam",
+        "sequence_length": config.train_context_length,
+        "global_prior": config.prior_scope == "global",
+    }
+    return {"args": args, "dataset_args": {}, "model_args": synthesized_model_args(config, prior_names)}, "synthesized"
+
+
+def convert_bam_to_reference(
+    bam_dir: str | os.PathLike,
+    out_run_dir: str | os.PathLike,
+    *,
+    prior_names: str = "shape-scale-loc",
+    force: bool = False,
+    verbose: bool = True,
+) -> Path:
+    """Write a BamLlama folder as a reference run (model.pt + args.json); reference -> BamLlama -> reference is exact.
+
+    Args:
+        prior_names: "shape-scale-loc" (the names of the reference code that produced the published checkpoints)
+            or "theta" (newer upstream code: theta_beta / theta_alpha / theta_mu).
+    """
+    log = print if verbose else quiet
+    bam_dir, out_run_dir = Path(bam_dir).resolve(), Path(out_run_dir).resolve()
+    check_output_dir(out_run_dir, force, (bam_dir,))
+    if prior_names not in PRIOR_NAME_GENERATIONS:
+        raise ConversionError(f"unknown prior names {prior_names!r}; expected one of {', '.join(PRIOR_NAME_GENERATIONS)}")
+    if not bam_dir.is_dir():
+        raise ConversionError(f"the BamLlama folder {bam_dir} does not exist")
+
+    config = read_bam_config(bam_dir)
+    check_reference_compatible(config)
+    files = safetensors_files(bam_dir)
+    table, _ = checked_reference_key_table(config, prior_names)
+    check_keys_and_shapes(safetensors_shapes(files), saved_parameter_shapes(config), f"the weights in {bam_dir}", "its config.json")
+    run_args, args_origin = reference_run_args(config, prior_names)
+
+    log(f"BamLlama model {bam_dir} -> reference {'bam_ssmax' if config.ssmax else 'bam'} run, parameter names {prior_names}")
+    log(f"  args.json {args_origin}")
+    if config.prior_formula == "legacy":
+        log("  note: this model uses the legacy prior formula; the reference training code since May 2025 uses the current one")
+    if config.tie_word_embeddings:
+        log("  note: tied embeddings are written as separate tok_embeddings and output weights")
+
+    tensors = dict(iterate_safetensors(files))  # torch.save needs the whole state_dict at once
+    state_dict = {}
+    for reference_name, bam_name in table.items():
+        tensor = tensors[bam_name] if bam_name in tensors else tensors["model.embed_tokens.weight"]  # tied head
+        state_dict[reference_name] = tensor.reshape(1, -1, 1, 1) if is_per_head_parameter(bam_name) else tensor
+    with staged_output_dir(out_run_dir, force, (bam_dir,)) as staging:
+        torch.save(state_dict, staging / "model.pt")
+        (staging / "args.json").write_text(json.dumps(run_args, indent=4))
+    log(f"wrote {out_run_dir} (model.pt, args.json)")
+    return out_run_dir
+
+
+# --------------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------------
+
+
+def add_output_options(parser: argparse.ArgumentParser, with_dtype: bool = True) -> None:
+    parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    if with_dtype:
+        parser.add_argument(
+            "--dtype", choices=list(DTYPES), default="auto",
+            help="weights dtype (default: auto, keep the stored one); prior and SSMax parameters keep theirs",
+        )
+        parser.add_argument(
+            "--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
+            help=f"largest safetensors shard, e.g. 2GB (default {DEFAULT_MAX_SHARD_SIZE})",
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bam-convert",
+        description="Convert reference GGD-BAM runs and Hugging Face Llama models to BamLlama, and back.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    reference = commands.add_parser(
+        "reference", help="reference run (model.pt + args.json) -> BamLlama folder",
+        description="Convert a reference GGD-BAM run folder (model.pt + args.json) into a BamLlama folder.",
+    )
+    reference.add_argument("run_dir", metavar="RUN_DIR", help="folder with model.pt and args.json")
+    reference.add_argument("out_dir", metavar="OUT_DIR", help="BamLlama folder to create")
+    reference.add_argument("--tokenizer", metavar="PATH", help="tokenizer folder or file to copy into OUT_DIR")
+    reference.add_argument(
+        "--formula", choices=PRIOR_FORMULAS,
+        help="prior formula the run was trained with: current (default; reference code since May 2025) or legacy "
+        "(scale inside the power, older runs); the weights cannot tell",
+    )
+    reference.add_argument("--variant", choices=VARIANTS, help="needed when args.json has no args.position_encoding")
+    add_output_options(reference)
+
+    llama = commands.add_parser(
+        "llama", help="Hugging Face LlamaForCausalLM folder -> BamLlama folder (RoPE dropped)",
+        description="Convert a LlamaForCausalLM folder (config.json + safetensors) into a BamLlama folder: same "
+        "weights, RoPE dropped, a GGD prior added. Fine-tune the result before use.",
+    )
+    llama.add_argument("llama_dir", metavar="LLAMA_DIR", help="folder with config.json and safetensors weights")
+    llama.add_argument("out_dir", metavar="OUT_DIR", help="BamLlama folder to create")
+    llama.add_argument(
+        "--prior", choices=list(LLAMA_PRIOR_INITS), default="uniform",
+        help="prior initialisation: uniform (theta 0, no positional preference; default) or alibi (beta 1, ALiBi slopes)",
+    )
+    llama.add_argument("--prior-scope", choices=PRIOR_SCOPES, default="global", help="one prior for all layers (default) or one per layer")
+    llama.add_argument("--ssmax", action="store_true", help="add Scalable Softmax")
+    llama.add_argument("--ssmax-scale-init", type=float, default=1.0, metavar="S", help="initial SSMax scale (default 1)")
+    llama.add_argument("--train-context-length", type=int, metavar="N", help="default: the Llama max_position_embeddings")
+    llama.add_argument("--base-model", metavar="NAME", help="source recorded in the config and model card, e.g. its Hub id")
+    add_output_options(llama)
+
+    to_reference = commands.add_parser(
+        "to-reference", help="BamLlama folder -> reference run (model.pt + args.json)",
+        description="Write a BamLlama folder as a reference GGD-BAM run folder (model.pt + args.json).",
+    )
+    to_reference.add_argument("bam_dir", metavar="BAM_DIR", help="BamLlama folder")
+    to_reference.add_argument("out_dir", metavar="OUT_RUN_DIR", help="reference run folder to create")
+    to_reference.add_argument(
+        "--prior-names", choices=list(PRIOR_NAME_GENERATIONS), default="shape-scale-loc",
+        help="prior parameter names: shape-scale-loc (default, the published reference code) or theta (newer upstream)",
+    )
+    add_output_options(to_reference, with_dtype=False)
+    return parser
+
+
+def run_command(args: argparse.Namespace) -> Path:
+    if args.command == "reference":
+        return convert_reference_checkpoint(
+            args.run_dir, args.out_dir, tokenizer=args.tokenizer, formula=args.formula, variant=args.variant,
+            dtype=args.dtype, force=args.force, max_shard_size=args.max_shard_size,
+        )
+    if args.command == "llama":
+        return convert_llama_checkpoint(
+            args.llama_dir, args.out_dir, prior=args.prior, ssmax=args.ssmax,
+            train_context_length=args.train_context_length, prior_scope=args.prior_scope,
+            ssmax_scale_init=args.ssmax_scale_init, base_model=args.base_model, dtype=args.dtype, force=args.force,
+            max_shard_size=args.max_shard_size,
+        )
+    return convert_bam_to_reference(args.bam_dir, args.out_dir, prior_names=args.prior_names, force=args.force)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run_command(args)
+    except ConversionError as error:
+        print(f"bam-convert: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = [
+    "ConversionError",
+    "convert_bam_to_reference",
+    "convert_llama_checkpoint",
+    "convert_reference_checkpoint",
+    "main",
+    "reference_key_table",
+]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
