@@ -231,23 +231,277 @@ def evaluate_passkey(
 
 
 # --------------------------------------------------------------------------------------------------------
+# Perplexity by position
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PerplexityResults:
+    context_lengths: list[int]
+    window: int
+    perplexity: list[float]  # over all positions, per context length
+    window_perplexity: list[list[float]]  # [context length][w]: targets at positions [w * window, (w + 1) * window)
+    num_sequences: list[int]
+
+    def window_ends(self, context_length: int) -> list[int]:
+        """The last position (exclusive) of each window of a context length."""
+        return [min(start + self.window, context_length) for start in range(0, context_length, self.window)]
+
+    def to_markdown(self, per_window: bool = False) -> str:
+        """A table `context length | sequences | perplexity | last-window perplexity`; with `per_window`, a second
+        table of perplexity by position (rows) and context length (columns)."""
+        lines = [
+            "| Context length | Sequences | Perplexity | Perplexity of the last window |",
+            "|---|---|---|---|",
+        ]
+        for length, count, overall, windows in zip(
+            self.context_lengths, self.num_sequences, self.perplexity, self.window_perplexity
+        ):
+            lines.append(f"| {length} | {count} | {overall:.3f} | {windows[-1]:.3f} |")
+        if per_window:
+            lines += ["", "| Positions | " + " | ".join(str(length) for length in self.context_lengths) + " |"]
+            lines.append("|---|" + "---|" * len(self.context_lengths))
+            for index, end in enumerate(self.window_ends(max(self.context_lengths))):
+                start = index * self.window
+                cells = [f"{windows[index]:.3f}" if index < len(windows) else "" for windows in self.window_perplexity]
+                lines.append(f"| {start}-{end} | " + " | ".join(cells) + " |")
+        return "\n".join(lines) + "\n"
+
+    def save_plot(self, path, title: str = "Perplexity by position", train_length: int | None = None) -> None:
+        """Perplexity of each window against its end position, one line per context length (log y)."""
+        from matplotlib.figure import Figure
+
+        figure = Figure(figsize=(7, 4.5))
+        axes = figure.subplots()
+        for length, windows in zip(self.context_lengths, self.window_perplexity):
+            axes.plot(self.window_ends(length), windows, marker="o", markersize=3, label=f"context {length}")
+        if train_length is not None:
+            axes.axvline(train_length, color="gray", linestyle="--", label=f"training length {train_length}")
+        axes.set_yscale("log")
+        axes.set_xlabel(f"position (end of each {self.window}-token window)")
+        axes.set_ylabel("perplexity")
+        axes.set_title(title)
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend()
+        _save_figure(figure, path)
+
+    def to_dict(self) -> dict:
+        return {"kind": "perplexity", **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "PerplexityResults":
+        names = {"context_lengths", "window", "perplexity", "window_perplexity", "num_sequences"}
+        return cls(**{name: value for name, value in values.items() if name in names})
+
+
+def token_stream(tokenizer, text_or_token_ids) -> torch.Tensor:
+    """One long 1D stream of token ids from a text, a list of texts (documents run together, as in the reference
+    '10B' set) or token ids."""
+    if isinstance(text_or_token_ids, torch.Tensor):
+        return text_or_token_ids.flatten().long().cpu()
+    if isinstance(text_or_token_ids, str):
+        text_or_token_ids = [text_or_token_ids]
+    items = list(text_or_token_ids)
+    if items and isinstance(items[0], str):
+        if tokenizer is None:
+            raise ValueError("a tokenizer is needed to evaluate perplexity on text")
+        return torch.tensor([token for text in items for token in _encode(tokenizer, text)], dtype=torch.long)
+    return torch.tensor(items, dtype=torch.long)
+
+
+def token_losses(model, sequence: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Per-token cross-entropy (L,) of a (1, L + 1) sequence, run through one cache `chunk_size` tokens at a time."""
+    inputs, targets = sequence[:, :-1], sequence[:, 1:]
+    cache = DynamicCache(config=model.config)
+    losses = []
+    for start in range(0, inputs.shape[1], chunk_size):
+        logits = model(input_ids=inputs[:, start : start + chunk_size], past_key_values=cache, use_cache=True).logits
+        chunk_targets = targets[0, start : start + chunk_size]
+        losses.append(torch.nn.functional.cross_entropy(logits[0].float(), chunk_targets, reduction="none"))
+    return torch.cat(losses)
+
+
+def evaluate_perplexity(
+    model,
+    tokenizer,
+    text_or_token_ids,
+    context_lengths,
+    window: int = 1024,
+    chunk_size: int = 1024,
+    max_sequences: int | None = 8,
+    add_bos: bool = False,
+    progress: bool = True,
+) -> PerplexityResults:
+    """Perplexity by position for each context length L, as in the reference: the stream is cut into
+    non-overlapping sequences of L + 1 tokens (at most `max_sequences`), each goes through one chunked KV-cache
+    forward, and the per-token losses are averaged over sequences within windows of `window` positions.
+
+    With `add_bos`, each sequence is the tokenizer's BOS followed by L tokens of the stream.
+    """
+    from tqdm.auto import tqdm
+
+    stream = token_stream(tokenizer, text_or_token_ids)
+    bos = [tokenizer.bos_token_id] if add_bos and tokenizer is not None and tokenizer.bos_token_id is not None else []
+    device = model_device(model)
+    model.eval()
+    results = PerplexityResults(
+        context_lengths=[int(length) for length in context_lengths], window=window,
+        perplexity=[], window_perplexity=[], num_sequences=[],
+    )
+    with torch.inference_mode():
+        for length in results.context_lengths:
+            sequences = _cut_sequences(stream, length + 1 - len(bos), max_sequences)
+            loss_sum = torch.zeros(length, dtype=torch.float64)
+            for sequence in tqdm(sequences, desc=f"perplexity @ {length}", disable=not progress):
+                sequence = torch.tensor([bos + sequence.tolist()], device=device)
+                loss_sum += token_losses(model, sequence, chunk_size).double().cpu()
+            mean_loss = loss_sum / len(sequences)
+            window_losses = [chunk.mean().item() for chunk in mean_loss.split(window)]
+            results.perplexity.append(float(torch.exp(mean_loss.mean())))
+            results.window_perplexity.append([float(torch.exp(torch.tensor(loss))) for loss in window_losses])
+            results.num_sequences.append(len(sequences))
+    return results
+
+
+def _cut_sequences(stream: torch.Tensor, size: int, max_sequences: int | None) -> list[torch.Tensor]:
+    count = stream.numel() // size
+    if count == 0:
+        raise ValueError(f"the evaluation data has {stream.numel()} tokens; a sequence needs {size}")
+    if max_sequences is not None:
+        count = min(count, max_sequences)
+    return list(stream[: count * size].view(count, size))
+
+
+def load_text_documents(name_or_path, config_name=None, split="test", text_column="text", max_documents=None):
+    """Texts from a local plain-text file (one document), a folder saved with `Dataset.save_to_disk`, or anything
+    `datasets.load_dataset` reads (a Hub name or a local data folder; streamed, so only `max_documents` documents
+    are read)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return [path.read_text(encoding="utf-8")]
+    import datasets
+
+    if path.is_dir() and (path / "state.json").exists():
+        rows = datasets.load_from_disk(str(path))
+        rows = rows[split] if isinstance(rows, datasets.DatasetDict) else rows
+    else:
+        rows = datasets.load_dataset(str(name_or_path), config_name, split=split, streaming=True)
+    documents = []
+    for row in rows:
+        if max_documents is not None and len(documents) >= max_documents:
+            break
+        documents.append(row[text_column])
+    return documents
+
+
+# --------------------------------------------------------------------------------------------------------
+# The learned prior
+# --------------------------------------------------------------------------------------------------------
+
+
+def find_priors(model) -> list[tuple[str, torch.nn.Module]]:
+    """(label, module) for every GGD prior of a model: the shared one, or one per layer. Duck-typed, so models
+    loaded with trust_remote_code (whose classes are not bam_llama's) work too."""
+    priors = [
+        (name, module)
+        for name, module in model.named_modules()
+        if name.endswith("prior") and all(hasattr(module, f"theta_{part}") for part in ("alpha", "beta", "mu"))
+    ]
+    if not priors:
+        raise ValueError(f"{type(model).__name__} has no GGD-BAM prior to plot")
+    return priors
+
+
+def prior_curves(prior, max_distance: int) -> torch.Tensor:
+    """(H, max_distance + 1) prior b_h at causal distances i - j = 0 .. max_distance."""
+    from .attention_bam import ggd_bias
+
+    distance = -torch.arange(max_distance + 1, dtype=torch.float32, device=prior.theta_alpha.device)
+    formula, eps = getattr(prior, "formula", "current"), getattr(prior, "eps", 1e-5)
+    with torch.no_grad():
+        return ggd_bias(distance, prior.theta_alpha, prior.theta_beta, prior.theta_mu, formula, eps).cpu()
+
+
+def plot_prior(model_or_path, path, max_distance: int = 1024, layer: int | None = None) -> None:
+    """Each head's prior b_h over distance (one line per head, legend with its parameters), one subplot per
+    prior: the shared prior, every layer's, or only `layer`'s."""
+    from matplotlib.figure import Figure
+
+    from .attention_bam import prior_offset
+
+    model = model_or_path
+    if isinstance(model_or_path, (str, Path)):
+        model = load_model(model_or_path, device="cpu")
+    priors = _select_priors(find_priors(model), layer)
+    columns = min(len(priors), 3)
+    rows = -(-len(priors) // columns)
+    figure = Figure(figsize=(6.5 * columns, 4.5 * rows))
+    for axes, (label, prior) in zip(figure.subplots(rows, columns, squeeze=False).flat, priors):
+        curves = prior_curves(prior, max_distance)
+        mu = prior_offset(prior.theta_mu.detach().float()).cpu()
+        for head, curve in enumerate(curves):
+            alpha, beta = prior.theta_alpha[head].item(), prior.theta_beta[head].item()
+            axes.plot(curve, label=f"head {head}: θα={alpha:.2f} θβ={beta:.2f} μ={mu[head]:.2f}")
+        axes.set_ylim(*_prior_ylim(curves))
+        axes.set_xlabel("distance i - j (tokens)")
+        axes.set_ylabel("prior b_h")
+        axes.set_title(label)
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize="x-small", ncol=2 if len(curves) > 8 else 1)
+    for axes in list(figure.axes)[len(priors) :]:
+        axes.set_visible(False)
+    _save_figure(figure, path)
+
+
+def _select_priors(priors, layer):
+    labelled = [(_prior_label(name), prior) for name, prior in priors]
+    if layer is None:
+        return labelled
+    if len(labelled) == 1 and "layers" not in priors[0][0]:
+        return labelled  # one prior shared by every layer
+    wanted = [(label, prior) for (name, _), (label, prior) in zip(priors, labelled) if f"layers.{layer}." in name]
+    if not wanted:
+        raise ValueError(f"no prior for layer {layer}; the model has {len(priors)} layer priors")
+    return wanted
+
+
+def _prior_label(module_name: str) -> str:
+    parts = module_name.split(".")
+    if "layers" in parts:
+        return f"layer {parts[parts.index('layers') + 1]}"
+    return "prior shared by all layers"
+
+
+def _prior_ylim(curves: torch.Tensor) -> tuple[float, float]:
+    """Scale the axis to distances >= 1: with a negative beta, distance 0 is far below the rest and would flatten
+    every curve (it is drawn off the chart)."""
+    visible = curves[:, 1:] if curves.shape[1] > 1 else curves
+    low, high = visible.min().item(), max(visible.max().item(), 0.0)
+    margin = 0.05 * (high - low) or 1.0
+    return low - margin, high + margin
+
+
+# --------------------------------------------------------------------------------------------------------
 # Loading and plotting helpers
 # --------------------------------------------------------------------------------------------------------
 
 
-def load_model_and_tokenizer(path, tokenizer=None, device=None, dtype=None, attn_implementation=None):
-    """A causal LM from a folder or Hub id (BamLlama or any other), on `device` (default: CUDA if available).
-
-    The tokenizer comes from `tokenizer` (an object or a path) when given, else from `path`; when `path` has
-    none, the built-in byte tokenizer is used and a note is printed.
-    """
+def load_model(path, device=None, dtype=None, attn_implementation=None):
+    """A causal LM from a folder or Hub id (BamLlama or any other), in eval mode on `device` (default: CUDA if
+    available)."""
     import bam_llama  # noqa: F401  (registers bam_llama with the Auto classes)
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     kwargs = {"dtype": _parse_dtype(dtype)}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
+
+
+def load_model_and_tokenizer(path, tokenizer=None, device=None, dtype=None, attn_implementation=None):
+    """`load_model(path, ...)` and its tokenizer: `tokenizer` (an object or a path) when given, else the one saved
+    in `path`; when `path` has none, the built-in byte tokenizer, with a note on stderr."""
+    model = load_model(path, device, dtype, attn_implementation)
     return model, _load_tokenizer(path, tokenizer, model.config)
 
 
@@ -283,3 +537,159 @@ def _save_figure(figure, path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------------
+
+
+def parse_lengths(values: list[str]) -> list[int]:
+    """`["256,512", "1k"]` -> `[256, 512, 1024]`: lists may be comma or space separated, `k` means 1024."""
+    lengths = []
+    for value in values:
+        for item in filter(None, value.split(",")):
+            item = item.strip().lower()
+            lengths.append(int(item[:-1]) * 1024 if item.endswith("k") else int(item))
+    return lengths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bam-eval", description="Long-context evaluation of BamLlama or any causal LM."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    passkey = commands.add_parser(
+        "passkey", help="passkey retrieval accuracy by prompt length and depth",
+        description="Passkey retrieval as in the GGD-BAM paper: for every length, keys hidden at --depths depths "
+        "uniformly spaced from the start to the end of the filler; accuracy of the greedy answer.",
+    )
+    _add_model_arguments(passkey)
+    passkey.add_argument("--lengths", nargs="+", default=["256,512,1024,2048,4096"],
+                         help="requested prompt lengths in tokens, e.g. 512,1k,2k (default: %(default)s)")
+    passkey.add_argument("--depths", type=int, default=20, help="depths per length (default: %(default)s)")
+    passkey.add_argument("--digits", type=int, default=5, help="digits of the passkey (default: %(default)s)")
+    passkey.add_argument("--seed", type=int, default=0, help="seed of the random passkeys (default: %(default)s)")
+    passkey.add_argument("--per-depth", action="store_true", help="print one column per depth")
+    passkey.set_defaults(run=run_passkey)
+
+    perplexity = commands.add_parser(
+        "perplexity", help="perplexity by position for several context lengths",
+        description="Perplexity by position as in the GGD-BAM reference: non-overlapping sequences of each context "
+        "length, one chunked KV-cache forward each, losses averaged in windows of --window positions.",
+    )
+    _add_model_arguments(perplexity)
+    data = perplexity.add_mutually_exclusive_group(required=True)
+    data.add_argument("--data", help="a local text file")
+    data.add_argument("--dataset", help="a datasets name or local path (load_dataset / save_to_disk folder)")
+    perplexity.add_argument("--dataset-config", help="the dataset's configuration name, e.g. 20231101.en")
+    perplexity.add_argument("--split", default="test", help="dataset split (default: %(default)s)")
+    perplexity.add_argument("--text-column", default="text", help="dataset column with text (default: %(default)s)")
+    perplexity.add_argument("--max-documents", type=int, default=1000,
+                            help="documents read from the dataset (default: %(default)s)")
+    perplexity.add_argument("--lengths", nargs="+", default=["1024,4096"],
+                            help="context lengths in tokens, e.g. 1k,4k,16k (default: %(default)s)")
+    perplexity.add_argument("--window", type=int, default=1024, help="positions per window (default: %(default)s)")
+    perplexity.add_argument("--max-sequences", type=int, default=8,
+                            help="sequences per context length (default: %(default)s)")
+    perplexity.set_defaults(run=run_perplexity)
+
+    prior = commands.add_parser(
+        "prior", help="plot each head's learned prior over distance",
+        description="Plot each head's GGD prior b_h over distance (the paper's Figure 1 style) from a BamLlama folder.",
+    )
+    prior.add_argument("model", help="BamLlama folder or Hub id")
+    prior.add_argument("--out", default="prior.png", help="PNG file, or a folder to write prior.png in")
+    prior.add_argument("--max-distance", type=int, default=1024, help="largest distance (default: %(default)s)")
+    prior.add_argument("--layer", type=int, help="plot only this layer's prior (per-layer priors)")
+    prior.set_defaults(run=run_prior)
+    return parser
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model folder or Hub id (BamLlama or any causal LM)")
+    parser.add_argument("--tokenizer", help="tokenizer folder or Hub id (default: the model's, else the byte tokenizer)")
+    parser.add_argument("--chunk-size", type=int, default=1024, help="prompt tokens per forward (default: %(default)s)")
+    parser.add_argument("--add-bos", action="store_true", help="start every sequence with the tokenizer's BOS")
+    parser.add_argument("--device", help="e.g. cuda, cuda:1, cpu (default: CUDA if available)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype")
+    parser.add_argument("--attn-implementation", help="e.g. bam_sdpa, bam_triton, sdpa (default: the model's)")
+    parser.add_argument("--out", help="folder for the table (.md), results (.json) and plot (.png)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _load_for_cli(args):
+    return load_model_and_tokenizer(
+        args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
+        attn_implementation=args.attn_implementation,
+    )
+
+
+def run_passkey(args) -> None:
+    model, tokenizer = _load_for_cli(args)
+    results = evaluate_passkey(
+        model, tokenizer, parse_lengths(args.lengths), num_depths=args.depths, num_digits=args.digits,
+        seed=args.seed, chunk_size=args.chunk_size, progress=not args.quiet, add_bos=args.add_bos,
+    )
+    table = results.to_markdown(per_depth=args.per_depth)
+    print(table)
+    print(f"Overall accuracy: {100 * results.mean_accuracy():.1f}%")
+    if args.out:
+        _write_outputs(args.out, "passkey", table, results.to_dict(), results.save_heatmap)
+
+
+def run_perplexity(args) -> None:
+    model, tokenizer = _load_for_cli(args)
+    if args.data:
+        documents = [Path(args.data).read_text(encoding="utf-8")]
+    else:
+        documents = load_text_documents(
+            args.dataset, args.dataset_config, args.split, args.text_column, args.max_documents
+        )
+    results = evaluate_perplexity(
+        model, tokenizer, documents, parse_lengths(args.lengths), window=args.window, chunk_size=args.chunk_size,
+        max_sequences=args.max_sequences, add_bos=args.add_bos, progress=not args.quiet,
+    )
+    table = results.to_markdown(per_window=True)
+    print(table)
+    if args.out:
+        train_length = getattr(model.config, "train_context_length", None)
+        _write_outputs(
+            args.out, "perplexity", table, results.to_dict(), lambda path: results.save_plot(path, train_length=train_length)
+        )
+
+
+def run_prior(args) -> None:
+    path = Path(args.out)
+    if path.suffix.lower() != ".png":
+        path = path / "prior.png"
+    plot_prior(args.model, path, max_distance=args.max_distance, layer=args.layer)
+    print(f"Wrote {path}")
+
+
+def _write_outputs(folder, name: str, table: str, results: dict, save_png) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.md").write_text(table, encoding="utf-8")
+    (folder / f"{name}.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+    save_png(folder / f"{name}.png")
+    print(f"Wrote {folder / name}.md, .json and .png")
+
+
+def load_results(path) -> "PasskeyResults | PerplexityResults":
+    """Results saved by `bam-eval ... --out` (their `kind` says which)."""
+    values = json.loads(Path(path).read_text(encoding="utf-8"))
+    kinds = {"passkey": PasskeyResults, "perplexity": PerplexityResults}
+    if values.get("kind") not in kinds:
+        raise ValueError(f"{path} is not a bam-eval results file (kind={values.get('kind')!r})")
+    return kinds[values["kind"]].from_dict(values)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,6 @@
+import json
 import re
+import subprocess
 
 import pytest
 import torch
@@ -7,13 +9,22 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
 from bam_llama import evaluation_bam
+from bam_llama.attention_bam import ggd_bias
 from bam_llama.evaluation_bam import (
     PasskeyResults,
     PasskeyTemplate,
+    PerplexityResults,
     build_passkey_prompt,
     evaluate_passkey,
+    evaluate_perplexity,
+    find_priors,
     load_model_and_tokenizer,
+    load_results,
+    main,
+    parse_lengths,
+    plot_prior,
     prefill,
+    prior_curves,
 )
 from bam_llama.tokenization_bam import build_byte_tokenizer
 
@@ -198,14 +209,176 @@ def test_results_table_and_round_trip():
     assert PasskeyResults.from_dict(results.to_dict()) == results
 
 
-def test_heatmap_is_a_png_of_the_grid(tmp_path):
+def assert_png(path):
     from PIL import Image
 
-    path = tmp_path / "plots" / "passkey.png"
-    sample_results().save_heatmap(path)
     with Image.open(path) as image:
         image.verify()
-        assert image.format == "PNG" and image.size[0] > 100
+        assert image.format == "PNG" and image.size[0] > 100 and image.size[1] > 100
+
+
+def test_heatmap_is_a_png(tmp_path):
+    path = tmp_path / "plots" / "passkey.png"
+    sample_results().save_heatmap(path)
+    assert_png(path)
+
+
+# ---------------------------------------------------------------------------------------------- perplexity
+
+
+TEXT = (
+    "Bayesian attention adds a prior over positions to every attention logit. "
+    "A generalized Gaussian prior lets each head choose its own shape, local or long range. "
+) * 6
+
+
+def direct_token_losses(model, ids):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), use_cache=False).logits[0]
+    return torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]), reduction="none")
+
+
+@pytest.mark.parametrize("make_model", [tiny_bam, tiny_llama], ids=["bam", "llama"])
+def test_perplexity_matches_one_full_forward(tokenizer, make_model):
+    model = make_model()
+    ids = encode(tokenizer, TEXT)[:201]
+    results = evaluate_perplexity(model, tokenizer, TEXT, [200], window=64, chunk_size=29, max_sequences=1,
+                                  progress=False)
+    losses = direct_token_losses(model, ids)
+    assert results.num_sequences == [1]
+    assert results.perplexity[0] == pytest.approx(losses.mean().exp().item(), rel=1e-4)
+    expected_windows = [chunk.mean().exp().item() for chunk in losses.split(64)]
+    assert results.window_perplexity[0] == pytest.approx(expected_windows, rel=1e-4)
+    assert results.window_ends(200) == [64, 128, 192, 200]
+
+
+def test_perplexity_averages_windows_over_sequences(tokenizer):
+    model = tiny_bam()
+    ids = encode(tokenizer, TEXT)
+    results = evaluate_perplexity(model, tokenizer, ids, [40, 100], window=20, chunk_size=16, max_sequences=3,
+                                  progress=False)
+    assert results.num_sequences == [3, 3]
+    losses = torch.stack([direct_token_losses(model, ids[start : start + 41]) for start in (0, 41, 82)]).mean(0)
+    assert results.window_perplexity[0] == pytest.approx([chunk.mean().exp().item() for chunk in losses.split(20)],
+                                                         rel=1e-4)
+    assert all(torch.isfinite(torch.tensor(row)).all() for row in results.window_perplexity)
+
+
+def test_perplexity_needs_enough_tokens(tokenizer):
+    with pytest.raises(ValueError, match="needs 1001"):
+        evaluate_perplexity(tiny_bam(), tokenizer, "too short", [1000], progress=False)
+
+
+def test_perplexity_table_plot_and_round_trip(tmp_path):
+    results = PerplexityResults(
+        context_lengths=[100, 250], window=100, perplexity=[12.5, 20.25],
+        window_perplexity=[[12.5], [11.0, 19.0, 40.5]], num_sequences=[4, 2],
+    )
+    table = results.to_markdown(per_window=True)
+    assert "| 250 | 2 | 20.250 | 40.500 |" in table
+    assert "| 200-250 |  | 40.500 |" in table
+    results.save_plot(tmp_path / "perplexity.png", train_length=128)
+    assert_png(tmp_path / "perplexity.png")
+    assert PerplexityResults.from_dict(json.loads(json.dumps(results.to_dict()))) == results
+
+
+# ---------------------------------------------------------------------------------------------- prior
+
+
+def test_prior_curves_follow_the_model_prior():
+    model = tiny_bam()
+    prior = model.model.prior
+    curves = prior_curves(prior, max_distance=50)
+    distances = -torch.arange(51, dtype=torch.float32)  # keys 50..0 for a query at 50
+    expected = ggd_bias(distances, prior.theta_alpha, prior.theta_beta, prior.theta_mu)
+    torch.testing.assert_close(curves, expected)
+    from_model = prior.bias(torch.tensor([50]), 51)[0, :, 0].flip(-1)
+    torch.testing.assert_close(curves, from_model)
+
+
+def test_prior_plot_for_shared_and_per_layer_priors(tmp_path):
+    shared, per_layer = tiny_bam(), tiny_bam(prior_scope="layer")
+    assert [name for name, _ in find_priors(shared)] == ["model.prior"]
+    assert len(find_priors(per_layer)) == 2
+    plot_prior(shared, tmp_path / "shared.png", max_distance=100)
+    plot_prior(per_layer, tmp_path / "layers.png", max_distance=100)
+    plot_prior(per_layer, tmp_path / "layer1.png", max_distance=100, layer=1)
+    for name in ("shared", "layers", "layer1"):
+        assert_png(tmp_path / f"{name}.png")
+    with pytest.raises(ValueError, match="no prior for layer 5"):
+        plot_prior(per_layer, tmp_path / "none.png", layer=5)
+
+
+def test_prior_plot_refuses_a_model_without_prior(tmp_path):
+    with pytest.raises(ValueError, match="no GGD-BAM prior"):
+        plot_prior(tiny_llama(), tmp_path / "llama.png")
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def test_parse_lengths():
+    assert parse_lengths(["256,512", "1k", "2K,"]) == [256, 512, 1024, 2048]
+
+
+@pytest.mark.parametrize("command", ["passkey", "perplexity", "prior"])
+def test_subcommand_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"bam-eval {command}" in capsys.readouterr().out
+
+
+def test_console_script_help():
+    completed = subprocess.run(["bam-eval", "--help"], capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 0 and "passkey" in completed.stdout
+
+
+@pytest.fixture
+def saved_model(tmp_path, tokenizer):
+    folder = tmp_path / "model"
+    tiny_bam().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_passkey_command_writes_table_results_and_heatmap(saved_model, tmp_path, capsys):
+    out = tmp_path / "passkey"
+    main(["passkey", str(saved_model), "--lengths", "300,400", "--depths", "3", "--chunk-size", "64",
+          "--device", "cpu", "--quiet", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "| Length | Prompt tokens | Accuracy (%) |" in printed
+    results = load_results(out / "passkey.json")
+    assert isinstance(results, PasskeyResults) and results.lengths == [300, 400] and len(results.depths) == 3
+    assert (out / "passkey.md").read_text() in printed
+    assert_png(out / "passkey.png")
+
+
+def test_perplexity_command_on_a_text_file(saved_model, tmp_path, tokenizer, capsys):
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    out = tmp_path / "perplexity"
+    main(["perplexity", str(saved_model), "--data", str(data), "--lengths", "100,200", "--window", "50",
+          "--device", "cpu", "--quiet", "--out", str(out)])
+    results = load_results(out / "perplexity.json")
+    tokens = len(encode(tokenizer, TEXT))
+    assert results.context_lengths == [100, 200]
+    assert results.num_sequences == [min(tokens // 101, 8), min(tokens // 201, 8)]
+    assert "| Context length |" in capsys.readouterr().out
+    assert_png(out / "perplexity.png")
+
+
+def test_perplexity_data_from_a_saved_dataset(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": [TEXT[:300], TEXT[300:]]}).save_to_disk(str(tmp_path / "dataset"))
+    documents = evaluation_bam.load_text_documents(tmp_path / "dataset", split="train", max_documents=1)
+    assert documents == [TEXT[:300]]
+
+
+def test_prior_command(saved_model, tmp_path):
+    main(["prior", str(saved_model), "--out", str(tmp_path / "plots"), "--max-distance", "64"])
+    assert_png(tmp_path / "plots" / "prior.png")
 
 
 # ---------------------------------------------------------------------------------------------- loading
