@@ -33,14 +33,17 @@ analytically (exp2/log2 with a clamped exponent) instead of building an O(H * Lk
 Assumptions: query_positions are strictly increasing and < Lk (as `cache_position` is), and documents are
 contiguous runs of equal ids. Both only bound the loops; the masks use the exact positions and ids.
 
-CPU testing: with TRITON_INTERPRET=1 the kernels run in Triton's interpreter. The choice between interpreter
-and compiler is made at call time (see `_activate_kernels`), so the variable may be set after this module
-was imported.
+CPU testing: with TRITON_INTERPRET=1 the kernels run in Triton's interpreter. Triton fixes that choice when it
+is imported, so this module imports it on first use (`_import_triton`) and reads the variable at call time:
+it may be set after this module was imported, as long as nothing else imported triton before.
 """
 
+from __future__ import annotations  # kernel signatures say `tl.constexpr` before triton is imported
+
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -48,21 +51,24 @@ import torch
 from .attention_bam import ggd_bias, ssmax_factor, visible_key_counts
 
 
-try:
-    import triton
-    import triton.language as tl
-
-    TRITON_AVAILABLE = True
-except ImportError:  # CPU-only installs: the module imports, `triton_usable` is False
-    triton = None
-    tl = SimpleNamespace(constexpr=lambda value=None: value)  # lets the kernel definitions below parse
-    TRITON_AVAILABLE = False
+def _triton_installed() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # e.g. sys.modules["triton"] = None
+        return False
 
 
-LOG2E = tl.constexpr(1.4426950408889634)
-# Largest exponent fed to exp2 in the analytic prior, and the matching bound on prior table entries: keeps
-# |x| ** beta finite for any beta (a negative beta at distance ~0 gives eps ** beta, large but finite).
-MAX_EXP2_ARGUMENT = tl.constexpr(100.0)
+TRITON_AVAILABLE = _triton_installed()
+# `triton` and `triton.language as tl` are imported on first use (`_import_triton`), not here: Triton decides
+# between its interpreter and its compiler when it is imported, so importing this module (with the package)
+# must not fix that choice before a test sets TRITON_INTERPRET=1.
+triton = None
+tl = None
+
+# Constants the kernels read as globals (made `tl.constexpr` on import). MAX_EXP2_ARGUMENT bounds the exponent
+# of the analytic prior and PRIOR_LIMIT the prior tables, so |x| ** beta stays finite for any beta (a negative
+# beta at distance ~0 gives eps ** beta, large but finite).
+KERNEL_CONSTANTS = {"LOG2E": 1.4426950408889634, "MAX_EXP2_ARGUMENT": 100.0}
 PRIOR_LIMIT = 2.0**100
 
 FORMULAS = ("current", "legacy")
@@ -73,6 +79,14 @@ DECODE_MAX_ROWS = 64  # ...when (query heads per kv head) x queries fits one til
 def triton_usable(tensor: torch.Tensor) -> bool:
     """Whether the fused kernels can run on `tensor`: triton is installed and it is on a GPU or interpreted."""
     return TRITON_AVAILABLE and (tensor.is_cuda or _interpreting())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _interpreting() -> bool:
@@ -101,13 +115,42 @@ def _activate_kernels() -> dict:
     device functions it calls among this module's globals. Wrapping lazily, and swapping the globals when the
     setting changes, lets a process import this module before it sets TRITON_INTERPRET=1.
     """
+    _import_triton()
     interpret = _interpreting()
+    if interpret and not _interpreter_ready():
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 was set after triton was imported: triton.language's own reductions (tl.max, "
+            "tl.sum) were then wrapped for the compiler and the interpreter cannot run them. Set it before the "
+            "first `import triton` in the process."
+        )
     if interpret not in _JITTED:
         _JITTED[interpret] = {name: triton.jit(fn) for name, fn in _TRITON_FUNCTIONS.items()}
-    if _ACTIVE_MODE[0] != interpret:
+    if _ACTIVE_MODE[0] != interpret:  # kernels find their device functions among this module's globals
         globals().update(_JITTED[interpret])
         _ACTIVE_MODE[0] = interpret
     return _JITTED[interpret]
+
+
+def _import_triton() -> None:
+    global triton, tl
+    if triton is None:
+        if not TRITON_AVAILABLE:
+            raise RuntimeError("the fused GGD-BAM kernels need the `triton` package, which is not installed")
+        import triton
+        import triton.language as tl
+
+        globals().update({name: tl.constexpr(value) for name, value in KERNEL_CONSTANTS.items()})
+
+
+def _interpreter_ready() -> bool:
+    """Whether triton is (or will be) imported in interpreter mode: TRITON_INTERPRET=1 must be set before the
+    first `import triton`, since triton.language's own reductions (tl.max, tl.sum) are wrapped on import."""
+    if "triton.language" not in sys.modules:
+        return _interpreting()
+    import triton.language
+    import triton.runtime
+
+    return not isinstance(triton.language.max, triton.runtime.JITFunction)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -635,14 +678,14 @@ def _attention_kernel(kind: str, grid_rows: int, grid_programs: int, block_rows:
     kernels = _activate_kernels()
     if _interpreting():
         meta = INTERPRETER_BLOCKS[kind]
-        return kernels[KERNEL_NAMES[kind]], (triton.cdiv(grid_rows, meta[block_rows]), grid_programs), meta
+        return kernels[KERNEL_NAMES[kind]], (_cdiv(grid_rows, meta[block_rows]), grid_programs), meta
     if kind not in _AUTOTUNED:
         configs = [
             triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
             for m, n, warps, stages in CUDA_CONFIGS[kind]
         ]
         _AUTOTUNED[kind] = triton.autotune(configs=configs, key=AUTOTUNE_KEY)(kernels[KERNEL_NAMES[kind]])
-    return _AUTOTUNED[kind], lambda meta: (triton.cdiv(grid_rows, meta[block_rows]), grid_programs), {}
+    return _AUTOTUNED[kind], lambda meta: (_cdiv(grid_rows, meta[block_rows]), grid_programs), {}
 
 
 def _decode_block_n(block_d: int) -> int:
@@ -656,8 +699,8 @@ def _auto_num_splits(batch_kv_heads: int, k_len: int, block_n: int, device: torc
     if device.type != "cuda":
         return 1
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(2 * sm_count, batch_kv_heads)
-    return max(1, min(wanted, triton.cdiv(k_len, 4 * block_n), 256))
+    wanted = _cdiv(2 * sm_count, batch_kv_heads)
+    return max(1, min(wanted, _cdiv(k_len, 4 * block_n), 256))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -690,11 +733,11 @@ class _Problem:
 
     @property
     def block_d(self) -> int:
-        return max(16, triton.next_power_of_2(self.head_dim))
+        return max(16, _next_power_of_2(self.head_dim))
 
     @property
     def length_bucket(self) -> int:
-        return triton.next_power_of_2(max(self.q_len, self.k_len))
+        return _next_power_of_2(max(self.q_len, self.k_len))
 
     def dummy(self) -> torch.Tensor:
         """Stands for absent optional tensors; kernels never read it (a constexpr flag is off)."""
@@ -796,7 +839,7 @@ def _split_kv_forward(query, key, value, problem: _Problem, theta_alpha, theta_b
     rows_per_group = problem.group_size * problem.q_len
     if num_splits is None:
         num_splits = _auto_num_splits(problem.batch * problem.kv_heads, problem.k_len, block_n, query.device)
-    keys_per_split = triton.cdiv(triton.cdiv(problem.k_len, num_splits), block_n) * block_n
+    keys_per_split = _cdiv(_cdiv(problem.k_len, num_splits), block_n) * block_n
     num_rows = problem.batch * problem.heads * problem.q_len
     out_partial = _new_output(query.new_empty(num_splits, num_rows, problem.head_dim, dtype=torch.float32))
     lse_partial = _new_output(query.new_empty(num_splits, num_rows, dtype=torch.float32))
@@ -808,14 +851,14 @@ def _split_kv_forward(query, key, value, problem: _Problem, theta_alpha, theta_b
         theta_mu.detach().float().contiguous(), _or(problem.key_valid, problem), _or(problem.document_ids, problem),
         *query.stride(), *key.stride(), *value.stride(),
         problem.heads, problem.group_size, problem.q_len, problem.k_len, keys_per_split, num_rows, eps,
-        HEAD_DIM=problem.head_dim, BLOCK_M=max(16, triton.next_power_of_2(rows_per_group)), BLOCK_N=block_n,
+        HEAD_DIM=problem.head_dim, BLOCK_M=max(16, _next_power_of_2(rows_per_group)), BLOCK_N=block_n,
         BLOCK_D=problem.block_d, HAS_KEY_VALID=problem.key_valid is not None,
         HAS_DOCS=problem.document_ids is not None, LEGACY=formula == "legacy", **_dot_options(query), **launch,
     )
     kernels["_decode_combine_kernel"][(num_rows,)](
         out_partial, lse_partial, out, lse, *out.stride(),
         num_splits, problem.heads, problem.q_len, num_rows,
-        HEAD_DIM=problem.head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=problem.block_d,
+        HEAD_DIM=problem.head_dim, BLOCK_S=max(2, _next_power_of_2(num_splits)), BLOCK_D=problem.block_d,
     )
 
 

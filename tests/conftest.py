@@ -1,8 +1,29 @@
+import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 import torch
+
+
+def _import_triton_for_the_interpreter():
+    """Triton chooses between its interpreter and its compiler when it is first imported, and other libraries
+    (peft, torch.compile) may import it before tests/test_triton_kernels.py runs. Without a GPU, import it
+    here in interpreter mode, then unset the variable: triton_bam reads it at call time, so only the kernel
+    tests (which set it per test) run the interpreter."""
+    if torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        return
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton.language  # noqa: F401
+
+    if previous is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = previous
+
+
+_import_triton_for_the_interpreter()
 
 
 FIXTURES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "official-bam"
