@@ -1,0 +1,85 @@
+"""The embedded demo: its data, its baselines, and a --quick end-to-end run (the numbers of a quick run mean nothing)."""
+
+import json
+import random
+import subprocess
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from bam_llama import BamLlamaForCausalLM
+from bam_llama.demo import (
+    DEMO_TEMPLATE,
+    IGNORE_INDEX,
+    DataConfig,
+    ModelSize,
+    build_model,
+    main,
+    training_batch,
+)
+from bam_llama.evaluation_bam import PasskeyResults
+from bam_llama.tokenization_bam import build_byte_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_byte_tokenizer()
+
+
+def test_training_batch_fits_the_training_length_and_trains_only_on_the_answer(tokenizer):
+    data = DataConfig(train_length=96)
+    batch = training_batch(random.Random(0), tokenizer, DEMO_TEMPLATE, data, batch_size=16)
+    assert batch["input_ids"].shape[1] <= data.train_length
+    for input_ids, labels in zip(batch["input_ids"], batch["labels"]):
+        answer = tokenizer.decode(labels[labels != IGNORE_INDEX])
+        text = tokenizer.decode(input_ids, skip_special_tokens=True)
+        passkey = answer.strip()
+        assert len(passkey) == data.num_digits and passkey.isdigit()
+        assert DEMO_TEMPLATE.info.format(passkey=passkey) in text
+        assert text.rstrip().endswith(DEMO_TEMPLATE.question + answer)
+
+
+def test_baselines_share_the_recipe(tokenizer):
+    size = ModelSize(hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+    rope, alibi, bam = (build_model(name, size, train_length=64) for name in ("rope", "alibi", "bam"))
+    assert type(rope) is LlamaForCausalLM and isinstance(bam, BamLlamaForCausalLM)
+    assert sum(p.numel() for p in rope.parameters()) == sum(
+        p.numel() for name, p in bam.named_parameters() if "prior" not in name and "ssmax" not in name
+    )
+    trainable = {name for name, p in alibi.named_parameters() if p.requires_grad}
+    assert not any("theta" in name for name in trainable)
+    betas = [p for name, p in alibi.named_parameters() if name.endswith("theta_beta")]
+    assert betas and all(torch.all(beta == 1.0) for beta in betas)
+    assert {name for name, p in bam.named_parameters() if p.requires_grad and "theta" in name}
+    with pytest.raises(ValueError, match="unknown model"):
+        build_model("gpt", size, train_length=64)
+
+
+def test_quick_run_writes_table_plots_and_a_loadable_model(tmp_path, tokenizer, capsys):
+    results = main(["--quick", "--models", "bam,rope,alibi", "--output-dir", str(tmp_path)])
+
+    assert set(results) == {"bam", "rope", "alibi"}
+    assert all(isinstance(result, PasskeyResults) for result in results.values())
+    printed = capsys.readouterr().out
+    assert "| BAM (GGD prior) |" in printed and "| RoPE (Llama) |" in printed
+    assert (tmp_path / "results.md").read_text().strip() in printed
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert PasskeyResults.from_dict(saved["bam"]).lengths == results["bam"].lengths
+    for png in ["passkey-bam.png", "passkey-rope.png", "passkey-alibi.png", "prior.png"]:
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "bam-model")
+    input_ids = torch.tensor([tokenizer("The pass key is")["input_ids"]])
+    assert isinstance(model, BamLlamaForCausalLM)
+    assert torch.isfinite(model(input_ids).logits).all()
+
+
+def test_console_script_help():
+    completed = subprocess.run(["bam-demo", "--help"], capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 0 and "--quick" in completed.stdout
+
+
+def test_unknown_model_is_refused():
+    with pytest.raises(SystemExit):
+        main(["--models", "bam,gpt"])
