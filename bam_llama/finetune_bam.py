@@ -1,0 +1,743 @@
+"""Context-extension fine-tuning of a BamLlama model with `transformers.Trainer` (the `bam-finetune` command).
+
+The paper extends a trained BAM model's context with a short fine-tune at a longer length (e.g. 256 steps at 1024
+after pretraining at 512). This module runs that on the user's data:
+
+* data: a `.txt` file (documents separated by blank lines), a `.jsonl` file (one JSON object per line, text in
+  `--text-field`), a `.json` / `.csv` / `.parquet` file, a folder of `.txt` / `.jsonl` files, a folder written by
+  `datasets.save_to_disk`, or a `datasets` name on the Hub;
+* packing: documents are tokenized (`<s> ... </s>`) and packed into rows of the target length; `position_ids`
+  restart at 0 for every document and there is no `attention_mask`, so the model masks attention per document;
+  the first token of each document and padding carry label -100;
+* LoRA on q/k/v/o (optionally the MLP) through PEFT, with the prior (and SSMax scale) trained in full through
+  `modules_to_save`, or full fine-tuning; the prior has its own learning rate and no weight decay;
+* gradient checkpointing, bf16 where the GPU has it, checkpoints and resume, DDP under `torchrun` /
+  `accelerate launch` (gloo on CPU).
+
+Output folder: `checkpoint-N/` (Trainer), `adapter/` (LoRA) or `model/` (full fine-tuning), `merged/` (LoRA merged
+into a plain BamLlama folder, with `--merge`) and `summary.json`. Final folders are written to a temporary folder
+and renamed into place, so a crash never leaves a half-written one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoTokenizer, Trainer, TrainingArguments, set_seed
+from transformers.trainer_utils import get_last_checkpoint
+
+from .configuration_bam import BamLlamaConfig
+from .convert_bam import staged_output_dir
+from .modeling_bam import BamLlamaForCausalLM, BamPrior, BamScalableSoftmax
+from .tokenization_bam import build_byte_tokenizer
+
+
+logger = logging.getLogger(__name__)
+
+LORA_ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+LORA_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+TEXT_SUFFIXES = (".txt", ".jsonl")
+DATASETS_FILE_BUILDERS = {".json": "json", ".csv": "csv", ".parquet": "parquet"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# Parameters of the prior and SSMax modules, also inside PEFT's `modules_to_save` wrappers.
+PRIOR_PARAMETER = re.compile(r"(^|\.)(prior|ssmax)\.(.+\.)?(theta_alpha|theta_beta|theta_mu|scale)$")
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass
+class FinetuneArguments:
+    """What `bam-finetune` needs; the CLI flags are these names with dashes."""
+
+    model: str
+    data: str
+    output_dir: str
+    context_length: int
+    text_field: str = "text"
+    dataset_config: str | None = None
+    dataset_split: str = "train"
+    eval_rows: int = 8
+    lora: bool = True
+    lora_mlp: bool = False
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    learning_rate: float | None = None
+    prior_learning_rate: float = 1e-2
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_scheduler_type: str = "cosine"
+    max_steps: int = 256
+    num_train_epochs: float = 1.0
+    per_device_train_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False
+    bf16: bool | None = None
+    attn_implementation: str | None = None
+    save_steps: int = 64
+    save_total_limit: int | None = 2
+    resume_from_checkpoint: str | None = None
+    merge: bool = False
+    logging_steps: int = 8
+    seed: int = 42
+    disable_progress_bars: bool = False
+
+    @property
+    def resolved_learning_rate(self) -> float:
+        if self.learning_rate is not None:
+            return self.learning_rate
+        return 2e-4 if self.lora else 2e-5
+
+
+@dataclasses.dataclass
+class FinetuneSummary:
+    model: str
+    data: str
+    output_dir: str
+    mode: str
+    train_context_length_before: int
+    context_length: int
+    documents: int
+    train_rows: int
+    eval_rows: int
+    eval_split: str
+    steps: int
+    resumed_from_step: int
+    tokens_seen: int
+    train_loss: float | None
+    loss_before: float
+    loss_after: float
+    world_size: int
+    runtime_seconds: float
+    final_dir: str
+    merged_dir: str | None
+    trainable_parameters: int
+    prior_before: dict[str, dict[str, list[float]]]
+    prior_after: dict[str, dict[str, list[float]]]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    def format_table(self) -> str:
+        rows = [
+            ("mode", self.mode),
+            ("steps", f"{self.steps}" + (f" (resumed from {self.resumed_from_step})" if self.resumed_from_step else "")),
+            ("tokens seen", f"{self.tokens_seen:,}"),
+            ("context length", f"{self.train_context_length_before} -> {self.context_length}"),
+            ("documents / rows", f"{self.documents} documents, {self.train_rows} train + {self.eval_rows} eval rows"),
+            (f"loss ({self.eval_split} rows)", f"{self.loss_before:.4f} -> {self.loss_after:.4f}"),
+            ("train loss", "-" if self.train_loss is None else f"{self.train_loss:.4f}"),
+            ("processes", str(self.world_size)),
+            ("runtime", f"{self.runtime_seconds:.1f} s"),
+            ("saved", self.final_dir + (f", merged: {self.merged_dir}" if self.merged_dir else "")),
+        ]
+        width = max(len(name) for name, _ in rows)
+        lines = ["bam-finetune summary"] + [f"  {name:<{width}}  {value}" for name, value in rows]
+        lines.append("  learned prior per head (theta_alpha, theta_beta: before -> after)")
+        for module, after in self.prior_after.items():
+            before = self.prior_before[module]
+            lines.append(f"    {module}")
+            for head, (alpha, beta) in enumerate(zip(after["theta_alpha"], after["theta_beta"])):
+                lines.append(
+                    f"      head {head:>3}  alpha {before['theta_alpha'][head]:+.4f} -> {alpha:+.4f}   "
+                    f"beta {before['theta_beta'][head]:+.4f} -> {beta:+.4f}"
+                )
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Data: documents from files, folders or `datasets`, tokenized and packed
+# --------------------------------------------------------------------------------------------------------
+
+
+def load_documents(source: str, text_field: str = "text", split: str = "train", config_name: str | None = None) -> list[str]:
+    """The non-empty documents of `source`; a ValueError naming `source` when there are none."""
+    path = Path(source)
+    if path.is_dir() and not _is_saved_dataset(path):
+        documents = [document for file in _text_files(path) for document in _read_text_file(file, text_field)]
+    elif path.is_file() and path.suffix in TEXT_SUFFIXES:
+        documents = _read_text_file(path, text_field)
+    else:
+        documents = _read_dataset(source, text_field, split, config_name)
+    documents = [document for document in documents if document.strip()]
+    if not documents:
+        raise ValueError(f"no training text found in {source!r} (field {text_field!r} for JSON lines and datasets)")
+    return documents
+
+
+def _text_files(folder: Path) -> list[Path]:
+    files = sorted(file for file in folder.rglob("*") if file.is_file() and file.suffix in TEXT_SUFFIXES)
+    if not files:
+        raise ValueError(f"no training text found in {str(folder)!r}: the folder holds no .txt or .jsonl files")
+    return files
+
+
+def _read_text_file(path: Path, text_field: str) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".txt":
+        return [document.strip() for document in re.split(r"\n\s*\n", text)]
+    documents = []
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if not isinstance(record, dict) or text_field not in record:
+            raise ValueError(f"{path}:{line_number} has no field {text_field!r} (choose it with --text-field)")
+        documents.append(str(record[text_field]))
+    return documents
+
+
+def _is_saved_dataset(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in ("dataset_info.json", "dataset_dict.json", "state.json"))
+
+
+def _read_dataset(source: str, text_field: str, split: str, config_name: str | None) -> list[str]:
+    import datasets
+
+    path = Path(source)
+    if path.is_dir():
+        dataset = datasets.load_from_disk(source)
+    elif path.is_file() and path.suffix in DATASETS_FILE_BUILDERS:
+        dataset = datasets.load_dataset(DATASETS_FILE_BUILDERS[path.suffix], data_files=source, split="train")
+    elif path.exists():
+        raise ValueError(f"cannot read training data from {source!r}: use .txt, .jsonl, .json, .csv or .parquet")
+    else:
+        dataset = datasets.load_dataset(source, config_name, split=split)
+    if isinstance(dataset, datasets.DatasetDict):
+        if split not in dataset:
+            raise ValueError(f"{source!r} has no split {split!r} (it has {sorted(dataset)}); choose one with --dataset-split")
+        dataset = dataset[split]
+    if len(dataset) and text_field not in dataset.column_names:
+        raise ValueError(f"{source!r} has no column {text_field!r} (it has {dataset.column_names}); use --text-field")
+    return [str(text) for text in dataset[text_field]] if len(dataset) else []
+
+
+def tokenize_documents(documents: list[str], tokenizer, show_progress: bool = True, batch_size: int = 512) -> list[list[int]]:
+    """Token ids per document, framed by the tokenizer's <s> and </s> when it has them."""
+    prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    suffix = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    tokenized = []
+    for start in tqdm(range(0, len(documents), batch_size), desc="tokenizing", unit="batch", disable=not show_progress):
+        batch = tokenizer(documents[start : start + batch_size], add_special_tokens=False)["input_ids"]
+        tokenized.extend(prefix + ids + suffix for ids in batch)
+    return tokenized
+
+
+def pack_documents(documents: list[list[int]], context_length: int, pad_token_id: int) -> list[dict[str, list[int]]]:
+    """Pack documents end to end into rows of `context_length` tokens.
+
+    A document that does not fit continues in the next row. `position_ids` restart at 0 for every document (and
+    every row), which is what makes the model mask attention per document. The first token of each piece is not a
+    target: it must not be predicted from the previous document. The last row is padded (label -100).
+    """
+    rows = []
+    row = _empty_row()
+    for tokens in documents:
+        start = 0
+        while start < len(tokens):
+            piece = tokens[start : start + context_length - len(row["input_ids"])]
+            _append_piece(row, piece, piece[1:])
+            start += len(piece)
+            if len(row["input_ids"]) == context_length:
+                rows.append(row)
+                row = _empty_row()
+    if row["input_ids"]:
+        padding = [pad_token_id] * (context_length - len(row["input_ids"]))
+        _append_piece(row, padding, padding[1:], targets=False)
+        rows.append(row)
+    return rows
+
+
+def _empty_row() -> dict[str, list[int]]:
+    return {"input_ids": [], "position_ids": [], "labels": []}
+
+
+def _append_piece(row: dict[str, list[int]], piece: list[int], next_tokens: list[int], targets: bool = True) -> None:
+    row["input_ids"] += piece
+    row["position_ids"] += range(len(piece))
+    row["labels"] += [IGNORE_INDEX] + (list(next_tokens) if targets else [IGNORE_INDEX] * len(next_tokens))
+
+
+class PackedRows(torch.utils.data.Dataset):
+    def __init__(self, rows: list[dict[str, list[int]]]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return self.rows[index]
+
+    def tokens(self) -> int:
+        return sum(sum(label != IGNORE_INDEX for label in row["labels"]) for row in self.rows)
+
+
+def collate_packed_rows(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    """Stack packed rows: input_ids, position_ids and labels, and deliberately no attention_mask."""
+    return {key: torch.tensor([row[key] for row in rows], dtype=torch.long) for key in ("input_ids", "position_ids", "labels")}
+
+
+def split_eval_rows(rows: list[dict], eval_rows: int) -> tuple[list[dict], list[dict], str]:
+    """Hold out up to `eval_rows` rows (at most a tenth, at least one) for the loss before/after.
+
+    With a single row nothing can be held out, and the loss is measured on the training row.
+    """
+    if len(rows) < 2 or eval_rows <= 0:
+        return rows, rows, "train"
+    held_out = min(eval_rows, max(1, len(rows) // 10))
+    return rows[:-held_out], rows[-held_out:], "held-out"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Model, tokenizer, LoRA
+# --------------------------------------------------------------------------------------------------------
+
+
+def check_model_config(model: str, context_length: int) -> BamLlamaConfig:
+    """Read the config of `model`; refuse models that are not BamLlama and lengths below the training length."""
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read a model config from {model!r}: {error}") from error
+    if not isinstance(config, BamLlamaConfig):
+        model_type = getattr(config, "model_type", type(config).__name__)
+        hint = f"`bam-convert llama {model} BAM_DIR`" if model_type == "llama" else "`bam-convert` (`bam-convert --help`)"
+        raise ValueError(
+            f"{model!r} is a {model_type!r} model, not BamLlama; convert it first with {hint} and fine-tune the result"
+        )
+    if context_length < config.train_context_length:
+        raise ValueError(
+            f"the target context length ({context_length}) is below the length the model was trained at "
+            f"(train_context_length={config.train_context_length}); context extension needs a length >= "
+            f"{config.train_context_length}"
+        )
+    return config
+
+
+def load_tokenizer(model: str):
+    """The model's tokenizer, or the byte tokenizer when the model folder has none."""
+    path = Path(model)
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        logger.info("%s has no tokenizer files: using the byte tokenizer (bam_llama.tokenization_bam)", model)
+        return build_byte_tokenizer()
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as error:
+        logger.info("no tokenizer could be loaded from %s (%s): using the byte tokenizer", model, error)
+        return build_byte_tokenizer()
+
+
+def check_tokenizer(tokenizer, config: BamLlamaConfig) -> int:
+    """The padding id; a ValueError when the tokenizer's ids do not fit the model's vocabulary."""
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only {config.vocab_size}")
+    for pad_token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id, config.pad_token_id, 0):
+        if pad_token_id is not None:
+            return pad_token_id
+
+
+def load_model(args: FinetuneArguments) -> BamLlamaForCausalLM:
+    model = BamLlamaForCausalLM.from_pretrained(
+        args.model, dtype=torch.float32, attn_implementation=args.attn_implementation
+    )
+    model.config.use_cache = False  # no cache while training; restored before saving
+    return model
+
+
+def is_prior_parameter(name: str) -> bool:
+    return PRIOR_PARAMETER.search(name) is not None
+
+
+def prepare_model(model: BamLlamaForCausalLM, args: FinetuneArguments):
+    """Wrap `model` for training: LoRA with the prior / SSMax in `modules_to_save`, or everything trainable.
+
+    Either way the prior and SSMax parameters train exactly as the config says (theta_mu frozen by default).
+    """
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = list(LORA_ATTENTION_MODULES) + (list(LORA_MLP_MODULES) if args.lora_mlp else [])
+        lora_config = LoraConfig(
+            r=args.lora_rank,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            target_modules=targets,
+            modules_to_save=["prior"] + (["ssmax"] if model.config.ssmax else []),
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora_config)
+    else:
+        model.requires_grad_(True)
+    apply_prior_flags(model, model.config if not args.lora else model.get_base_model().config)
+    return model
+
+
+def apply_prior_flags(model: torch.nn.Module, config: BamLlamaConfig) -> None:
+    """requires_grad of every prior / SSMax parameter from the config; PEFT's frozen originals stay frozen."""
+    flags = {
+        "theta_alpha": config.train_theta_alpha,
+        "theta_beta": config.train_theta_beta,
+        "theta_mu": config.train_theta_mu,
+        "scale": config.train_ssmax_scale,
+    }
+    for name, parameter in model.named_parameters():
+        if is_prior_parameter(name):
+            parameter.requires_grad_(flags[name.rsplit(".", 1)[1]] and ".original_module." not in name)
+
+
+def prior_values(model: torch.nn.Module) -> dict[str, dict[str, list[float]]]:
+    """The prior / SSMax values the model computes with, by BamLlama module name (PEFT's wrapping removed)."""
+    values: dict[str, dict[str, list[float]]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, (BamPrior, BamScalableSoftmax)) or ".original_module" in name:
+            continue
+        name = re.sub(r"\.modules_to_save\.[^.]+$", "", name).removeprefix("base_model.model.")
+        parameters = ("theta_alpha", "theta_beta", "theta_mu") if isinstance(module, BamPrior) else ("scale",)
+        values[name] = {key: getattr(module, key).detach().float().cpu().tolist() for key in parameters}
+    return values
+
+
+# --------------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------------
+
+
+def optimizer_parameter_groups(model: torch.nn.Module, decay_names, weight_decay: float, prior_learning_rate: float):
+    """Decayed weights, undecayed weights, and the prior / SSMax parameters at their own rate without decay."""
+    decayed, undecayed, prior = [], [], []
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        if is_prior_parameter(name):
+            prior.append(parameter)
+        elif name in decay_names:
+            decayed.append(parameter)
+        else:
+            undecayed.append(parameter)
+    groups = [
+        {"params": decayed, "weight_decay": weight_decay},
+        {"params": undecayed, "weight_decay": 0.0},
+        {"params": prior, "weight_decay": 0.0, "lr": prior_learning_rate},
+    ]
+    return [group for group in groups if group["params"]]
+
+
+class BamTrainer(Trainer):
+    """`Trainer` whose optimizer gives the prior and SSMax parameters their own learning rate (and no decay)."""
+
+    def __init__(self, *args, prior_learning_rate: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prior_learning_rate = prior_learning_rate
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            model = self.model if model is None else model
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
+            groups = optimizer_parameter_groups(
+                model, set(self.get_decay_parameter_names(model)), self.args.weight_decay, self.prior_learning_rate
+            )
+            self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+        return self.optimizer
+
+
+def bf16_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def training_arguments(args: FinetuneArguments) -> TrainingArguments:
+    bf16 = bf16_available() if args.bf16 is None else args.bf16
+    return TrainingArguments(
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_steps=args.max_steps if args.max_steps > 0 else -1,
+        num_train_epochs=args.num_train_epochs,
+        learning_rate=args.resolved_learning_rate,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        lr_scheduler_type=args.lr_scheduler_type,
+        bf16=bf16,
+        **checkpointing_arguments(args.gradient_checkpointing),
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        save_total_limit=args.save_total_limit,
+        logging_steps=args.logging_steps,
+        logging_first_step=True,
+        report_to="none",
+        seed=args.seed,
+        remove_unused_columns=False,
+        label_names=["labels"],
+        include_num_input_tokens_seen="non_padding",
+        ddp_backend="gloo" if distributed_on_cpu() else None,
+        ddp_find_unused_parameters=False,
+        disable_tqdm=args.disable_progress_bars,
+        dataloader_pin_memory=torch.cuda.is_available(),
+    )
+
+
+def checkpointing_arguments(enabled: bool) -> dict:
+    """Gradient checkpointing under the name this Transformers release uses (newer ones call it activation_*)."""
+    if not enabled:
+        return {}
+    fields = {field.name for field in dataclasses.fields(TrainingArguments)}
+    prefix = "activation" if "activation_checkpointing" in fields else "gradient"
+    return {f"{prefix}_checkpointing": True, f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}}
+
+
+def distributed_on_cpu() -> bool:
+    """Launched by torchrun / accelerate with several processes and no GPU: DDP needs the gloo backend."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+
+
+def resolve_checkpoint(args: FinetuneArguments) -> str | None:
+    if args.resume_from_checkpoint in (None, ""):
+        return None
+    if args.resume_from_checkpoint == "latest":
+        checkpoint = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
+        if checkpoint is None:
+            raise ValueError(f"--resume-from-checkpoint latest: no checkpoint-* folder in {args.output_dir}")
+        return checkpoint
+    if not Path(args.resume_from_checkpoint).is_dir():
+        raise ValueError(f"checkpoint folder {args.resume_from_checkpoint} does not exist")
+    return args.resume_from_checkpoint
+
+
+def checkpoint_step(checkpoint: str | None) -> int:
+    if checkpoint is None:
+        return 0
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    return int(state["global_step"])
+
+
+@torch.no_grad()
+def mean_token_loss(model: torch.nn.Module, rows: list[dict], batch_size: int, device, bf16: bool, show_progress: bool) -> float:
+    """Mean next-token loss over the target tokens of `rows`."""
+    was_training = model.training
+    model.eval()
+    total_loss, total_tokens = 0.0, 0
+    for start in tqdm(range(0, len(rows), batch_size), desc="evaluating", unit="batch", disable=not show_progress):
+        batch = {key: value.to(device) for key, value in collate_packed_rows(rows[start : start + batch_size]).items()}
+        labels = batch.pop("labels")
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(**batch).logits.float()
+        targets = labels[:, 1:]
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        total_loss += loss.item()
+        total_tokens += int((targets != IGNORE_INDEX).sum())
+    model.train(was_training)
+    return total_loss / max(total_tokens, 1)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------------------
+
+
+def save_final(model, tokenizer, args: FinetuneArguments) -> tuple[str, str | None]:
+    """Save the adapter (LoRA) or the model (full), and the merged model on request; rank 0 only."""
+    output_dir = Path(args.output_dir)
+    final_dir = output_dir / ("adapter" if args.lora else "model")
+    base_config = model.get_base_model().config if args.lora else model.config
+    base_config.use_cache = True
+    if not args.lora:
+        record_extension(model.config, args)
+    with staged_output_dir(final_dir, force=True) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+    if not (args.lora and args.merge):
+        return str(final_dir), None
+    merged = model.merge_and_unload()
+    record_extension(merged.config, args)
+    merged_dir = output_dir / "merged"
+    with staged_output_dir(merged_dir, force=True) as staging:
+        merged.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+    return str(final_dir), str(merged_dir)
+
+
+def record_extension(config: BamLlamaConfig, args: FinetuneArguments) -> None:
+    config.train_context_length = args.context_length
+    config.base_model = args.model
+
+
+def write_summary(summary: FinetuneSummary, output_dir: str) -> None:
+    handle, temporary = tempfile.mkstemp(prefix=".summary.", suffix=".json", dir=output_dir)
+    with os.fdopen(handle, "w") as file:
+        file.write(summary.to_json() + "\n")
+    os.chmod(temporary, 0o666 & ~_umask())
+    os.replace(temporary, Path(output_dir) / "summary.json")
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+# --------------------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------------------
+
+
+def build_training_data(args: FinetuneArguments, tokenizer, pad_token_id: int, show_progress: bool):
+    documents = load_documents(args.data, args.text_field, args.dataset_split, args.dataset_config)
+    tokenized = tokenize_documents(documents, tokenizer, show_progress)
+    rows = pack_documents(tokenized, args.context_length, pad_token_id)
+    train_rows, eval_rows, eval_split = split_eval_rows(rows, args.eval_rows)
+    return len(documents), PackedRows(train_rows), eval_rows, eval_split
+
+
+def finetune(args: FinetuneArguments) -> FinetuneSummary:
+    """Fine-tune `args.model` at `args.context_length` on `args.data`; returns (and on rank 0 writes and prints)
+    the summary."""
+    started = time.perf_counter()
+    base_config = check_model_config(args.model, args.context_length)
+    checkpoint = resolve_checkpoint(args)
+    training_args = training_arguments(args)
+    is_main = training_args.process_index == 0
+    show_progress = is_main and not args.disable_progress_bars
+
+    tokenizer = load_tokenizer(args.model)
+    pad_token_id = check_tokenizer(tokenizer, base_config)
+    documents, train_data, eval_rows, eval_split = build_training_data(args, tokenizer, pad_token_id, show_progress)
+
+    set_seed(args.seed)
+    model = load_model(args)
+    prior_before = prior_values(model)
+    model = prepare_model(model, args)
+    trainable = sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
+    if is_main:
+        logger.info(
+            "fine-tuning %s (%s, %d trainable parameters) at %d tokens: %d documents, %d train rows, %d %s eval rows",
+            args.model, "LoRA" if args.lora else "full", trainable, args.context_length, documents,
+            len(train_data), len(eval_rows), eval_split,
+        )
+
+    trainer = BamTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_data,
+        data_collator=collate_packed_rows,
+        processing_class=tokenizer,
+        prior_learning_rate=args.prior_learning_rate,
+    )
+    evaluate = lambda: mean_token_loss(  # noqa: E731
+        model, eval_rows, args.per_device_train_batch_size, training_args.device, training_args.bf16, show_progress
+    )
+    loss_before = evaluate() if is_main else math.nan
+    train_output = trainer.train(resume_from_checkpoint=checkpoint)
+    loss_after = evaluate() if is_main else math.nan
+
+    final_dir, merged_dir = str(Path(args.output_dir) / ("adapter" if args.lora else "model")), None
+    prior_after = prior_values(model)
+    if is_main:
+        final_dir, merged_dir = save_final(model, tokenizer, args)
+    summary = FinetuneSummary(
+        model=args.model,
+        data=args.data,
+        output_dir=args.output_dir,
+        mode="lora" if args.lora else "full",
+        train_context_length_before=base_config.train_context_length,
+        context_length=args.context_length,
+        documents=documents,
+        train_rows=len(train_data),
+        eval_rows=len(eval_rows),
+        eval_split=eval_split,
+        steps=trainer.state.global_step,
+        resumed_from_step=checkpoint_step(checkpoint),
+        tokens_seen=int(trainer.state.num_input_tokens_seen),
+        train_loss=train_output.training_loss,
+        loss_before=loss_before,
+        loss_after=loss_after,
+        world_size=training_args.world_size,
+        runtime_seconds=time.perf_counter() - started,
+        final_dir=final_dir,
+        merged_dir=merged_dir,
+        trainable_parameters=trainable,
+        prior_before=prior_before,
+        prior_after=prior_after,
+    )
+    if is_main:
+        write_summary(summary, args.output_dir)
+        print(summary.format_table(), flush=True)
+    trainer.accelerator.wait_for_everyone()
+    return summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = FinetuneArguments(model="", data="", output_dir="", context_length=0)
+    parser = argparse.ArgumentParser(
+        prog="bam-finetune",
+        description="Extend a BamLlama model's context with a short fine-tune (LoRA + fully trained prior, or full), "
+        "on packed documents with per-document masking. Run under torchrun / accelerate launch for DDP.",
+    )
+    parser.add_argument("--model", required=True, help="BamLlama folder or Hub id (convert Llama first: bam-convert llama)")
+    parser.add_argument(
+        "--data", required=True,
+        help=".txt (documents separated by blank lines), .jsonl, .json, .csv, .parquet, a folder of .txt/.jsonl "
+        "files, a datasets.save_to_disk folder, or a datasets name",
+    )
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--context-length", type=int, required=True, help="target length (>= the model's train_context_length)")
+    parser.add_argument("--text-field", default=defaults.text_field, help="text field of JSON lines / dataset rows")
+    parser.add_argument("--dataset-config", default=None, help="configuration name of a datasets dataset")
+    parser.add_argument("--dataset-split", default=defaults.dataset_split)
+    parser.add_argument("--eval-rows", type=int, default=defaults.eval_rows, help="packed rows held out for loss before/after")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--lora", dest="lora", action="store_true", default=True, help="LoRA on q/k/v/o (default)")
+    mode.add_argument("--full", dest="lora", action="store_false", help="full fine-tuning")
+    parser.add_argument("--lora-mlp", action="store_true", help="also put LoRA on the MLP projections")
+    parser.add_argument("--lora-rank", type=int, default=defaults.lora_rank)
+    parser.add_argument("--lora-alpha", type=float, default=defaults.lora_alpha)
+    parser.add_argument("--lora-dropout", type=float, default=defaults.lora_dropout)
+    parser.add_argument("--learning-rate", type=float, default=None, help="default 2e-4 with LoRA, 2e-5 full")
+    parser.add_argument("--prior-learning-rate", type=float, default=defaults.prior_learning_rate)
+    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
+    parser.add_argument("--lr-scheduler-type", default=defaults.lr_scheduler_type)
+    parser.add_argument("--max-steps", type=int, default=defaults.max_steps, help="optimizer steps; <= 0 uses --num-train-epochs")
+    parser.add_argument("--num-train-epochs", type=float, default=defaults.num_train_epochs)
+    parser.add_argument("--per-device-train-batch-size", "--batch-size", type=int, default=defaults.per_device_train_batch_size)
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=defaults.gradient_accumulation_steps)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on where the GPU supports it")
+    parser.add_argument("--attn-implementation", default=None, help="bam_triton, bam_sdpa or bam_eager (default: fastest available)")
+    parser.add_argument("--save-steps", type=int, default=defaults.save_steps)
+    parser.add_argument("--save-total-limit", type=int, default=defaults.save_total_limit)
+    parser.add_argument("--resume-from-checkpoint", default=None, help="a checkpoint folder, or 'latest' in --output-dir")
+    parser.add_argument("--merge", action="store_true", help="also write OUTPUT_DIR/merged: LoRA merged into a BamLlama folder")
+    parser.add_argument("--logging-steps", type=int, default=defaults.logging_steps)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--disable-progress-bars", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parsed = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = FinetuneArguments(**vars(parsed))
+    try:
+        finetune(args)
+    except ValueError as error:
+        print(f"bam-finetune: error: {error}", file=sys.stderr)
+        return 2
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    print(f"bam-finetune: rank {rank} of {world_size} finished", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
