@@ -134,7 +134,7 @@ class PasskeyResults:
         axes.set_yticks(depth_ticks, [f"{self.depths[index]:.0%}" for index in depth_ticks])
         axes.set_xlabel("prompt length (tokens)")
         axes.set_ylabel("depth of the key")
-        axes.set_title(f"{title}: {100 * self.mean_accuracy():.1f}% overall")
+        axes.set_title(f"{title}\n{100 * self.mean_accuracy():.1f}% retrieved overall", fontsize=10)
         _save_figure(figure, path)
 
     def to_dict(self) -> dict:
