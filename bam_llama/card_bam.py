@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import jinja2
+import yaml
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -204,18 +206,19 @@ def copy_plots(model_dir: Path, links: dict[Path, str]) -> None:
 
 def render_card(model_dir: Path, config: dict, *, base_model, datasets, license, tags, eval_results, plot_paths,
                 repo_id, model_name, description, extra) -> ModelCard:
+    hub_base_model = base_model if base_model and is_hub_id(base_model) else None
     card_data = ModelCardData(
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=BAM_TAGS + [tag for tag in tags if tag not in BAM_TAGS],
         license=license,
         datasets=datasets or None,
-        base_model=base_model if base_model and is_hub_id(base_model) else None,
+        base_model=hub_base_model,
     )
     num_heads = config["num_attention_heads"]
-    return ModelCard.from_template(
-        card_data,
-        template_str=card_template(),
+    template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(card_template())
+    text = template.render(
+        card_data=card_data.to_yaml(),
         model_name=model_name,
         repo_id=repo_id or f"path/to/{model_name}",
         description=description,
@@ -232,7 +235,7 @@ def render_card(model_dir: Path, config: dict, *, base_model, datasets, license,
         ssmax_prior=config.get("ssmax_prior", True),
         train_context_length=config.get("train_context_length"),
         base_model=base_model,
-        base_model_is_hub_id=bool(base_model) and is_hub_id(base_model),
+        base_model_is_hub_id=hub_base_model is not None,
         license=license,
         code_files=remote_code_files(model_dir),
         has_tokenizer=any((model_dir / name).is_file() for name in TOKENIZER_FILES),
@@ -242,6 +245,7 @@ def render_card(model_dir: Path, config: dict, *, base_model, datasets, license,
         plots=[{"caption": Path(link).stem.replace("_", " ").replace("-", " "), "path": link} for link in plot_paths],
         extra=extra,
     )
+    return ModelCard(text)
 
 
 def write_model_card(
@@ -304,7 +308,10 @@ def has_bam_card(model_dir: Path) -> bool:
     readme = model_dir / "README.md"
     if not readme.is_file():
         return False
-    data = ModelCard.load(readme).data
+    try:
+        data = ModelCard.load(readme).data
+    except (ValueError, yaml.YAMLError):  # unreadable metadata: replace the card
+        return False
     return (
         data.library_name == "transformers"
         and data.pipeline_tag == "text-generation"

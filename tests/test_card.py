@@ -109,6 +109,18 @@ def test_base_model_from_config_and_absent_without_one(model_dir, tmp_path):
     assert f"Converted from the Llama checkpoint `{local_llama}`" in converted.text
 
 
+def test_card_follows_the_config(tmp_path):
+    folder = tmp_path / "variant"
+    tiny_model(prior_scope="layer", prior_formula="legacy", ssmax=True, ssmax_prior=False).save_pretrained(folder)
+
+    text = ModelCard.load(write_model_card(folder)).text
+    assert "one prior per layer; formula `legacy`" in text
+    assert "b_h(i, j) = -(|((j - i) - mu_h) * exp(theta_alpha_h)|" in text
+    assert "| Scalable Softmax | on, prior unscaled |" in text
+    assert "prior excluded" in text
+    assert "theta_alpha | theta_beta" not in text  # per-layer priors are left to the prior plot
+
+
 def test_evaluation_tables_and_plots(model_dir, byte_model, tmp_path):
     passkey = evaluate_passkey(byte_model, build_byte_tokenizer(), lengths=[40, 64], num_depths=2, num_digits=2,
                                progress=False, chunk_size=32)
@@ -149,9 +161,10 @@ def test_push_keeps_a_bam_card_and_replaces_another(model_dir, hub):
     push_model_to_hub(model_dir, "someone/tiny-bam")
     assert "Card with results." in hub.uploads[-1].readme
 
-    (model_dir / "README.md").write_text("---\nlibrary_name: transformers\ntags:\n- bam\n---\n# converted\n")
-    push_model_to_hub(model_dir, "someone/tiny-bam")
-    assert_bam_metadata(ModelCard(hub.uploads[-1].readme))
+    for other_card in ("---\nlibrary_name: transformers\ntags:\n- bam\n---\n# converted\n", "---\n[broken\n---\n"):
+        (model_dir / "README.md").write_text(other_card)
+        push_model_to_hub(model_dir, "someone/tiny-bam")
+        assert_bam_metadata(ModelCard(hub.uploads[-1].readme))
 
 
 def test_model_push_to_hub_uploads_the_bam_card(byte_model, hub):
