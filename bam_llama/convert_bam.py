@@ -29,6 +29,7 @@ from transformers import LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.dynamic_module_utils import custom_object_save
 
+from . import card_bam
 from .configuration_bam import PRIOR_FORMULAS, PRIOR_SCOPES, BamLlamaConfig
 from .modeling_bam import REMOTE_CODE_AUTO_MAP, BamLlamaForCausalLM, BamPrior, BamScalableSoftmax
 
@@ -355,17 +356,9 @@ def copy_files(files: Iterable[Path], folder: Path) -> None:
         shutil.copyfile(path, folder / path.name)
 
 
-def write_model_card(folder: Path, title: str, lines: list[str], base_model: str | None = None) -> None:
-    header = ["---", "library_name: transformers", "tags:", "- bam", "- ggd-bam"]
-    if base_model is not None:
-        header.append(f"base_model: {base_model}")
-    header.append("---")
-    usage = [
-        "Load it with `import bam_llama` and `AutoModelForCausalLM.from_pretrained(path)`, or without the package",
-        "with `trust_remote_code=True` (the modeling code is in this folder).",
-    ]
-    body = [f"# {title}", "", *lines, "", *usage]
-    (folder / "README.md").write_text("\n".join(header + [""] + body) + "\n")
+def write_model_card(folder: Path, model_name: str, lines: list[str], base_model: str | None = None) -> None:
+    """The package's Hub model card (metadata, architecture, prior), with how the folder was converted."""
+    card_bam.write_model_card(folder, model_name=model_name, description="\n".join(lines), base_model=base_model)
 
 
 def quiet(*args, **kwargs) -> None:
@@ -676,7 +669,7 @@ def convert_reference_checkpoint(
         copy_files(tokenizer_files, staging)
         write_model_card(
             staging,
-            f"BamLlama converted from the reference GGD-BAM run `{run_dir.name}`",
+            out_dir.name,
             [
                 f"Converted by `bam-convert reference` from `{run_dir}`.",
                 "",
@@ -867,7 +860,7 @@ def convert_llama_checkpoint(
         copy_files(extra_files, staging)
         write_model_card(
             staging,
-            f"BamLlama converted from {base_model}",
+            out_dir.name,
             [
                 f"Converted by `bam-convert llama` from `{base_model}`: the Llama weights unchanged, RoPE removed, a",
                 f"GGD-BAM positional prior added (initialised `{prior}`, {prior_scope})"
@@ -875,7 +868,7 @@ def convert_llama_checkpoint(
                 "",
                 "It has not been trained with the prior yet: fine-tune it (e.g. for context extension) before use.",
             ],
-            base_model=base_model if not Path(base_model).exists() else None,
+            base_model=base_model,
         )
     log(f"wrote {out_dir} ({', '.join(written)}{', tokenizer' if extra_files else ''})")
     return out_dir
