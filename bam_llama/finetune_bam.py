@@ -144,15 +144,14 @@ class FinetuneSummary:
         ]
         width = max(len(name) for name, _ in rows)
         lines = ["bam-finetune summary"] + [f"  {name:<{width}}  {value}" for name, value in rows]
-        lines.append("  learned prior per head (theta_alpha, theta_beta: before -> after)")
+        lines.append("  learned prior per head (before -> after)")
         for module, after in self.prior_after.items():
             before = self.prior_before[module]
+            shown = [name for name in ("theta_alpha", "theta_beta", "scale") if name in after]
             lines.append(f"    {module}")
-            for head, (alpha, beta) in enumerate(zip(after["theta_alpha"], after["theta_beta"])):
-                lines.append(
-                    f"      head {head:>3}  alpha {before['theta_alpha'][head]:+.4f} -> {alpha:+.4f}   "
-                    f"beta {before['theta_beta'][head]:+.4f} -> {beta:+.4f}"
-                )
+            for head in range(len(after[shown[0]])):
+                changes = [f"{name} {before[name][head]:+.4f} -> {after[name][head]:+.4f}" for name in shown]
+                lines.append(f"      head {head:>3}  " + "   ".join(changes))
         return "\n".join(lines)
 
 
@@ -364,6 +363,7 @@ def prepare_model(model: BamLlamaForCausalLM, args: FinetuneArguments):
 
     Either way the prior and SSMax parameters train exactly as the config says (theta_mu frozen by default).
     """
+    config = model.config
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -373,13 +373,13 @@ def prepare_model(model: BamLlamaForCausalLM, args: FinetuneArguments):
             lora_alpha=args.lora_alpha,
             lora_dropout=args.lora_dropout,
             target_modules=targets,
-            modules_to_save=["prior"] + (["ssmax"] if model.config.ssmax else []),
+            modules_to_save=["prior"] + (["ssmax"] if config.ssmax else []),
             task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, lora_config)
     else:
         model.requires_grad_(True)
-    apply_prior_flags(model, model.config if not args.lora else model.get_base_model().config)
+    apply_prior_flags(model, config)
     return model
 
 
@@ -480,6 +480,7 @@ def training_arguments(args: FinetuneArguments) -> TrainingArguments:
         label_names=["labels"],
         include_num_input_tokens_seen="non_padding",
         ddp_backend="gloo" if distributed_on_cpu() else None,
+        use_cpu=distributed_on_cpu(),  # else Accelerate sees several CPU processes but no distributed run
         ddp_find_unused_parameters=False,
         disable_tqdm=args.disable_progress_bars,
         dataloader_pin_memory=torch.cuda.is_available(),
@@ -610,6 +611,8 @@ def finetune(args: FinetuneArguments) -> FinetuneSummary:
     is_main = training_args.process_index == 0
     show_progress = is_main and not args.disable_progress_bars
 
+    if args.merge and not args.lora and is_main:
+        logger.warning("--merge has no effect with --full: the fine-tuned model is saved whole in %s/model", args.output_dir)
     tokenizer = load_tokenizer(args.model)
     pad_token_id = check_tokenizer(tokenizer, base_config)
     documents, train_data, eval_rows, eval_split = build_training_data(args, tokenizer, pad_token_id, show_progress)

@@ -1,0 +1,373 @@
+"""bam-finetune on tiny models and data made here: packing, data sources, bad input, LoRA / full training,
+adapter reload and merge, resume, the CLI and a 2-process DDP run on CPU (gloo)."""
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from bam_llama.finetune_bam import (
+    BamTrainer,
+    FinetuneArguments,
+    PackedRows,
+    collate_packed_rows,
+    finetune,
+    load_documents,
+    main,
+    pack_documents,
+    prepare_model,
+    resolve_checkpoint,
+    training_arguments,
+)
+from bam_llama.tokenization_bam import build_byte_tokenizer
+
+
+TRAIN_LENGTH, TARGET_LENGTH = 32, 64
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def save_base_model(folder: Path, **overrides) -> Path:
+    model = tiny_model("sdpa", vocab_size=259, train_context_length=TRAIN_LENGTH, **overrides)
+    model.save_pretrained(folder)
+    build_byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def write_documents(path: Path, count: int = 60, seed: int = 0) -> Path:
+    """Short repetitive documents (a key repeated around filler) that a tiny model learns in a few steps."""
+    generator = random.Random(seed)
+    documents = []
+    for _ in range(count):
+        key = generator.randint(100, 999)
+        documents.append(f"key {key}. " + "abc " * generator.randint(3, 12) + f"key {key}.")
+    path.write_text("\n\n".join(documents) + "\n")
+    return path
+
+
+def arguments(model: Path, data: Path, output_dir: Path, **overrides) -> FinetuneArguments:
+    values = dict(
+        model=str(model),
+        data=str(data),
+        output_dir=str(output_dir),
+        context_length=TARGET_LENGTH,
+        max_steps=12,
+        save_steps=6,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        prior_learning_rate=5e-2,
+        lora_rank=4,
+        eval_rows=4,
+        logging_steps=100,
+        disable_progress_bars=True,
+    )
+    values.update(overrides)
+    return FinetuneArguments(**values)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune")
+    return {
+        "base": save_base_model(root / "base"),
+        "base_ssmax_layer": save_base_model(root / "base-ssmax-layer", ssmax=True, prior_scope="layer"),
+        "data": write_documents(root / "documents.txt"),
+        "root": root,
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_run(workspace):
+    """LoRA with the prior (per layer) and SSMax scale in modules_to_save, merged at the end."""
+    output_dir = workspace["root"] / "lora-run"
+    args = arguments(workspace["base_ssmax_layer"], workspace["data"], output_dir, merge=True)
+    return args, finetune(args)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_packing_restarts_positions_per_document_and_masks_document_starts():
+    rows = pack_documents([[1, 5, 6, 2], [1, 7, 2], [1, 8, 9, 10, 11, 2]], context_length=5, pad_token_id=0)
+    assert [row["input_ids"] for row in rows] == [[1, 5, 6, 2, 1], [7, 2, 1, 8, 9], [10, 11, 2, 0, 0]]
+    assert [row["position_ids"] for row in rows] == [[0, 1, 2, 3, 0], [0, 1, 0, 1, 2], [0, 1, 2, 0, 1]]
+    assert [row["labels"] for row in rows] == [
+        [-100, 5, 6, 2, -100],
+        [-100, 2, -100, 8, 9],
+        [-100, 11, 2, -100, -100],
+    ]
+    batch = collate_packed_rows(rows)
+    assert set(batch) == {"input_ids", "position_ids", "labels"}
+    assert batch["input_ids"].shape == (3, 5) and batch["input_ids"].dtype == torch.long
+
+
+def test_packed_rows_give_each_document_the_logits_it_has_alone():
+    model = tiny_model("sdpa", vocab_size=259)
+    documents = [[1, 40, 41, 42, 43, 2], [1, 50, 51, 52, 2], [1, 60, 61, 2]]
+    rows = pack_documents(documents, context_length=16, pad_token_id=0)
+    assert len(rows) == 1
+    batch = collate_packed_rows(rows)
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
+        start = 0
+        for document in documents:
+            alone = model(input_ids=torch.tensor([document])).logits[0]
+            torch.testing.assert_close(packed[start : start + len(document)], alone, atol=1e-5, rtol=1e-5)
+            start += len(document)
+
+
+def test_documents_from_text_jsonl_folder_and_saved_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    text = tmp_path / "corpus" / "a.txt"
+    text.parent.mkdir()
+    text.write_text("first document\nstill the first\n\n\nsecond document\n")
+    (tmp_path / "corpus" / "b.jsonl").write_text('{"body": "third"}\n\n{"body": "fourth"}\n')
+    assert load_documents(str(text)) == ["first document\nstill the first", "second document"]
+    assert load_documents(str(tmp_path / "corpus" / "b.jsonl"), text_field="body") == ["third", "fourth"]
+    with pytest.raises(ValueError, match="no field 'text'"):
+        load_documents(str(tmp_path / "corpus" / "b.jsonl"))
+    folder_documents = load_documents(str(tmp_path / "corpus"), text_field="body")
+    assert folder_documents == ["first document\nstill the first", "second document", "third", "fourth"]
+
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["x y", "", "z"]})}).save_to_disk(str(saved))
+    assert load_documents(str(saved)) == ["x y", "z"]
+    with pytest.raises(ValueError, match="no split 'validation'"):
+        load_documents(str(saved), split="validation")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_empty_data_is_refused_naming_the_source(workspace, tmp_path):
+    empty_file = tmp_path / "empty.txt"
+    empty_file.write_text("\n\n  \n")
+    with pytest.raises(ValueError, match=re.escape(str(empty_file))):
+        finetune(arguments(workspace["base"], empty_file, tmp_path / "out"))
+    empty_folder = tmp_path / "nothing"
+    empty_folder.mkdir()
+    with pytest.raises(ValueError, match=re.escape(str(empty_folder))):
+        finetune(arguments(workspace["base"], empty_folder, tmp_path / "out"))
+    assert not (tmp_path / "out" / "adapter").exists()
+
+
+def test_context_length_below_the_training_length_is_refused(workspace, tmp_path):
+    with pytest.raises(ValueError, match=rf"\(16\).*train_context_length={TRAIN_LENGTH}"):
+        finetune(arguments(workspace["base"], workspace["data"], tmp_path / "out", context_length=16))
+
+
+def test_a_llama_model_is_refused_with_the_conversion_command(workspace, tmp_path):
+    llama_config = LlamaConfig(
+        vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+    )
+    LlamaForCausalLM(llama_config).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"'llama' model, not BamLlama.*bam-convert llama"):
+        finetune(arguments(tmp_path / "llama", workspace["data"], tmp_path / "out"))
+
+
+def test_resume_latest_without_checkpoints_is_refused(tmp_path):
+    args = FinetuneArguments(model="m", data="d", output_dir=str(tmp_path), context_length=64, resume_from_checkpoint="latest")
+    with pytest.raises(ValueError, match="no checkpoint"):
+        resolve_checkpoint(args)
+
+
+# --------------------------------------------------------------------------------------------------------
+# What trains
+# --------------------------------------------------------------------------------------------------------
+
+
+def trainable_names(model) -> set[str]:
+    return {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+
+
+def test_lora_trains_adapters_and_the_prior_alpha_beta_only():
+    model = prepare_model(tiny_model(vocab_size=259), FinetuneArguments("m", "d", "o", 64, lora_mlp=True))
+    names = trainable_names(model)
+    lora = {name for name in names if re.search(r"\.(q|k|v|o|gate|up|down)_proj\.lora_[AB]\.default\.weight$", name)}
+    assert len(lora) == 2 * 7 * 2  # layers x projections x (A, B)
+    assert names - lora == {
+        "base_model.model.model.prior.modules_to_save.default.theta_alpha",
+        "base_model.model.model.prior.modules_to_save.default.theta_beta",
+    }
+
+
+def test_lora_with_ssmax_and_layer_priors_trains_their_copies():
+    model = prepare_model(
+        tiny_model(vocab_size=259, ssmax=True, prior_scope="layer"), FinetuneArguments("m", "d", "o", 64)
+    )
+    non_lora = {name for name in trainable_names(model) if ".lora_" not in name}
+    expected = {
+        f"base_model.model.model.layers.{layer}.self_attn.{module}.modules_to_save.default.{parameter}"
+        for layer in range(2)
+        for module, parameter in (("prior", "theta_alpha"), ("prior", "theta_beta"), ("ssmax", "scale"))
+    }
+    assert non_lora == expected
+
+
+def test_full_finetuning_trains_everything_but_theta_mu():
+    model = prepare_model(tiny_model(vocab_size=259), FinetuneArguments("m", "d", "o", 64, lora=False))
+    frozen = {name for name, parameter in model.named_parameters() if not parameter.requires_grad}
+    assert frozen == {"model.prior.theta_mu"}
+
+
+def test_the_prior_gets_its_own_learning_rate_without_weight_decay(tmp_path):
+    args = FinetuneArguments("m", "d", str(tmp_path), 64, learning_rate=1e-3, prior_learning_rate=0.07, weight_decay=0.1)
+    model = prepare_model(tiny_model(vocab_size=259, ssmax=True), args)
+    trainer = BamTrainer(model=model, args=training_arguments(args), prior_learning_rate=args.prior_learning_rate)
+    groups = trainer.create_optimizer().param_groups
+    prior_group = next(group for group in groups if group["lr"] == 0.07)
+    assert prior_group["weight_decay"] == 0.0
+    prior_ids = {id(parameter) for parameter in prior_group["params"]}
+    named = dict(model.named_parameters())
+    assert prior_ids == {
+        id(named[f"base_model.model.model.{name}.modules_to_save.default.{parameter}"])
+        for name, parameter in [("prior", "theta_alpha"), ("prior", "theta_beta")]
+        + [(f"layers.{layer}.self_attn.ssmax", "scale") for layer in range(2)]
+    }
+    assert all(group["lr"] == 1e-3 for group in groups if group is not prior_group)
+
+
+# --------------------------------------------------------------------------------------------------------
+# A LoRA run: loss, what changed, adapter and merge, resume
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_lora_run_lowers_the_loss_and_writes_the_summary(lora_run):
+    args, summary = lora_run
+    assert summary.steps == 12 and summary.resumed_from_step == 0
+    assert summary.loss_after < summary.loss_before - 0.2
+    assert summary.tokens_seen == 12 * 4 * TARGET_LENGTH
+    assert summary.context_length == TARGET_LENGTH and summary.train_context_length_before == TRAIN_LENGTH
+    written = json.loads((Path(args.output_dir) / "summary.json").read_text())
+    assert written["loss_after"] == pytest.approx(summary.loss_after)
+    assert set(written["prior_after"]) == {
+        "model.layers.0.self_attn.prior", "model.layers.1.self_attn.prior",
+        "model.layers.0.self_attn.ssmax", "model.layers.1.self_attn.ssmax",
+    }
+    table = summary.format_table()
+    assert "tokens seen" in table and "head   3  theta_alpha" in table and "scale" in table
+    assert not any(name.startswith(".") for name in os.listdir(args.output_dir)), "staging folders left behind"
+
+
+def test_lora_run_changes_only_the_adapted_weights_and_the_prior(lora_run, workspace):
+    args, _ = lora_run
+    base = load_file(workspace["base_ssmax_layer"] / "model.safetensors")
+    merged = load_file(Path(args.output_dir) / "merged" / "model.safetensors")
+    assert set(base) == set(merged)
+    changed = {name for name in base if not torch.equal(base[name], merged[name])}
+    expected = {f"model.layers.{layer}.self_attn.{target}.weight" for layer in range(2) for target in LORA_TARGETS}
+    expected |= {
+        f"model.layers.{layer}.self_attn.{name}"
+        for layer in range(2)
+        for name in ("prior.theta_alpha", "prior.theta_beta", "ssmax.scale")
+    }
+    assert changed == expected  # theta_mu, embeddings, MLP, norms and the head untouched
+
+
+def test_adapter_reloads_and_merges_to_the_same_logits(lora_run, workspace):
+    from peft import PeftModel
+
+    args, _ = lora_run
+    input_ids = torch.randint(3, 259, (2, 2 * TARGET_LENGTH), generator=torch.Generator().manual_seed(1))
+    base = AutoModelForCausalLM.from_pretrained(workspace["base_ssmax_layer"]).eval()
+    with torch.no_grad():
+        base_logits = base(input_ids).logits
+        adapted = PeftModel.from_pretrained(base, Path(args.output_dir) / "adapter").eval()
+        adapter_logits = adapted(input_ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(Path(args.output_dir) / "merged").eval()
+        merged_logits = merged(input_ids).logits
+    assert not torch.allclose(base_logits, adapter_logits, atol=1e-3)
+    torch.testing.assert_close(merged_logits, adapter_logits, atol=1e-5, rtol=1e-5)
+    assert merged.config.train_context_length == TARGET_LENGTH
+    assert merged.config.base_model == str(workspace["base_ssmax_layer"])
+    assert (Path(args.output_dir) / "merged" / "tokenizer.json").is_file()
+
+
+def test_resume_continues_from_the_saved_step(lora_run, tmp_path):
+    args, _ = lora_run
+    output_dir = tmp_path / "resumed"
+    output_dir.mkdir()
+    shutil.copytree(Path(args.output_dir) / "checkpoint-6", output_dir / "checkpoint-6")
+    resumed_args = arguments(
+        Path(args.model), Path(args.data), output_dir, resume_from_checkpoint="latest", eval_rows=args.eval_rows
+    )
+    summary = finetune(resumed_args)
+    assert summary.resumed_from_step == 6 and summary.steps == 12
+    assert summary.tokens_seen == 12 * 4 * TARGET_LENGTH  # restored from the checkpoint, then 6 more steps
+    uninterrupted = load_file(Path(args.output_dir) / "adapter" / "adapter_model.safetensors")
+    resumed = load_file(output_dir / "adapter" / "adapter_model.safetensors")
+    assert set(resumed) == set(uninterrupted)
+    for name in uninterrupted:
+        torch.testing.assert_close(resumed[name], uninterrupted[name], atol=1e-6, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Full fine-tuning, CLI, DDP
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_full_finetuning_with_gradient_checkpointing(workspace, tmp_path):
+    args = arguments(
+        workspace["base"], workspace["data"], tmp_path / "full", lora=False, learning_rate=3e-3, max_steps=8,
+        save_steps=100, gradient_checkpointing=True,
+    )
+    summary = finetune(args)
+    assert summary.mode == "full" and summary.loss_after < summary.loss_before
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "model")
+    assert model.config.train_context_length == TARGET_LENGTH
+    base = load_file(workspace["base"] / "model.safetensors")
+    torch.testing.assert_close(model.model.prior.theta_mu.detach(), base["model.prior.theta_mu"], atol=0, rtol=0)
+    assert not torch.equal(model.model.embed_tokens.weight.detach(), base["model.embed_tokens.weight"])
+
+
+def test_cli_help_lists_the_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--context-length", "--full", "--lora-mlp", "--prior-learning-rate", "--resume-from-checkpoint", "--merge"):
+        assert option in text
+
+
+def test_cli_reports_bad_input_without_a_traceback(workspace, tmp_path, capsys):
+    argv = ["--model", str(workspace["base"]), "--data", str(workspace["data"]), "--output-dir", str(tmp_path)]
+    assert main(argv + ["--context-length", "8"]) == 2
+    assert f"below the length the model was trained at (train_context_length={TRAIN_LENGTH})" in capsys.readouterr().err
+
+
+def test_ddp_on_two_cpu_processes(workspace, tmp_path):
+    output_dir = tmp_path / "ddp"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "bam_llama.finetune_bam",
+        "--model", str(workspace["base"]), "--data", str(workspace["data"]), "--output-dir", str(output_dir),
+        "--context-length", str(TARGET_LENGTH), "--max-steps", "4", "--batch-size", "2", "--save-steps", "2",
+        "--learning-rate", "1e-2", "--lora-rank", "4", "--merge", "--disable-progress-bars",
+    ]
+    environment = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=environment)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "bam-finetune: rank 0 of 2 finished" in result.stdout
+    assert "bam-finetune: rank 1 of 2 finished" in result.stdout
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+    # Both ranks' batches are counted: more tokens than one process could have seen.
+    assert summary["tokens_seen"] > 4 * 2 * TARGET_LENGTH
+    assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    merged = AutoModelForCausalLM.from_pretrained(output_dir / "merged")
+    assert merged.config.train_context_length == TARGET_LENGTH
+    with torch.no_grad():
+        assert torch.isfinite(merged(torch.tensor([[1, 40, 41, 42]])).logits).all()
