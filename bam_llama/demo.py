@@ -16,6 +16,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -315,7 +316,8 @@ def accuracy_table(results: dict[str, PasskeyResults], train_length: int) -> str
     return "\n".join([header, rule, *rows])
 
 
-def main(argv: list[str] | None = None) -> dict[str, PasskeyResults]:
+def run_demo(argv: list[str] | None = None) -> dict[str, PasskeyResults]:
+    """Train, evaluate and save as the command line says; returns each model's passkey results."""
     args = parse_args(argv)
     settings = settings_from_args(args)
     output_dir = Path(args.output_dir)
@@ -351,6 +353,11 @@ def main(argv: list[str] | None = None) -> dict[str, PasskeyResults]:
     return results
 
 
+def main(argv: list[str] | None = None) -> int:
+    run_demo(argv)
+    return 0
+
+
 def save_bam(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, output_dir: Path) -> None:
     """The trained model and tokenizer as a loadable folder (staged, then renamed), and its prior plot."""
     model_dir = output_dir / "bam-model"
@@ -365,4 +372,4 @@ def save_bam(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, output_
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

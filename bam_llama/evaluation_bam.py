@@ -10,6 +10,7 @@ Command line: `bam-eval passkey MODEL`, `bam-eval perplexity MODEL --data FILE`,
 import argparse
 import inspect
 import json
+import os
 import random
 import sys
 from dataclasses import asdict, dataclass, field
@@ -225,6 +226,12 @@ def evaluate_passkey(
             results.passkeys.append(row_keys)
             results.predictions.append(row_predictions)
             results.prompt_lengths.append(len(prompt))
+            if len(prompt) > length:
+                print(
+                    f"Warning: length {length} is below the passkey template's minimum; its prompts have "
+                    f"{len(prompt)} tokens (see the 'Prompt tokens' column).",
+                    file=sys.stderr,
+                )
             bar.set_postfix(length=length, accuracy=f"{sum(row_correct) / len(row_correct):.2f}")
     bar.close()
     return results
@@ -491,11 +498,21 @@ def load_model(path, device=None, dtype=None, attn_implementation=None):
     available)."""
     import bam_llama  # noqa: F401  (registers bam_llama with the Auto classes)
 
+    check_model_path(path)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     kwargs = {"dtype": _parse_dtype(dtype)}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     return AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
+
+
+def check_model_path(path) -> None:
+    """A path that can only be local (absolute, ./ or ../, more than one '/') must exist: Transformers would
+    otherwise report it as an invalid Hub repo id."""
+    text = str(path)
+    looks_local = isinstance(path, Path) or text.startswith((os.sep, ".", "~")) or text.count("/") > 1
+    if looks_local and not Path(text).expanduser().exists():
+        raise FileNotFoundError(f"no model folder at {text}")
 
 
 def load_model_and_tokenizer(path, tokenizer=None, device=None, dtype=None, attn_implementation=None):
@@ -687,8 +704,12 @@ def load_results(path) -> "PasskeyResults | PerplexityResults":
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    args.run(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except (OSError, ValueError) as error:  # a missing model, data file or tokenizer; an invalid setting
+        parser.exit(2, f"bam-eval {args.command}: error: {error}\n")
 
 
 if __name__ == "__main__":

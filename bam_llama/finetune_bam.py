@@ -734,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     args = FinetuneArguments(**vars(parsed))
     try:
         finetune(args)
-    except ValueError as error:
+    except (OSError, ValueError) as error:  # a missing model or data file; an invalid setting
         print(f"bam-finetune: error: {error}", file=sys.stderr)
         return 2
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

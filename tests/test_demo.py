@@ -16,6 +16,7 @@ from bam_llama.demo import (
     ModelSize,
     build_model,
     main,
+    run_demo,
     training_batch,
 )
 from bam_llama.evaluation_bam import PasskeyResults
@@ -57,7 +58,7 @@ def test_baselines_share_the_recipe(tokenizer):
 
 
 def test_quick_run_writes_table_plots_and_a_loadable_model(tmp_path, tokenizer, capsys):
-    results = main(["--quick", "--models", "bam,rope,alibi", "--output-dir", str(tmp_path)])
+    results = run_demo(["--quick", "--models", "bam,rope,alibi", "--output-dir", str(tmp_path)])
 
     assert set(results) == {"bam", "rope", "alibi"}
     assert all(isinstance(result, PasskeyResults) for result in results.values())
@@ -78,6 +79,11 @@ def test_quick_run_writes_table_plots_and_a_loadable_model(tmp_path, tokenizer, 
 def test_console_script_help():
     completed = subprocess.run(["bam-demo", "--help"], capture_output=True, text=True, timeout=60)
     assert completed.returncode == 0 and "--quick" in completed.stdout
+
+
+def test_main_reports_success_as_exit_status_zero(tmp_path):
+    assert main(["--quick", "--models", "bam", "--output-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "results.md").is_file()
 
 
 def test_unknown_model_is_refused():

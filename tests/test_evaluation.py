@@ -334,6 +334,27 @@ def test_console_script_help():
     assert completed.returncode == 0 and "passkey" in completed.stdout
 
 
+@pytest.mark.parametrize("argv", [["passkey", "{missing}"], ["prior", "{missing}"]])
+def test_a_missing_model_folder_is_a_clear_error(argv, tmp_path, capsys):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(SystemExit) as exit_info:
+        main([arg.format(missing=missing) for arg in argv])
+    assert exit_info.value.code == 2
+    assert f"bam-eval {argv[0]}: error: no model folder at {missing}" in capsys.readouterr().err
+
+
+def test_a_missing_data_file_is_a_clear_error(saved_model, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["perplexity", str(saved_model), "--data", str(tmp_path / "missing.txt"), "--lengths", "64", "--quiet"])
+    assert exit_info.value.code == 2
+    assert "missing.txt" in capsys.readouterr().err
+
+
+def test_lengths_below_the_template_are_flagged(saved_model, capsys):
+    main(["passkey", str(saved_model), "--lengths", "8", "--depths", "1", "--quiet"])
+    assert "length 8 is below the passkey template's minimum" in capsys.readouterr().err
+
+
 @pytest.fixture
 def saved_model(tmp_path, tokenizer):
     folder = tmp_path / "model"
