@@ -870,7 +870,7 @@ def convert_llama_checkpoint(
             ],
             base_model=base_model,
         )
-    log(f"wrote {out_dir} ({', '.join(written)}{', tokenizer' if extra_files else ''})")
+    log(f"wrote {out_dir} ({', '.join(written + [path.name for path in extra_files])})")
     return out_dir
 
 
