@@ -547,7 +547,7 @@ def mean_token_loss(model: torch.nn.Module, rows: list[dict], batch_size: int, d
 # --------------------------------------------------------------------------------------------------------
 
 
-def save_final(model, tokenizer, args: FinetuneArguments) -> tuple[str, str | None]:
+def save_final(model, tokenizer, args: FinetuneArguments, train_context_length_before: int) -> tuple[str, str | None]:
     """Save the adapter (LoRA) or the model (full), and the merged model on request; rank 0 only."""
     output_dir = Path(args.output_dir)
     final_dir = output_dir / ("adapter" if args.lora else "model")
@@ -558,6 +558,8 @@ def save_final(model, tokenizer, args: FinetuneArguments) -> tuple[str, str | No
     with staged_output_dir(final_dir, force=True) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        if not args.lora:
+            write_finetuned_card(staging, args, train_context_length_before)
     if not (args.lora and args.merge):
         return str(final_dir), None
     merged = model.merge_and_unload()
@@ -566,7 +568,27 @@ def save_final(model, tokenizer, args: FinetuneArguments) -> tuple[str, str | No
     with staged_output_dir(merged_dir, force=True) as staging:
         merged.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        write_finetuned_card(staging, args, train_context_length_before)
     return str(final_dir), str(merged_dir)
+
+
+def write_finetuned_card(model_dir: str, args: FinetuneArguments, train_context_length_before: int) -> None:
+    """The BAM model card of a fine-tuned folder: base model, data and what the fine-tune did."""
+    from .card_bam import write_model_card
+
+    mode = "LoRA (merged) with the prior trained in full" if args.lora else "full fine-tuning"
+    description = (
+        f"Context extension of `{args.model}` with `bam-finetune` ({mode}): trained at "
+        f"{train_context_length_before} tokens, fine-tuned at {args.context_length} tokens on `{args.data}`."
+    )
+    hub_dataset = not Path(args.data).exists()
+    write_model_card(
+        model_dir,
+        base_model=args.model,
+        datasets=[args.data] if hub_dataset else [],
+        model_name=Path(args.output_dir).name,
+        description=description,
+    )
 
 
 def record_extension(config: BamLlamaConfig, args: FinetuneArguments) -> None:
@@ -647,7 +669,7 @@ def finetune(args: FinetuneArguments) -> FinetuneSummary:
     final_dir, merged_dir = str(Path(args.output_dir) / ("adapter" if args.lora else "model")), None
     prior_after = prior_values(model)
     if is_main:
-        final_dir, merged_dir = save_final(model, tokenizer, args)
+        final_dir, merged_dir = save_final(model, tokenizer, args, base_config.train_context_length)
     summary = FinetuneSummary(
         model=args.model,
         data=args.data,

@@ -296,6 +296,17 @@ def test_adapter_reloads_and_merges_to_the_same_logits(lora_run, workspace):
     assert (Path(args.output_dir) / "merged" / "tokenizer.json").is_file()
 
 
+def test_merged_model_gets_a_bam_card_naming_its_base(lora_run, workspace):
+    from huggingface_hub import ModelCard
+
+    args, _ = lora_run
+    card = ModelCard.load(Path(args.output_dir) / "merged" / "README.md")
+    assert card.data.library_name == "transformers" and "bam" in card.data.tags
+    assert card.data.base_model is None  # a local path is named in the text, not in the Hub metadata
+    assert f"Context extension of `{workspace['base_ssmax_layer']}` with `bam-finetune`" in card.text
+    assert f"fine-tuned at {TARGET_LENGTH} tokens" in card.text
+
+
 def test_resume_continues_from_the_saved_step(lora_run, tmp_path):
     args, _ = lora_run
     output_dir = tmp_path / "resumed"
@@ -331,6 +342,7 @@ def test_full_finetuning_with_gradient_checkpointing(workspace, tmp_path):
     base = load_file(workspace["base"] / "model.safetensors")
     torch.testing.assert_close(model.model.prior.theta_mu.detach(), base["model.prior.theta_mu"], atol=0, rtol=0)
     assert not torch.equal(model.model.embed_tokens.weight.detach(), base["model.embed_tokens.weight"])
+    assert "(full fine-tuning)" in (tmp_path / "full" / "model" / "README.md").read_text()
 
 
 def test_cli_help_lists_the_options(capsys):
