@@ -13,11 +13,8 @@ context, then measures passkey retrieval far beyond it.
 import argparse
 import json
 import math
-import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +24,7 @@ from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
 from .configuration_bam import BamLlamaConfig
+from .convert_bam import staged_output_dir
 from .evaluation_bam import (
     PasskeyResults,
     PasskeyTemplate,
@@ -360,14 +358,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def save_bam(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, output_dir: Path) -> None:
     """The trained model and tokenizer as a loadable folder (staged, then renamed), and its prior plot."""
-    model_dir = output_dir / "bam-model"
-    with tempfile.TemporaryDirectory(dir=output_dir, prefix=".bam-model-") as staging:
+    with staged_output_dir(output_dir / "bam-model", force=True) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        if model_dir.exists():
-            shutil.rmtree(model_dir)
-        os.replace(staging, model_dir)
-        Path(staging).mkdir()  # for TemporaryDirectory's own cleanup
     plot_prior(model, output_dir / "prior.png")
 
 

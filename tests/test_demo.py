@@ -1,6 +1,7 @@
 """The embedded demo: its data, its baselines, and a --quick end-to-end run (the numbers of a quick run mean nothing)."""
 
 import json
+import os
 import random
 import subprocess
 
@@ -70,6 +71,9 @@ def test_quick_run_writes_table_plots_and_a_loadable_model(tmp_path, tokenizer, 
     for png in ["passkey-bam.png", "passkey-rope.png", "passkey-alibi.png", "prior.png"]:
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "bam-model").stat().st_mode & 0o777 == 0o777 & ~umask  # not the 0700 of a temporary folder
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "bam-model")
     input_ids = torch.tensor([tokenizer("The pass key is")["input_ids"]])
     assert isinstance(model, BamLlamaForCausalLM)
