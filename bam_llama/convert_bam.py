@@ -131,10 +131,15 @@ def make_parents(folder: Path) -> list[Path]:
     return created
 
 
-def apply_umask_permissions(folder: Path) -> None:
-    """mkdtemp (and safetensors) create private files; give the output the permissions of ordinary new files."""
+def current_umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
+    return umask
+
+
+def apply_umask_permissions(folder: Path) -> None:
+    """mkdtemp (and safetensors) create private files; give the output the permissions of ordinary new files."""
+    umask = current_umask()
     folder.chmod(0o777 & ~umask)
     for path in folder.rglob("*"):
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)

@@ -519,10 +519,12 @@ def load_model_and_tokenizer(path, tokenizer=None, device=None, dtype=None, attn
     """`load_model(path, ...)` and its tokenizer: `tokenizer` (an object or a path) when given, else the one saved
     in `path`; when `path` has none, the built-in byte tokenizer, with a note on stderr."""
     model = load_model(path, device, dtype, attn_implementation)
-    return model, _load_tokenizer(path, tokenizer, model.config)
+    return model, load_tokenizer(path, model.config, tokenizer)
 
 
-def _load_tokenizer(model_path, tokenizer, config):
+def load_tokenizer(model_path, config, tokenizer=None):
+    """`tokenizer` (an object, or a path to load), else the one saved at `model_path`, else the built-in byte
+    tokenizer (with a note on stderr, and a warning when the model's vocabulary is not the byte tokenizer's)."""
     from .tokenization_bam import BYTE_VOCAB_SIZE, build_byte_tokenizer
 
     if tokenizer is not None and not isinstance(tokenizer, (str, Path)):

@@ -35,13 +35,13 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoTokenizer, Trainer, TrainingArguments, set_seed
+from transformers import AutoConfig, Trainer, TrainingArguments, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
 from .configuration_bam import BamLlamaConfig
-from .convert_bam import staged_output_dir
+from .convert_bam import current_umask, staged_output_dir
+from .evaluation_bam import load_tokenizer
 from .modeling_bam import BamLlamaForCausalLM, BamPrior, BamScalableSoftmax
-from .tokenization_bam import build_byte_tokenizer
 
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,6 @@ LORA_ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 TEXT_SUFFIXES = (".txt", ".jsonl")
 DATASETS_FILE_BUILDERS = {".json": "json", ".csv": "csv", ".parquet": "parquet"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # Parameters of the prior and SSMax modules, also inside PEFT's `modules_to_save` wrappers.
 PRIOR_PARAMETER = re.compile(r"(^|\.)(prior|ssmax)\.(.+\.)?(theta_alpha|theta_beta|theta_mu|scale)$")
 IGNORE_INDEX = -100
@@ -324,19 +323,6 @@ def check_model_config(model: str, context_length: int) -> BamLlamaConfig:
     return config
 
 
-def load_tokenizer(model: str):
-    """The model's tokenizer, or the byte tokenizer when the model folder has none."""
-    path = Path(model)
-    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
-        logger.info("%s has no tokenizer files: using the byte tokenizer (bam_llama.tokenization_bam)", model)
-        return build_byte_tokenizer()
-    try:
-        return AutoTokenizer.from_pretrained(model)
-    except (OSError, ValueError) as error:
-        logger.info("no tokenizer could be loaded from %s (%s): using the byte tokenizer", model, error)
-        return build_byte_tokenizer()
-
-
 def check_tokenizer(tokenizer, config: BamLlamaConfig) -> int:
     """The padding id; a ValueError when the tokenizer's ids do not fit the model's vocabulary."""
     if len(tokenizer) > config.vocab_size:
@@ -600,14 +586,8 @@ def write_summary(summary: FinetuneSummary, output_dir: str) -> None:
     handle, temporary = tempfile.mkstemp(prefix=".summary.", suffix=".json", dir=output_dir)
     with os.fdopen(handle, "w") as file:
         file.write(summary.to_json() + "\n")
-    os.chmod(temporary, 0o666 & ~_umask())
+    os.chmod(temporary, 0o666 & ~current_umask())
     os.replace(temporary, Path(output_dir) / "summary.json")
-
-
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -635,7 +615,7 @@ def finetune(args: FinetuneArguments) -> FinetuneSummary:
 
     if args.merge and not args.lora and is_main:
         logger.warning("--merge has no effect with --full: the fine-tuned model is saved whole in %s/model", args.output_dir)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model, base_config)
     pad_token_id = check_tokenizer(tokenizer, base_config)
     documents, train_data, eval_rows, eval_split = build_training_data(args, tokenizer, pad_token_id, show_progress)
 
