@@ -40,7 +40,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from .configuration_bam import BamLlamaConfig
 from .convert_bam import current_umask, staged_output_dir
-from .evaluation_bam import load_tokenizer
+from .evaluation_bam import check_model_path, load_tokenizer
 from .modeling_bam import BamLlamaForCausalLM, BamPrior, BamScalableSoftmax
 
 
@@ -305,6 +305,7 @@ def split_eval_rows(rows: list[dict], eval_rows: int) -> tuple[list[dict], list[
 def check_model_config(model: str, context_length: int) -> BamLlamaConfig:
     """Read the config of `model`; refuse models that are not BamLlama and lengths below the training length."""
     try:
+        check_model_path(model)
         config = AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot read a model config from {model!r}: {error}") from error

@@ -178,6 +178,12 @@ def test_a_llama_model_is_refused_with_the_conversion_command(workspace, tmp_pat
         finetune(arguments(tmp_path / "llama", workspace["data"], tmp_path / "out"))
 
 
+def test_a_missing_model_folder_is_named(workspace, tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ValueError, match=f"no model folder at {re.escape(str(missing))}"):
+        finetune(arguments(missing, workspace["data"], tmp_path / "out"))
+
+
 def test_resume_latest_without_checkpoints_is_refused(tmp_path):
     args = FinetuneArguments(model="m", data="d", output_dir=str(tmp_path), context_length=64, resume_from_checkpoint="latest")
     with pytest.raises(ValueError, match="no checkpoint"):
