@@ -2,6 +2,7 @@
 
     bam-convert reference RUN_DIR OUT_DIR      reference GGD-BAM run (model.pt + args.json) -> BamLlama folder
     bam-convert llama LLAMA_DIR OUT_DIR        Hugging Face LlamaForCausalLM folder -> BamLlama folder (RoPE dropped)
+    bam-convert llama MODEL.gguf OUT_DIR       Llama GGUF checkpoint -> BamLlama folder (dequantized; see gguf_bam.py)
     bam-convert to-reference BAM_DIR OUT_DIR   BamLlama folder -> reference run (model.pt + args.json)
 
 Inputs are checked completely (keys, shapes, variant) before anything is written. Tensors are then streamed: the
@@ -806,6 +807,7 @@ def convert_llama_checkpoint(
     force: bool = False,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     verbose: bool = True,
+    source: dict | None = None,
 ) -> Path:
     """Convert a Hugging Face LlamaForCausalLM folder into a BamLlama folder: same weights, RoPE dropped.
 
@@ -818,6 +820,7 @@ def convert_llama_checkpoint(
         ssmax: add Scalable Softmax with scale `ssmax_scale_init`.
         train_context_length: recorded in the config; defaults to the Llama max_position_embeddings.
         base_model: the source recorded in the config and model card (e.g. its Hub id); defaults to the folder.
+        source: overrides of the provenance recorded in `config.converted_from` (e.g. the GGUF file it came from).
     """
     log = print if verbose else quiet
     llama_dir, out_dir = Path(llama_dir).resolve(), Path(out_dir).resolve()
@@ -847,6 +850,7 @@ def convert_llama_checkpoint(
         "prior_init": prior,
         "ssmax": ssmax,
         "dropped": "RoPE" + (f" (rope_parameters {llama.rope_parameters})" if getattr(llama, "rope_parameters", None) else ""),
+        **(source or {}),
     }
     extra_files = [llama_dir / name for name in (*TOKENIZER_FILES, "generation_config.json") if (llama_dir / name).is_file()]
     log(f"Llama model {llama_dir} ({len(files)} weight file{'s' if len(files) > 1 else ''})")
@@ -1073,7 +1077,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert a LlamaForCausalLM folder (config.json + safetensors) into a BamLlama folder: same "
         "weights, RoPE dropped, a GGD prior added. Fine-tune the result before use.",
     )
-    llama.add_argument("llama_dir", metavar="LLAMA_DIR", help="folder with config.json and safetensors weights")
+    llama.add_argument("llama_dir", metavar="LLAMA_DIR", help="folder with config.json and safetensors weights, or a .gguf file")
     llama.add_argument("out_dir", metavar="OUT_DIR", help="BamLlama folder to create")
     llama.add_argument(
         "--prior", choices=list(LLAMA_PRIOR_INITS), default="uniform",
@@ -1084,6 +1088,7 @@ def build_parser() -> argparse.ArgumentParser:
     llama.add_argument("--ssmax-scale-init", type=float, default=1.0, metavar="S", help="initial SSMax scale (default 1)")
     llama.add_argument("--train-context-length", type=int, metavar="N", help="default: the Llama max_position_embeddings")
     llama.add_argument("--base-model", metavar="NAME", help="source recorded in the config and model card, e.g. its Hub id")
+    llama.add_argument("--gguf-file", metavar="NAME", help="convert the GGUF checkpoint LLAMA_DIR/NAME (needs the gguf package)")
     add_output_options(llama)
 
     to_reference = commands.add_parser(
@@ -1107,8 +1112,11 @@ def run_command(args: argparse.Namespace) -> Path:
             dtype=args.dtype, force=args.force, max_shard_size=args.max_shard_size,
         )
     if args.command == "llama":
-        return convert_llama_checkpoint(
-            args.llama_dir, args.out_dir, prior=args.prior, ssmax=args.ssmax,
+        from .gguf_bam import convert_gguf_checkpoint, gguf_source
+
+        gguf_path = gguf_source(args.llama_dir, args.gguf_file)
+        return (convert_gguf_checkpoint if gguf_path else convert_llama_checkpoint)(
+            gguf_path or args.llama_dir, args.out_dir, prior=args.prior, ssmax=args.ssmax,
             train_context_length=args.train_context_length, prior_scope=args.prior_scope,
             ssmax_scale_init=args.ssmax_scale_init, base_model=args.base_model, dtype=args.dtype, force=args.force,
             max_shard_size=args.max_shard_size,
@@ -1122,7 +1130,7 @@ def main(argv: list[str] | None = None) -> int:
         run_command(args)
     except ConversionError as error:
         print(f"bam-convert: error: {error}", file=sys.stderr)
-        return 1
+        return getattr(error, "exit_status", 1)
     return 0
 
 
