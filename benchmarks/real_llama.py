@@ -67,8 +67,8 @@ class Setting:
 
 SETTINGS = {
     "quick": Setting(
-        train_context=256, max_steps=24, batch_size=1, gradient_accumulation=4, learning_rate=5e-4,
-        perplexity_lengths=[256, 1024, 2048], perplexity_sequences=2, window=128,
+        train_context=256, max_steps=16, batch_size=1, gradient_accumulation=2, learning_rate=1e-3,
+        perplexity_lengths=[256, 1024, 2048], perplexity_sequences=1, window=128,
         passkey_lengths=[256, 1024, 2048], passkey_depths=3, chunk_size=512,
     ),
     "full": Setting(
@@ -196,12 +196,15 @@ def check_conversion(original, tokenizer, work: Path) -> dict:
     }
 
 
-def finetune(work: Path, setting: Setting) -> dict:
+def finetune(work: Path, setting: Setting, train: bool = True) -> dict:
+    """Fine-tune each converted model (or, without `train`, collect the fine-tunes already done)."""
     results = {}
     for prior in PRIORS:
         output_dir = work / f"finetuned-{prior}"
         summary_path = output_dir / "summary.json"
         timing = read_json(work / f"finetune-{prior}.timing.json")
+        if (read_json(summary_path) is None or timing is None) and not train:
+            continue
         if read_json(summary_path) is None or timing is None:
             timing = run_child(
                 [sys.executable, "-m", "bam_llama.finetune_bam", "--model", str(work / f"bam-{prior}"),
@@ -224,9 +227,13 @@ def finetune(work: Path, setting: Setting) -> dict:
     return results
 
 
+def evaluation_cache(work: Path, name: str) -> Path:
+    return work / ("eval-" + re.sub(r"\W+", "-", name.lower()).strip("-") + ".json")
+
+
 def evaluate_model(name: str, model, tokenizer, held_out_ids: torch.Tensor, setting: Setting, work: Path) -> dict:
     """Perplexity by position and passkey retrieval; each finished model's results are cached in `work`."""
-    cache = work / ("eval-" + re.sub(r"\W+", "-", name.lower()).strip("-") + ".json")
+    cache = evaluation_cache(work, name)
     cached = read_json(cache)
     if cached is not None:
         return cached
@@ -349,6 +356,10 @@ def passkey_table(evaluations: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def format_number(value: float | None) -> str:
+    return "not measured yet" if value is None else f"{value:.2f}"
+
+
 def write_report(out: Path, results: dict) -> None:
     setting = results["setting"]
     evaluations = results["evaluations"]
@@ -357,14 +368,15 @@ def write_report(out: Path, results: dict) -> None:
     plot_passkey(evaluations, setting["train_context"], out / "passkey.png")
     finetuning = "\n".join(
         f"| {prior} | {values['steps']} | {values['tokens_seen']} | {values['loss_before']:.3f} | {values['loss_after']:.3f} | "
-        f"{results['before_finetuning'][prior]:.2f} | {results['after_finetuning'][prior]:.2f} | {values['wall_s']:.0f} | {values['peak_rss_mb']} |"
+        f"{results['before_finetuning'][prior]:.2f} | {format_number(results['after_finetuning'].get(prior))} | {values['wall_s']:.0f} | {values['peak_rss_mb']} |"
         for prior, values in results["finetune"].items()
     )
     text = f"""# SmolLM2-135M -> BamLlama on real text ({results['setting_name']} setting)
 
-Produced by `python benchmarks/real_llama.py --setting {results['setting_name']}` on {results['date']}; total wall time
-{results['wall_s'] / 60:.1f} min, peak memory of the evaluating process {results['peak_rss_mb']} MB. Raw numbers, every
-passkey prediction and the recipe are in `results.json`.
+Produced by `python benchmarks/real_llama.py --setting {results['setting_name']}` on {results['date']} (status:
+{results['status']}); wall time of the last invocation {results['wall_s'] / 60:.1f} min (stages cached by earlier
+invocations are not included: see the per-stage times below), peak memory of the evaluating process
+{results['peak_rss_mb']} MB. Raw numbers, every passkey prediction and the recipe are in `results.json`.
 
 ## Conversion check (`bam-convert llama {results['gguf']}`)
 
@@ -393,6 +405,8 @@ fine-tuning context (the original SmolLM2 there: {results['original_at_train_con
 {passkey_table(evaluations)}
 ![passkey](passkey.png)
 
+Evaluation wall time per model (perplexity + passkey): {", ".join(f"{name} {result['wall_s'] / 60:.1f} min" for name, result in evaluations.items())}.
+
 ## Data, machine, versions
 
 - Data: {results['data']['source']}; {results['data']['train_topics']} topics ({results['data']['train_chars']} characters)
@@ -415,6 +429,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results/real-llama/SETTING)")
     parser.add_argument("--work-dir", type=Path, help="converted and fine-tuned models (default /tmp/bam-real-llama-SETTING)")
     parser.add_argument("--max-steps", type=int, help="override the setting's fine-tuning steps")
+    parser.add_argument(
+        "--cached-evaluations-only", action="store_true",
+        help="write the report from the evaluations already cached in --work-dir, leaving the others out (partial)",
+    )
     args = parser.parse_args(argv)
 
     setting = SETTINGS[args.setting]
@@ -439,31 +457,44 @@ def main(argv: list[str] | None = None) -> None:
         prior: perplexity_at_train_context(BamLlamaForCausalLM.from_pretrained(work / f"bam-{prior}").eval(), held_out_ids, setting)
         for prior in PRIORS
     }
+    before.setdefault("original", perplexity_at_train_context(original, held_out_ids, setting))
     write_json(work / "before.json", before)
-    original_at_train_context = perplexity_at_train_context(original, held_out_ids, setting)
-    finetuned = finetune(work, setting)
-
-    evaluations = {ORIGINAL: evaluate_model(ORIGINAL, original, tokenizer, held_out_ids, setting, work)}
-    del original
-    after = {}
-    for prior in PRIORS:
-        model = BamLlamaForCausalLM.from_pretrained(work / f"finetuned-{prior}" / "merged").eval()
-        after[prior] = perplexity_at_train_context(model, held_out_ids, setting)
-        name = f"BAM {prior} (fine-tuned)"
-        evaluations[name] = evaluate_model(name, model, tokenizer, held_out_ids, setting, work)
-        print(name, "done", flush=True)
+    original_at_train_context = before["original"]
+    finetuned = finetune(work, setting, train=not args.cached_evaluations_only)
 
     results = {
         "setting_name": args.setting, "setting": dataclasses.asdict(setting), "gguf": gguf.name,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "data": data, "held_out_tokens": held_out_ids.numel(), "conversion": conversion, "check": check,
-        "before_finetuning": before, "after_finetuning": after, "original_at_train_context": original_at_train_context,
-        "finetune": finetuned, "evaluations": evaluations,
-        "wall_s": round(time.perf_counter() - start, 1), "peak_rss_mb": peak_rss_mb(),
-        "machine": machine(), "versions": versions(),
+        "before_finetuning": before, "after_finetuning": {}, "original_at_train_context": original_at_train_context,
+        "finetune": finetuned, "evaluations": {}, "machine": machine(), "versions": versions(),
     }
-    write_json(out / "results.json", results)
-    write_report(out, results)
+
+    def save(status: str) -> None:
+        """Results and report so far, so that a run cut off during the evaluations still leaves its tables."""
+        results.update(
+            status=status, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            wall_s=round(time.perf_counter() - start, 1), peak_rss_mb=peak_rss_mb(),
+        )
+        write_json(out / "results.json", results)
+        write_report(out, results)
+
+    if not (args.cached_evaluations_only and not evaluation_cache(work, ORIGINAL).is_file()):
+        results["evaluations"][ORIGINAL] = evaluate_model(ORIGINAL, original, tokenizer, held_out_ids, setting, work)
+    del original
+    for prior in PRIORS:
+        name = f"BAM {prior} (fine-tuned)"
+        if args.cached_evaluations_only and not evaluation_cache(work, name).is_file():
+            continue
+        save(f"partial: evaluating {name}")
+        model = BamLlamaForCausalLM.from_pretrained(work / f"finetuned-{prior}" / "merged").eval()
+        after_path = work / f"after-{prior}.json"
+        after = read_json(after_path) or {"perplexity": perplexity_at_train_context(model, held_out_ids, setting)}
+        write_json(after_path, after)
+        results["after_finetuning"][prior] = after["perplexity"]
+        results["evaluations"][name] = evaluate_model(name, model, tokenizer, held_out_ids, setting, work)
+        print(name, "done", flush=True)
+    evaluated = len(results["evaluations"])
+    save("complete" if evaluated == 1 + len(PRIORS) else f"partial: {1 + len(PRIORS) - evaluated} of {1 + len(PRIORS)} models not evaluated")
     print(f"wrote {out}", flush=True)
 
 
