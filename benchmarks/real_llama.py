@@ -151,12 +151,14 @@ def convert(gguf: Path, work: Path, setting: Setting) -> dict:
     timings = {}
     for prior in PRIORS:
         out_dir = work / f"bam-{prior}"
-        if not (out_dir / "config.json").is_file():
-            timings[prior] = run_child(
+        timing_path = work / f"convert-{prior}.timing.json"
+        if not (out_dir / "config.json").is_file() or not timing_path.is_file():
+            write_json(timing_path, run_child(
                 [sys.executable, "-m", "bam_llama.convert_bam", "llama", str(gguf), str(out_dir), "--prior", prior,
                  "--train-context-length", str(setting.train_context), "--base-model", f"HuggingFaceTB/SmolLM2-135M-Instruct ({gguf.name})", "--force"],
                 work / f"convert-{prior}.log",
-            )
+            ))
+        timings[prior] = read_json(timing_path)
     return timings
 
 
@@ -383,13 +385,15 @@ invocations are not included: see the per-stage times below), peak memory of the
 - Position-0 logits of the converted model (uniform prior, no SSMax) against the original, 512 first tokens: max
   abs difference {check['position_0_max_abs_diff']:.2e} (logits up to {check['position_0_logit_scale']:.1f}), same
   argmax: {check['position_0_same_argmax']}. At position 2 (RoPE dropped) they differ by up to {check['position_2_max_abs_diff']:.1f}.
-- "{check['prompt']}" -> original: "{check['original_answer']}"; converted, before fine-tuning:
-  "{check['converted_answer_before_finetuning']}".
+- {json.dumps(check['prompt'])} -> original: {json.dumps(check['original_answer'])}; converted, before fine-tuning:
+  {json.dumps(check['converted_answer_before_finetuning'])} (greedy, 6 new tokens).
+- Conversion (GGUF dequantized to float32, then converted): {"; ".join(f"{prior} {timing['wall_s']:.0f} s, peak RSS {timing['peak_rss_mb']} MB" for prior, timing in results['conversion'].items())}.
 
 ## Fine-tuning (`bam-finetune`, LoRA on q/k/v/o + the prior trained in full, context {setting['train_context']})
 
-Loss before/after: `bam-finetune`'s own held-out packed rows of the training file. Perplexity: held-out topics at the
-fine-tuning context (the original SmolLM2 there: {results['original_at_train_context']:.2f}).
+Loss before/after: `bam-finetune`'s own held-out packed rows of the training file. Perplexity: the first 8 held-out
+sequences of the fine-tuning context (the original SmolLM2 there: {results['original_at_train_context']:.2f}); the
+tables below use {setting['perplexity_sequences']} sequence(s) per length.
 
 | Prior init | Steps | Tokens seen | Loss before | Loss after | Held-out ppl before | Held-out ppl after | Wall (s) | Peak RSS (MB) |
 |---|---|---|---|---|---|---|---|---|
