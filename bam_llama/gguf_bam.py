@@ -9,7 +9,6 @@ then converts. Peak memory is one dequantized copy of the model; the temporary f
 removed afterwards. Reading GGUF needs the optional dependency `gguf` (`pip install 'bam-llama[gguf]'`).
 """
 
-import importlib.util
 import os
 import tempfile
 from pathlib import Path
@@ -40,10 +39,12 @@ def gguf_source(llama_dir: str | os.PathLike, gguf_file: str | None = None) -> P
 
 
 def require_gguf() -> None:
-    if importlib.util.find_spec("gguf") is None:
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
         raise MissingDependencyError(
             "reading a GGUF checkpoint needs the optional dependency `gguf`: pip install 'bam-llama[gguf]' (or pip install gguf)"
-        )
+        ) from None
 
 
 def read_gguf_metadata(path: Path) -> dict:
