@@ -669,6 +669,7 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            return_dict=True,  # whatever config.return_dict says; `can_return_tuple` converts at the end
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
