@@ -266,8 +266,8 @@ BAM_ATTENTION_FUNCTIONS = {
     "bam_triton": bam_triton_attention_forward,
 }
 ATTENTION_ALIASES = {"bam_eager": "eager", "bam_sdpa": "sdpa"}  # the names of earlier releases
-# `create_causal_mask` finds the mask function by the config's name in the global registry: BAM's are registered
-# under private names, which the model shows it in place of the plain ones (see `_create_causal_mask`).
+# `create_causal_mask` finds the mask function by the config's name in the global registry, so BAM's are registered
+# under private names, and the model hands it a config view carrying the private name (see `_MaskingConfig`).
 BAM_MASK_FUNCTIONS = {"bam_eager": bam_boolean_mask, "bam_sdpa": bam_boolean_mask, "bam_triton": bam_key_padding_mask}
 MASK_FUNCTION_NAMES = {"eager": "bam_eager", "sdpa": "bam_sdpa", "bam_triton": "bam_triton"}
 
@@ -466,7 +466,9 @@ class BamLlamaPreTrainedModel(PreTrainedModel):
             raise ValueError("attn_implementation='bam_triton' needs the `triton` package, which is not installed")
         return implementation
 
-    def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, is_init_check: bool = False, **kwargs) -> str:
+    def _check_and_adjust_attn_implementation(
+        self, attn_implementation: str | None, is_init_check: bool = False, allow_all_kernels: bool = False
+    ) -> str:
         """Refuse unsupported names before Transformers tries to fetch a kernel from the Hub or a flash fallback."""
         return self.get_correct_attn_implementation(attn_implementation, is_init_check)
 
@@ -619,7 +621,12 @@ class _MaskingConfig:
 def _create_causal_mask(config, inputs_embeds, attention_mask, past_key_values, position_ids, query_positions):
     """`create_causal_mask` with BAM's mask function, across Transformers 5.x: early releases name the embeddings
     `input_embeds` and take `cache_position`; later ones read the query offset from the cache."""
-    kwargs = dict(config=_MaskingConfig(config), attention_mask=attention_mask, past_key_values=past_key_values, position_ids=position_ids)
+    kwargs = dict(
+        config=_MaskingConfig(config),
+        attention_mask=attention_mask,
+        past_key_values=past_key_values,
+        position_ids=position_ids,
+    )
     kwargs["inputs_embeds" if "inputs_embeds" in _CAUSAL_MASK_PARAMETERS else "input_embeds"] = inputs_embeds
     if "cache_position" in _CAUSAL_MASK_PARAMETERS:
         kwargs["cache_position"] = query_positions
@@ -661,7 +668,7 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """`return_dict=False` (kwarg or config) gives the tuple of the non-None fields, like every Transformers model."""
+        """`return_dict=False` (kwarg or config) gives the tuple of the non-None fields, like any Transformers model."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

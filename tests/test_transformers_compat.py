@@ -118,7 +118,8 @@ def test_hidden_states_from_config_flag_are_the_layer_outputs(tmp_path):
         torch.testing.assert_close(hidden_states[index + 1], layer_output)
     final = layer_outputs[-1]  # the last entry is the final norm's output, as in Llama
     weight, eps = model.model.norm.weight, model.config.rms_norm_eps
-    torch.testing.assert_close(hidden_states[-1], weight * final * torch.rsqrt(final.pow(2).mean(-1, keepdim=True) + eps))
+    final_norm = weight * final * torch.rsqrt(final.pow(2).mean(-1, keepdim=True) + eps)
+    torch.testing.assert_close(hidden_states[-1], final_norm)
 
     with torch.no_grad():
         assert model(input_ids, use_cache=False, output_hidden_states=False).hidden_states is None
@@ -186,7 +187,8 @@ def test_sdpa_with_output_attentions_warns_and_returns_eager_weights(caplog, res
     assert model.config._attn_implementation == "sdpa"
     assert len(outputs.attentions) == 2 and outputs.attentions[0] is not None
     with torch.no_grad():
-        torch.testing.assert_close(outputs.attentions[0], expected_attention_probabilities(model, input_ids), atol=1e-5, rtol=1e-4)
+        expected = expected_attention_probabilities(model, input_ids)
+    torch.testing.assert_close(outputs.attentions[0], expected, atol=1e-5, rtol=1e-4)
 
 
 def test_hidden_states_and_attentions_keep_their_gradients():
@@ -213,7 +215,8 @@ def test_inputs_embeds_equal_input_ids():
     input_ids = torch.randint(3, VOCAB, (2, 8))
     embeds = model.get_input_embeddings()(input_ids)
     with torch.no_grad():
-        torch.testing.assert_close(model(inputs_embeds=embeds, use_cache=False).logits, no_grad_logits(model, input_ids))
+        from_embeds = model(inputs_embeds=embeds, use_cache=False).logits
+    torch.testing.assert_close(from_embeds, no_grad_logits(model, input_ids))
     with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
         model(input_ids, inputs_embeds=embeds)
 
@@ -287,13 +290,21 @@ def test_resize_token_embeddings_keeps_old_tokens(tied):
 # ---------------------------------------------------------------------------------------------- training
 
 
+def enable_checkpointing(model):
+    """`activation_checkpointing_enable` since Transformers 5.2x, `gradient_checkpointing_enable` before."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def test_gradient_checkpointing_gives_same_gradients_and_hidden_states():
     input_ids = torch.randint(3, VOCAB, (2, 10))
     runs = []
     for checkpointing in (False, True):
         model = tiny_model("eager", ssmax=True).train()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)
         outputs = model(input_ids, labels=input_ids, output_hidden_states=True, output_attentions=True)
         outputs.loss.backward()
         grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
@@ -303,8 +314,9 @@ def test_gradient_checkpointing_gives_same_gradients_and_hidden_states():
     assert plain_grads.keys() == checkpointed_grads.keys() and any("theta_beta" in name for name in plain_grads)
     for name in plain_grads:
         torch.testing.assert_close(checkpointed_grads[name], plain_grads[name], msg=name)
-    for ours, reference in zip(checkpointed.hidden_states + checkpointed.attentions, plain.hidden_states + plain.attentions):
-        torch.testing.assert_close(ours, reference)
+    for name in ("hidden_states", "attentions"):
+        for ours, reference in zip(getattr(checkpointed, name), getattr(plain, name)):
+            torch.testing.assert_close(ours, reference)
 
 
 @pytest.mark.parametrize("flash_kwargs", [False, True])
@@ -394,8 +406,9 @@ def test_generation_continues_from_returned_past_key_values():
     assert torch.equal(second.sequences, one_shot.sequences)
     for ours, reference in zip(first.scores + second.scores, one_shot.scores):
         torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
-    for layer in range(model.config.num_hidden_layers):
-        torch.testing.assert_close(second.past_key_values.layers[layer].keys, one_shot.past_key_values.layers[layer].keys)
+    for ours, reference in zip(second.past_key_values.layers, one_shot.past_key_values.layers):
+        torch.testing.assert_close(ours.keys, reference.keys)
+        torch.testing.assert_close(ours.values, reference.values)
 
 
 def test_generate_returns_scores_attentions_and_hidden_states_per_step():
@@ -464,7 +477,8 @@ def test_compiled_static_cache_generation_equals_eager(implementation):
 
 
 @pytest.mark.parametrize(
-    "requested, kept", [("eager", "eager"), ("sdpa", "sdpa"), ("bam_triton", "bam_triton"), ("bam_eager", "eager"), ("bam_sdpa", "sdpa")]
+    "requested, kept",
+    [("eager", "eager"), ("sdpa", "sdpa"), ("bam_triton", "bam_triton"), ("bam_eager", "eager"), ("bam_sdpa", "sdpa")],
 )
 def test_config_keeps_the_attention_name_users_pass(tmp_path, requested, kept):
     tiny_model("sdpa").save_pretrained(tmp_path)
@@ -516,7 +530,8 @@ def test_bam_attention_names_do_not_leak_into_other_models():
 
 
 @pytest.mark.parametrize(
-    "backend", ["flash_attention_2", "flash_attention_3", "flex_attention", "paged|eager", "kernels-community/flash-attn3"]
+    "backend",
+    ["flash_attention_2", "flash_attention_3", "flex_attention", "paged|eager", "kernels-community/flash-attn3"],
 )
 def test_backends_that_drop_the_prior_are_refused(tmp_path, backend):
     model = tiny_model("sdpa")
