@@ -1,7 +1,8 @@
 """bam-llama: GGD-BAM (Bayesian Attention Mechanism) for Hugging Face Transformers.
 
-Importing the package registers `bam_llama` with the Auto classes and BAM's attention implementations
-("bam_eager", "bam_sdpa", "bam_triton") with Transformers' attention interfaces.
+Importing the package registers `bam_llama` with the Auto classes, and BAM's mask functions under private names
+with Transformers' mask interface. A BamLlama's "eager", "sdpa" and "bam_triton" attention are BAM's own, chosen
+inside the model: Transformers' global "eager" / "sdpa" stay as they are for every other model.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM

@@ -28,7 +28,6 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
@@ -273,11 +272,11 @@ MASK_FUNCTION_NAMES = {"eager": "bam_eager", "sdpa": "bam_sdpa", "bam_triton": "
 
 
 def register_bam_attention() -> None:
-    """Register BAM's mask and attention functions under BAM's private names ("bam_eager", "bam_sdpa",
-    "bam_triton"); idempotent (runs on every import of this module). Transformers' own entries are left alone."""
+    """Register BAM's mask functions under BAM's private names; idempotent (runs on every import of this module).
+    The attention functions are not registered: no other model could call them (they need BAM's prior), and
+    Transformers' own entries are left alone."""
     for name, mask_fn in BAM_MASK_FUNCTIONS.items():
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask_fn)
-        ALL_ATTENTION_FUNCTIONS.register(name, BAM_ATTENTION_FUNCTIONS[ATTENTION_ALIASES.get(name, name)])
 
 
 register_bam_attention()

@@ -527,6 +527,8 @@ def test_bam_attention_names_do_not_leak_into_other_models():
     assert llama.config._attn_implementation == "eager"
     torch.testing.assert_close(no_grad_logits(llama, input_ids), sdpa_logits, atol=1e-5, rtol=1e-5)
     assert calls[-1].shape == (1, 4, 6, 6)
+    with pytest.raises(ValueError, match="bam_sdpa"):  # BAM's functions need the prior: no other model gets them
+        llama.set_attn_implementation("bam_sdpa")
 
 
 @pytest.mark.parametrize(
