@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from conftest import randomize_prior, tiny_config, tiny_model
 from transformers import (
-    AutoModel,
     AutoModelForCausalLM,
     CompileConfig,
     DataCollatorWithFlattening,
@@ -116,7 +115,7 @@ def test_hidden_states_from_config_flag_are_the_layer_outputs(tmp_path):
     torch.testing.assert_close(hidden_states[0], model.model.embed_tokens(input_ids))
     for index, layer_output in enumerate(layer_outputs[:-1]):
         torch.testing.assert_close(hidden_states[index + 1], layer_output)
-    final = layer_outputs[-1]  # the last entry is the final norm's output, as in Llama
+    final = layer_outputs[-1]  # hidden_states[-1] is the last layer's output after the final norm, as in Llama
     weight, eps = model.model.norm.weight, model.config.rms_norm_eps
     final_norm = weight * final * torch.rsqrt(final.pow(2).mean(-1, keepdim=True) + eps)
     torch.testing.assert_close(hidden_states[-1], final_norm)
@@ -570,7 +569,7 @@ def save_byte_model(folder):
 PROMPT = "BAM attends"
 
 
-def expected_pipeline_outputs(model, folder):
+def expected_pipeline_outputs(model):
     tokenizer = build_byte_tokenizer()
     input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     generated = model.generate(input_ids, max_new_tokens=6, do_sample=False, **NO_EOS)
@@ -580,7 +579,7 @@ def expected_pipeline_outputs(model, folder):
 
 
 def test_pipelines_on_a_saved_folder(tmp_path):
-    expected = expected_pipeline_outputs(save_byte_model(tmp_path), tmp_path)
+    expected = expected_pipeline_outputs(save_byte_model(tmp_path))
     generator = pipeline("text-generation", model=str(tmp_path))
     assert isinstance(generator.model, BamLlamaForCausalLM)
     output = generator(PROMPT, max_new_tokens=6, do_sample=False, return_tensors=True, eos_token_id=None)
@@ -596,7 +595,7 @@ def test_pipelines_on_a_saved_folder(tmp_path):
 
 def test_pipelines_through_remote_code_without_the_package(tmp_path):
     folder = tmp_path / "model"
-    expected = expected_pipeline_outputs(save_byte_model(folder), folder)
+    expected = expected_pipeline_outputs(save_byte_model(folder))
     torch.save(expected, tmp_path / "expected.pt")
     script = textwrap.dedent(
         f"""
