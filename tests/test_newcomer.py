@@ -61,6 +61,20 @@ def test_the_demo_model_carries_its_passkey_prompt_through_a_resave(demo_output,
     assert json.loads((tmp_path / "copy" / "config.json").read_text())["passkey_template"] == DEMO_PROMPT_RECORD
 
 
+def test_bam_finetune_merged_copy_keeps_the_passkey_prompt(demo_output, tmp_path):
+    from bam_llama import finetune_bam
+
+    documents = ["The sky is blue. " * 5 + f"The pass key is {key}. The pass key is {key}." for key in range(10000, 10060)]
+    (tmp_path / "corpus.txt").write_text("\n\n".join(documents))
+    finetune_bam.main([
+        "--model", str(demo_output / "bam-model"), "--data", str(tmp_path / "corpus.txt"),
+        "--output-dir", str(tmp_path / "ft"), "--context-length", "128", "--max-steps", "1", "--eval-rows", "2",
+        "--batch-size", "2", "--merge", "--disable-progress-bars",
+    ])
+    merged = json.loads((tmp_path / "ft" / "merged" / "config.json").read_text())
+    assert merged["passkey_template"] == DEMO_PROMPT_RECORD
+
+
 @pytest.fixture
 def recorded_prompts(monkeypatch):
     """Every prompt bam-eval passkey decodes from; the model 'answers' nothing useful (no decoding run)."""
@@ -168,12 +182,16 @@ def test_the_readme_usage_snippet_runs_on_the_demo_model(demo_output):
 
 
 def test_ci_runs_the_readme_set_up_and_test_command():
+    """CI installs the README's torch pin (its --index-url aside: CI has the wheel locally), the README's package
+    install line, and runs the README's test command."""
     readme_commands = [line.split("#")[0].strip() for line in readme_block("# bam-llama", "bash").splitlines()]
     ci = (REPO_ROOT / ".ci" / "run").read_text()
-    pip_installs = [command for command in readme_commands if command.startswith("pip install")]
-    assert pip_installs and all(f"python -m {command}" in ci for command in pip_installs)
+    torch_line, package_line = [command for command in readme_commands if command.startswith("pip install")]
+    torch_pin = re.search(r"torch==[\d.]+", torch_line).group(0)
+    assert f'python -m pip install --quiet "{torch_pin}"\n' in ci
+    assert f"python -m {package_line.replace('pip install', 'pip install --quiet')}\n" in ci
     test_command = next(command for command in readme_commands if "pytest" in command)
-    assert test_command in ci
+    assert f"\n{test_command} " in ci
 
 
 # ------------------------------------------------------------------------------------- without triton
