@@ -490,9 +490,9 @@ def prior_curves(prior, max_distance: int) -> torch.Tensor:
 
 
 def plot_prior(model_or_path, path, max_distance: int = 1024, layer: int | None = None) -> None:
-    """Each head's prior b_h over distance (one line per head, legend with its parameters), one subplot per
-    prior: the shared prior, every layer's, or only `layer`'s. Both axes are symlog: heads differ by orders of
-    magnitude (a negative beta reaches -1e8 near distance 0) and a power law is a straight line there."""
+    """Each head's penalty -b_h over distances 1 .. max_distance on log-log axes (heads differ by orders of
+    magnitude; a power law is a straight line, ALiBi a slope of 1), one line per head with its parameters and its
+    value at distance 0 in the legend, one subplot per prior: the shared prior, every layer's, or only `layer`'s."""
     from matplotlib.figure import Figure
 
     from .attention_bam import prior_offset
@@ -505,21 +505,22 @@ def plot_prior(model_or_path, path, max_distance: int = 1024, layer: int | None 
     columns = min(len(priors), 3)
     rows = -(-len(priors) // columns)
     figure = Figure(figsize=(6.5 * columns, 4.5 * rows))
+    distances = range(1, max_distance + 1)
     for axes, (label, prior) in zip(figure.subplots(rows, columns, squeeze=False).flat, priors):
         curves = prior_curves(prior, max_distance)
         mu = prior_offset(prior.theta_mu.detach().float()).cpu()
         for head, curve in enumerate(curves):
             alpha, beta = prior.theta_alpha[head].item(), prior.theta_beta[head].item()
-            axes.plot(curve, label=f"head {head}: θα={alpha:.2f} θβ={beta:.2f} μ={mu[head]:.2f}")
+            axes.plot(
+                distances, -curve[1:],
+                label=f"head {head}: θα={alpha:.2f} θβ={beta:.2f} μ={mu[head]:.2f}, b(0)={curve[0].item():.2g}",
+            )
         if train_length and train_length <= max_distance:
             axes.axvline(train_length, color="gray", linestyle="--", label=f"training length {train_length}")
-        axes.set_xscale("symlog", linthresh=1.0)
-        axes.set_yscale("symlog", linthresh=_prior_linthresh(curves))
-        if curves.max() <= 0:
-            axes.set_ylim(top=0.0)  # a prior is a penalty: nothing to show above zero
-        axes.set_xlim(0, max_distance)
+        axes.set_xscale("log")
+        axes.set_yscale("log")
         axes.set_xlabel("distance i - j (tokens)")
-        axes.set_ylabel("prior b_h (symlog)")
+        axes.set_ylabel("penalty -b_h (log scale)")
         axes.set_title(label)
         axes.grid(True, which="major", alpha=0.3)
         axes.legend(fontsize="x-small", ncol=2 if len(curves) > 8 else 1)
@@ -545,15 +546,6 @@ def _prior_label(module_name: str) -> str:
     if "layers" in parts:
         return f"layer {parts[parts.index('layers') + 1]}"
     return "prior shared by all layers"
-
-
-def _prior_linthresh(curves: torch.Tensor) -> float:
-    """The symlog axis is linear below the smallest magnitude any head reaches (a power of ten, 1e-3 at least), so
-    every curve sits in the logarithmic part and keeps its shape."""
-    magnitudes = curves.abs()
-    drawn = magnitudes[(magnitudes > 0) & magnitudes.isfinite()]
-    smallest = drawn.min().item() if drawn.numel() else 1.0
-    return max(10.0 ** math.floor(math.log10(min(smallest, 1.0))), 1e-3)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -354,23 +354,26 @@ def test_heatmap_depth_ticks_fall_between_rows_for_twenty_depths(saved_figures):
     assert list(saved_figures[0].axes[0].get_yticks()) == [0, 4.75, 9.5, 14.25, 19]
 
 
-def test_prior_plot_is_symlog_and_shows_every_head_unclipped(saved_figures):
+def test_prior_plot_is_log_log_and_shows_every_head(saved_figures):
     model = tiny_model()
     prior = model.model.prior
+    alphas, betas = [1.0, 0.0, -1.0, -2.0], [-2.0, 0.0, 0.5, 3.0]
     with torch.no_grad():
-        prior.theta_alpha.copy_(torch.tensor([1.0, 0.0, -1.0, -2.0]))
-        prior.theta_beta.copy_(torch.tensor([-2.0, 0.0, 0.5, 1.0]))
+        prior.theta_alpha.copy_(torch.tensor(alphas))
+        prior.theta_beta.copy_(torch.tensor(betas))
         prior.theta_mu.zero_()
     plot_prior(model, "x", max_distance=200)
     axes = saved_figures[0].axes[0]
-    assert axes.get_xscale() == "symlog" and axes.get_yscale() == "symlog"
+    assert axes.get_xscale() == "log" and axes.get_yscale() == "log"
     head_lines = [line for line in axes.get_lines() if line.get_label().startswith("head")]
     assert len(head_lines) == 4
-    # the test's own prior: -exp(alpha) * (d + 1e-5) ** beta at distance d (mu = 0)
-    for line, alpha, beta in zip(head_lines, [1.0, 0.0, -1.0, -2.0], [-2.0, 0.0, 0.5, 1.0]):
-        for distance in (1, 10, 200):
-            expected = -math.exp(alpha) * (distance + 1e-5) ** beta
-            assert line.get_ydata()[distance] == pytest.approx(expected, rel=1e-5)
     low, high = axes.get_ylim()
-    assert high == 0 and low <= -math.exp(1.0) * 1e-5**-2  # head 0 at distance 0 (-2.7e10) is on the chart
+    # the test's own penalty: exp(alpha) * (d + 1e-5) ** beta at distance d (mu = 0)
+    for line, alpha, beta in zip(head_lines, alphas, betas):
+        assert list(line.get_xdata()) == list(range(1, 201))
+        for distance in (1, 10, 200):
+            expected = math.exp(alpha) * (distance + 1e-5) ** beta
+            assert line.get_ydata()[distance - 1] == pytest.approx(expected, rel=1e-5)
+            assert low <= expected <= high  # from 4e-5 (head 0 at 200) to 1e6 (head 3 at 200): all on the chart
+        assert f"b(0)={-math.exp(alpha) * 1e-5**beta:.2g}" in line.get_label()
     assert any(line.get_label() == "training length 16" for line in axes.get_lines())
