@@ -10,7 +10,6 @@ Command line: `bam-eval passkey MODEL`, `bam-eval perplexity MODEL --data FILE`,
 import argparse
 import inspect
 import json
-import math
 import os
 import random
 import sys
