@@ -234,7 +234,7 @@ def test_the_package_works_without_triton(tmp_path):
                                 num_attention_heads=4, num_key_value_heads=2)
         torch.manual_seed(0)
         model = BamLlamaForCausalLM(config).eval()
-        assert model.config._attn_implementation == "bam_sdpa"
+        assert "triton" not in model.config._attn_implementation  # bam_sdpa (named "sdpa" by newer configs)
         ids = torch.randint(0, 50, (2, 12))
         with torch.no_grad():
             logits = model(ids).logits
