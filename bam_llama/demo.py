@@ -32,6 +32,7 @@ from .evaluation_bam import (
     evaluate_passkey,
     plot_prior,
     random_passkey,
+    save_passkey_template,
 )
 from .modeling_bam import BamLlamaForCausalLM
 from .tokenization_bam import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID, build_byte_tokenizer
@@ -338,6 +339,7 @@ def run_demo(argv: list[str] | None = None) -> dict[str, PasskeyResults]:
         title = f"{MODEL_LABELS[name]}, trained at {train_length} tokens"
         results[name].save_heatmap(output_dir / f"passkey-{name}.png", title=title)
         if name == "bam":
+            save_passkey_template(model, DEMO_TEMPLATE, settings.data.add_bos)  # bam-eval passkey's default prompt
             save_bam(model, tokenizer, output_dir)
     minutes = (time.perf_counter() - start) / 60
 

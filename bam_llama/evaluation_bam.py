@@ -38,6 +38,53 @@ class PasskeyTemplate:
     question: str = "What is the pass key? The pass key is"
 
 
+# A model carries the prompt it was trained on in its config (`config.passkey_template`: the four pieces and
+# `add_bos`). The config is the one file every save_pretrained writes, so the template survives reloading,
+# bam-finetune's merged copy and a Hub push; a separate file in the folder would be lost by the first re-save.
+PASSKEY_TEMPLATE_FIELD = "passkey_template"
+TEMPLATE_PIECES = ("task", "filler", "info", "question")
+
+
+def passkey_template_record(template: PasskeyTemplate, add_bos: bool) -> dict:
+    """The JSON form of a prompt format: `{task, filler, info, question, add_bos}`."""
+    return {**asdict(template), "add_bos": add_bos}
+
+
+def passkey_template_from_record(record: dict, source: str) -> tuple[PasskeyTemplate, bool]:
+    """`(template, add_bos)` from a record; `source` names where it came from in the error of a bad record."""
+    if not isinstance(record, dict) or set(record) - {*TEMPLATE_PIECES, "add_bos"}:
+        raise ValueError(f"{source}: a passkey template has the keys {', '.join(TEMPLATE_PIECES)} and add_bos")
+    pieces = {name: record[name] for name in TEMPLATE_PIECES if name in record}
+    if not all(isinstance(piece, str) for piece in pieces.values()) or "{passkey}" not in pieces.get("info", "{passkey}"):
+        raise ValueError(f"{source}: the pieces must be strings and 'info' must contain {{passkey}}")
+    return PasskeyTemplate(**pieces), bool(record.get("add_bos", False))
+
+
+def save_passkey_template(model, template: PasskeyTemplate, add_bos: bool) -> None:
+    """Record the prompt format `model` was trained on in its config, so save_pretrained keeps it."""
+    setattr(model.config, PASSKEY_TEMPLATE_FIELD, passkey_template_record(template, add_bos))
+
+
+def choose_passkey_template(choice: str, config) -> tuple[PasskeyTemplate, bool, str]:
+    """`(template, add_bos, description)` for `bam-eval passkey --template`: "paper" (the paper's prompt, no BOS),
+    "model" (the one the model carries, else the paper's) or the path of a JSON record."""
+    if choice == "paper":
+        return PasskeyTemplate(), False, "the paper's prompt"
+    if choice == "model":
+        record = getattr(config, PASSKEY_TEMPLATE_FIELD, None)
+        if record is None:
+            return PasskeyTemplate(), False, "the paper's prompt (the model carries no passkey template)"
+        return *passkey_template_from_record(record, "the model's config"), "the model's own prompt"
+    path = Path(choice)
+    if not path.is_file():
+        raise FileNotFoundError(f"--template is paper, model or a JSON file; no file at {choice}")
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{choice} is not JSON: {error}") from None
+    return *passkey_template_from_record(record, choice), f"the prompt in {choice}"
+
+
 def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -122,20 +169,24 @@ class PasskeyResults:
         return "\n".join(lines) + "\n"
 
     def save_heatmap(self, path, title: str = "Passkey retrieval") -> None:
-        """Length (x) by depth (y) PNG, green where the key was retrieved."""
+        """Length (x, the table's lengths) by depth (y, 0% = key at the start of the filler) PNG, green where the
+        key was retrieved, with a colour legend."""
         from matplotlib.colors import ListedColormap
         from matplotlib.figure import Figure
 
         grid = torch.tensor(self.correct, dtype=torch.float32).T.numpy()  # (depth, length)
-        figure = Figure(figsize=(max(4.0, 0.6 * len(self.lengths) + 2), 4.5))
+        figure = Figure(figsize=(max(4.5, 0.6 * len(self.lengths) + 3), 4.5))
         axes = figure.subplots()
-        axes.imshow(grid, cmap=ListedColormap(["#d7301f", "#1a9850"]), vmin=0, vmax=1, aspect="auto", origin="upper")
-        axes.set_xticks(range(len(self.lengths)), [str(length) for length in self.prompt_lengths], rotation=45)
-        depth_ticks = sorted({0, len(self.depths) // 2, len(self.depths) - 1})
-        axes.set_yticks(depth_ticks, [f"{self.depths[index]:.0%}" for index in depth_ticks])
+        image = axes.imshow(
+            grid, cmap=ListedColormap(["#d7301f", "#1a9850"]), vmin=0, vmax=1, aspect="auto", origin="upper"
+        )
+        axes.set_xticks(range(len(self.lengths)), [str(length) for length in self.lengths], rotation=45)
+        axes.set_yticks(*_depth_ticks(len(self.depths)))
         axes.set_xlabel("prompt length (tokens)")
         axes.set_ylabel("depth of the key")
         axes.set_title(f"{title}\n{100 * self.mean_accuracy():.1f}% retrieved overall", fontsize=10)
+        legend = figure.colorbar(image, ax=axes, ticks=[0.25, 0.75], fraction=0.08, pad=0.03)
+        legend.ax.set_yticklabels(["missed", "retrieved"])
         _save_figure(figure, path)
 
     def to_dict(self) -> dict:
@@ -149,6 +200,14 @@ class PasskeyResults:
     def from_dict(cls, values: dict) -> "PasskeyResults":
         names = {"lengths", "depths", "correct", "prompt_lengths", "passkeys", "predictions"}
         return cls(**{name: value for name, value in values.items() if name in names})
+
+
+def _depth_ticks(num_depths: int) -> tuple[list[float], list[str]]:
+    """Heatmap rows are depths i / (num_depths - 1): ticks at 0, 25, 50, 75 and 100% sit at row (num_depths - 1) * d."""
+    if num_depths == 1:
+        return [0.0], ["0%"]
+    fractions = (0.0, 0.25, 0.5, 0.75, 1.0)
+    return [fraction * (num_depths - 1) for fraction in fractions], [f"{fraction:.0%}" for fraction in fractions]
 
 
 def model_device(model) -> torch.device:
@@ -430,8 +489,9 @@ def prior_curves(prior, max_distance: int) -> torch.Tensor:
 
 
 def plot_prior(model_or_path, path, max_distance: int = 1024, layer: int | None = None) -> None:
-    """Each head's prior b_h over distance (one line per head, legend with its parameters), one subplot per
-    prior: the shared prior, every layer's, or only `layer`'s."""
+    """Each head's penalty -b_h over distances 1 .. max_distance on log-log axes (heads differ by orders of
+    magnitude; a power law is a straight line, ALiBi a slope of 1), one line per head with its parameters and its
+    value at distance 0 in the legend, one subplot per prior: the shared prior, every layer's, or only `layer`'s."""
     from matplotlib.figure import Figure
 
     from .attention_bam import prior_offset
@@ -440,20 +500,28 @@ def plot_prior(model_or_path, path, max_distance: int = 1024, layer: int | None 
     if isinstance(model_or_path, (str, Path)):
         model = load_model(model_or_path, device="cpu")
     priors = _select_priors(find_priors(model), layer)
+    train_length = getattr(model.config, "train_context_length", None)
     columns = min(len(priors), 3)
     rows = -(-len(priors) // columns)
     figure = Figure(figsize=(6.5 * columns, 4.5 * rows))
+    distances = range(1, max_distance + 1)
     for axes, (label, prior) in zip(figure.subplots(rows, columns, squeeze=False).flat, priors):
         curves = prior_curves(prior, max_distance)
         mu = prior_offset(prior.theta_mu.detach().float()).cpu()
         for head, curve in enumerate(curves):
             alpha, beta = prior.theta_alpha[head].item(), prior.theta_beta[head].item()
-            axes.plot(curve, label=f"head {head}: θα={alpha:.2f} θβ={beta:.2f} μ={mu[head]:.2f}")
-        axes.set_ylim(*_prior_ylim(curves))
+            axes.plot(
+                distances, -curve[1:],
+                label=f"head {head}: θα={alpha:.2f} θβ={beta:.2f} μ={mu[head]:.2f}, b(0)={curve[0].item():.2g}",
+            )
+        if train_length and train_length <= max_distance:
+            axes.axvline(train_length, color="gray", linestyle="--", label=f"training length {train_length}")
+        axes.set_xscale("log")
+        axes.set_yscale("log")
         axes.set_xlabel("distance i - j (tokens)")
-        axes.set_ylabel("prior b_h")
+        axes.set_ylabel("penalty -b_h (log scale)")
         axes.set_title(label)
-        axes.grid(True, alpha=0.3)
+        axes.grid(True, which="major", alpha=0.3)
         axes.legend(fontsize="x-small", ncol=2 if len(curves) > 8 else 1)
     for axes in list(figure.axes)[len(priors) :]:
         axes.set_visible(False)
@@ -477,15 +545,6 @@ def _prior_label(module_name: str) -> str:
     if "layers" in parts:
         return f"layer {parts[parts.index('layers') + 1]}"
     return "prior shared by all layers"
-
-
-def _prior_ylim(curves: torch.Tensor) -> tuple[float, float]:
-    """Scale the axis to distances >= 1: with a negative beta, distance 0 is far below the rest and would flatten
-    every curve (it is drawn off the chart)."""
-    visible = curves[:, 1:] if curves.shape[1] > 1 else curves
-    low, high = visible.min().item(), max(visible.max().item(), 0.0)
-    margin = 0.05 * (high - low) or 1.0
-    return low - margin, high + margin
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -591,6 +650,12 @@ def build_parser() -> argparse.ArgumentParser:
     passkey.add_argument("--digits", type=int, default=5, help="digits of the passkey (default: %(default)s)")
     passkey.add_argument("--seed", type=int, default=0, help="seed of the random passkeys (default: %(default)s)")
     passkey.add_argument("--per-depth", action="store_true", help="print one column per depth")
+    passkey.add_argument(
+        "--template", default="model",
+        help="the prompt: 'model' (the one the model was trained on, saved in its config; the paper's if it has "
+        "none), 'paper', or a JSON file with task, filler, info ({passkey} in it), question and add_bos "
+        "(default: %(default)s)",
+    )
     passkey.set_defaults(run=run_passkey)
 
     perplexity = commands.add_parser(
@@ -647,9 +712,12 @@ def _load_for_cli(args):
 
 def run_passkey(args) -> None:
     model, tokenizer = _load_for_cli(args)
+    template, template_bos, description = choose_passkey_template(args.template, model.config)
+    print(f"Passkey prompts use {description}.", file=sys.stderr)
     results = evaluate_passkey(
         model, tokenizer, parse_lengths(args.lengths), num_depths=args.depths, num_digits=args.digits,
-        seed=args.seed, chunk_size=args.chunk_size, progress=not args.quiet, add_bos=args.add_bos,
+        seed=args.seed, chunk_size=args.chunk_size, progress=not args.quiet, add_bos=args.add_bos or template_bos,
+        template=template,
     )
     table = results.to_markdown(per_depth=args.per_depth)
     print(table)

@@ -484,18 +484,21 @@ class BamLlamaPreTrainedModel(PreTrainedModel):
         return loaded
 
     def apply_prior_trainability(self) -> None:
-        """Freeze or unfreeze the prior and SSMax parameters as the config says (loading resets requires_grad)."""
+        """Freeze or unfreeze the prior and SSMax parameters as the config says (loading resets requires_grad, and
+        so does PEFT's `modules_to_save`: call it after `get_peft_model`). PEFT's `original_module` copies stay
+        frozen."""
         flags = {
             "theta_alpha": self.config.train_theta_alpha,
             "theta_beta": self.config.train_theta_beta,
             "theta_mu": self.config.train_theta_mu,
         }
-        for module in self.modules():
+        for module_name, module in self.named_modules():
+            trained_copy = ".original_module" not in module_name
             if isinstance(module, BamPrior):
                 for name, trainable in flags.items():
-                    getattr(module, name).requires_grad_(trainable)
+                    getattr(module, name).requires_grad_(trainable and trained_copy)
             elif isinstance(module, BamScalableSoftmax):
-                module.scale.requires_grad_(self.config.train_ssmax_scale)
+                module.scale.requires_grad_(self.config.train_ssmax_scale and trained_copy)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save weights, config and the remote code, with an `auto_map` for AutoConfig/AutoModel/AutoModelForCausalLM."""
