@@ -11,26 +11,24 @@ failure leaves nothing behind and an existing OUT_DIR is replaced only with `for
 """
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import re
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.dynamic_module_utils import custom_object_save
 
 from . import card_bam
 from .configuration_bam import PRIOR_FORMULAS, PRIOR_SCOPES, BamLlamaConfig
+from .io_bam import DEFAULT_MAX_SHARD_SIZE, OutputError, SafetensorsShardWriter, check_output_dir, staged_output_dir
 from .modeling_bam import REMOTE_CODE_AUTO_MAP, BamLlamaForCausalLM, BamPrior, BamScalableSoftmax
 
 
@@ -40,7 +38,6 @@ LLAMA_PRIOR_INITS = {
     "alibi": dict(theta_alpha_init="alibi", theta_beta_init=1.0),  # bias -slope_h * |j - i|: ALiBi
 }
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 MIN_MAX_POSITION_EMBEDDINGS = 1 << 20
 
 # Reference (Meta Llama layout) names -> BamLlama names.
@@ -85,143 +82,8 @@ class ConversionError(Exception):
 
 
 # --------------------------------------------------------------------------------------------------------
-# Output folder: staged beside OUT_DIR, renamed into place when complete
+# Safetensors: reading shard headers
 # --------------------------------------------------------------------------------------------------------
-
-
-def check_output_dir(out_dir: Path, force: bool, inputs: Iterable[Path] = ()) -> None:
-    for source in inputs:
-        if out_dir == source or out_dir in source.parents:
-            raise ConversionError(f"the output folder {out_dir} would replace the input {source}")
-    if out_dir.exists() or out_dir.is_symlink():
-        if not force:
-            raise ConversionError(f"the output folder {out_dir} already exists; pass --force to replace it")
-
-
-@contextlib.contextmanager
-def staged_output_dir(out_dir: Path, force: bool, inputs: Iterable[Path] = ()) -> Iterator[Path]:
-    """Yield an empty folder beside `out_dir`; it becomes `out_dir` if the block succeeds and is deleted otherwise."""
-    inputs = tuple(inputs)
-    check_output_dir(out_dir, force, inputs)
-    created_parents = make_parents(out_dir.parent)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-    try:
-        yield staging
-        check_output_dir(out_dir, force, inputs)
-        apply_umask_permissions(staging)
-        move_into_place(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        for folder in reversed(created_parents):
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        raise
-
-
-def make_parents(folder: Path) -> list[Path]:
-    """Create `folder` and its missing parents; return the folders created, outermost first."""
-    missing = []
-    while not folder.exists():
-        missing.append(folder)
-        folder = folder.parent
-    created = []
-    for folder in reversed(missing):
-        folder.mkdir()
-        created.append(folder)
-    return created
-
-
-def current_umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
-def apply_umask_permissions(folder: Path) -> None:
-    """mkdtemp (and safetensors) create private files; give the output the permissions of ordinary new files."""
-    umask = current_umask()
-    folder.chmod(0o777 & ~umask)
-    for path in folder.rglob("*"):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-def move_into_place(staging: Path, out_dir: Path) -> None:
-    if not (out_dir.exists() or out_dir.is_symlink()):
-        os.replace(staging, out_dir)
-        return
-    trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
-    os.replace(out_dir, trash / out_dir.name)
-    os.replace(staging, out_dir)
-    shutil.rmtree(trash)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Safetensors: reading shard headers, writing shard by shard
-# --------------------------------------------------------------------------------------------------------
-
-
-def parse_size(size: str | int) -> int:
-    """'5GB', '500MB', '2GiB' or a number of bytes -> bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
-    if match is None or float(match.group(1)) <= 0:
-        raise ConversionError(f"cannot read the shard size {size!r}; write it like 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * units[match.group(2) or ""])
-
-
-class SafetensorsShardWriter:
-    """Writes named tensors into `model.safetensors`, or into numbered shards plus an index when they exceed
-    `max_shard_size`. Holds at most one shard of tensors at a time."""
-
-    def __init__(self, folder: Path, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE):
-        self.folder = folder
-        self.max_shard_bytes = parse_size(max_shard_size)
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_storages: set[int] = set()
-        self.pending_bytes = 0
-        self.shard_names: list[list[str]] = []
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
-            self.flush()
-        storage = tensor.untyped_storage().data_ptr()
-        if storage in self.pending_storages:
-            tensor = tensor.clone()  # safetensors refuses tensors that share memory
-            storage = tensor.untyped_storage().data_ptr()
-        self.pending_storages.add(storage)
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += size
-        self.total_bytes += size
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        save_file(self.pending, self.folder / self._partial_name(len(self.shard_names)), metadata={"format": "pt"})
-        self.shard_names.append(list(self.pending))
-        self.pending, self.pending_storages, self.pending_bytes = {}, set(), 0
-
-    def finish(self) -> list[str]:
-        """Write the last shard, give the shards their final names and write the index; return the file names."""
-        self.flush()
-        if len(self.shard_names) == 1:
-            os.replace(self.folder / self._partial_name(0), self.folder / "model.safetensors")
-            return ["model.safetensors"]
-        count = len(self.shard_names)
-        files, weight_map = [], {}
-        for index, names in enumerate(self.shard_names):
-            file_name = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(self.folder / self._partial_name(index), self.folder / file_name)
-            files.append(file_name)
-            weight_map.update(dict.fromkeys(names, file_name))
-        index_file = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2) + "\n")
-        return files + ["model.safetensors.index.json"]
-
-    @staticmethod
-    def _partial_name(index: int) -> str:
-        return f"shard-{index:05d}.safetensors.partial"
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -1120,7 +982,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         run_command(args)
-    except ConversionError as error:
+    except (ConversionError, OutputError) as error:
         print(f"bam-convert: error: {error}", file=sys.stderr)
         return 1
     return 0

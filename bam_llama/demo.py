@@ -24,7 +24,6 @@ from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
 from .configuration_bam import BamLlamaConfig
-from .convert_bam import staged_output_dir
 from .evaluation_bam import (
     PasskeyResults,
     PasskeyTemplate,
@@ -33,6 +32,7 @@ from .evaluation_bam import (
     plot_prior,
     random_passkey,
 )
+from .io_bam import staged_output_dir
 from .modeling_bam import BamLlamaForCausalLM
 from .tokenization_bam import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID, build_byte_tokenizer
 

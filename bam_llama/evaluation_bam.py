@@ -10,14 +10,15 @@ Command line: `bam-eval passkey MODEL`, `bam-eval perplexity MODEL --data FILE`,
 import argparse
 import inspect
 import json
-import os
 import random
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from .io_bam import check_model_path, load_tokenizer
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -506,42 +507,11 @@ def load_model(path, device=None, dtype=None, attn_implementation=None):
     return AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
 
 
-def check_model_path(path) -> None:
-    """A path that can only be local (absolute, ./ or ../, more than one '/') must exist: Transformers would
-    otherwise report it as an invalid Hub repo id."""
-    text = str(path)
-    looks_local = isinstance(path, Path) or text.startswith((os.sep, ".", "~")) or text.count("/") > 1
-    if looks_local and not Path(text).expanduser().exists():
-        raise FileNotFoundError(f"no model folder at {text}")
-
-
 def load_model_and_tokenizer(path, tokenizer=None, device=None, dtype=None, attn_implementation=None):
     """`load_model(path, ...)` and its tokenizer: `tokenizer` (an object or a path) when given, else the one saved
     in `path`; when `path` has none, the built-in byte tokenizer, with a note on stderr."""
     model = load_model(path, device, dtype, attn_implementation)
     return model, load_tokenizer(path, model.config, tokenizer)
-
-
-def load_tokenizer(model_path, config, tokenizer=None):
-    """`tokenizer` (an object, or a path to load), else the one saved at `model_path`, else the built-in byte
-    tokenizer (with a note on stderr, and a warning when the model's vocabulary is not the byte tokenizer's)."""
-    from .tokenization_bam import BYTE_VOCAB_SIZE, build_byte_tokenizer
-
-    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
-        return tokenizer
-    try:
-        return AutoTokenizer.from_pretrained(tokenizer if tokenizer is not None else model_path)
-    except (OSError, ValueError, TypeError):
-        if tokenizer is not None:
-            raise
-    print(f"No tokenizer found in {model_path}; using the built-in byte tokenizer.", file=sys.stderr)
-    if getattr(config, "vocab_size", BYTE_VOCAB_SIZE) != BYTE_VOCAB_SIZE:
-        print(
-            f"Warning: the model's vocab_size is {config.vocab_size}, the byte tokenizer's {BYTE_VOCAB_SIZE}; "
-            "pass --tokenizer if the model was trained with another tokenizer.",
-            file=sys.stderr,
-        )
-    return build_byte_tokenizer()
 
 
 def _parse_dtype(dtype):

@@ -39,8 +39,7 @@ from transformers import AutoConfig, Trainer, TrainingArguments, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
 from .configuration_bam import BamLlamaConfig
-from .convert_bam import current_umask, staged_output_dir
-from .evaluation_bam import check_model_path, load_tokenizer
+from .io_bam import check_model_path, current_umask, load_tokenizer, staged_output_dir
 from .modeling_bam import BamLlamaForCausalLM, BamPrior, BamScalableSoftmax
 
 

@@ -18,6 +18,7 @@ from bam_llama.convert_bam import (
     main,
     reference_key_table,
 )
+from bam_llama.io_bam import OutputError
 from bam_llama.tokenization_bam import build_byte_tokenizer
 
 
@@ -356,7 +357,7 @@ def test_existing_output_needs_force(tmp_path):
     out = tmp_path / "bam"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(ConversionError, match="already exists; pass --force"):
+    with pytest.raises(OutputError, match="already exists; pass --force"):
         convert_reference_checkpoint(tmp_path / "run", out, verbose=False)
     assert folder_listing(out) == ["keep.txt"]
     convert_reference_checkpoint(tmp_path / "run", out, force=True, verbose=False)
@@ -366,7 +367,7 @@ def test_existing_output_needs_force(tmp_path):
 
 def test_output_may_not_replace_the_input(tmp_path):
     write_reference_run(tmp_path / "run")
-    with pytest.raises(ConversionError, match="would replace the input"):
+    with pytest.raises(OutputError, match="would replace the input"):
         convert_reference_checkpoint(tmp_path / "run", tmp_path, force=True, verbose=False)
     assert (tmp_path / "run" / "model.pt").is_file()
 
