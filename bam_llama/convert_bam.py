@@ -28,7 +28,14 @@ from transformers.dynamic_module_utils import custom_object_save
 
 from . import card_bam
 from .configuration_bam import PRIOR_FORMULAS, PRIOR_SCOPES, BamLlamaConfig
-from .io_bam import DEFAULT_MAX_SHARD_SIZE, OutputError, SafetensorsShardWriter, check_output_dir, staged_output_dir
+from .io_bam import (
+    DEFAULT_MAX_SHARD_SIZE,
+    OutputError,
+    SafetensorsShardWriter,
+    check_output_dir,
+    exit_on_sigterm,
+    staged_output_dir,
+)
 from .modeling_bam import REMOTE_CODE_AUTO_MAP, BamLlamaForCausalLM, BamPrior, BamScalableSoftmax
 
 
@@ -498,6 +505,7 @@ def convert_reference_checkpoint(
     table, shapes = checked_reference_key_table(config, prior_names)
     expected = {name: reference_shape(bam_name, shapes[bam_name]) for name, bam_name in table.items()}
     found = {name: tuple(tensor.shape) for name, tensor in state_dict.items()}
+    check_feed_forward_width(found, config, run_args["model_args"])
     check_keys_and_shapes(found, expected, f"{run_dir / 'model.pt'}", describe_reference_layout(config, prior_names))
     tokenizer_files = tokenizer_files_at(tokenizer) if tokenizer is not None else []
 
@@ -548,6 +556,21 @@ def convert_reference_checkpoint(
         )
     log(f"wrote {out_dir} ({', '.join(files)}{', tokenizer' if tokenizer_files else ''})")
     return out_dir
+
+
+def check_feed_forward_width(found: Mapping[str, tuple], config: BamLlamaConfig, model_args: dict) -> None:
+    """The FFN width is the one size args.json gives only indirectly (dim, ffn_dim_multiplier, multiple_of): when it
+    disagrees with model.pt, say so instead of listing every feed-forward weight as a shape mismatch."""
+    shape = found.get("layers.0.feed_forward.w1.weight")
+    if shape is None or len(shape) != 2 or shape[0] == config.intermediate_size:
+        return
+    multiplier = model_args.get("ffn_dim_multiplier")
+    given = "no ffn_dim_multiplier" if multiplier is None else f"ffn_dim_multiplier {multiplier}"
+    raise ConversionError(
+        f"model.pt has feed-forward width {shape[0]}, but args.json model_args (dim {model_args['dim']}, {given}, "
+        f"multiple_of {model_args.get('multiple_of') or 1}) give {config.intermediate_size}: args.json does not "
+        "describe this checkpoint; check model_args.ffn_dim_multiplier (missing or wrong?)"
+    )
 
 
 def describe_reference_layout(config: BamLlamaConfig, prior_names: str) -> str:
@@ -980,11 +1003,12 @@ def run_command(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    exit_on_sigterm()
     try:
         run_command(args)
     except (ConversionError, OutputError) as error:
         print(f"bam-convert: error: {error}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 

@@ -12,8 +12,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
-class OutputError(Exception):
+class OutputError(ValueError):
     """A bad output folder or output setting. The message names it; nothing has been written."""
 
 
@@ -35,6 +37,9 @@ class OutputError(Exception):
 
 
 def check_output_dir(out_dir: Path, force: bool, inputs: Iterable[Path] = ()) -> None:
+    """Refuse an output that would replace an input, or an existing one without `force`. What killed runs left
+    beside `out_dir` is dealt with first (see `recover_interrupted_output`)."""
+    recover_interrupted_output(out_dir)
     for source in inputs:
         if out_dir == source or out_dir in source.parents:
             raise OutputError(f"the output folder {out_dir} would replace the input {source}")
@@ -45,22 +50,142 @@ def check_output_dir(out_dir: Path, force: bool, inputs: Iterable[Path] = ()) ->
 
 @contextlib.contextmanager
 def staged_output_dir(out_dir: Path, force: bool, inputs: Iterable[Path] = ()) -> Iterator[Path]:
-    """Yield an empty folder beside `out_dir`; it becomes `out_dir` if the block succeeds and is deleted otherwise."""
+    """Yield an empty folder beside `out_dir`; it becomes `out_dir` if the block succeeds and is deleted otherwise.
+
+    The staging folder is named `.OUT.<pid>.<random>.partial`, so a later run can tell a killed run's leftovers
+    from a running one's.
+    """
     inputs = tuple(inputs)
     check_output_dir(out_dir, force, inputs)
-    created_parents = make_parents(out_dir.parent)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    try:
+        created_parents = make_parents(out_dir.parent)
+        staging = Path(tempfile.mkdtemp(prefix=leftover_prefix(out_dir), suffix=".partial", dir=out_dir.parent))
+    except PermissionError as error:
+        raise OutputError(f"cannot create {out_dir}: no permission to write in {error.filename or out_dir.parent}") from None
     try:
         yield staging
         check_output_dir(out_dir, force, inputs)
         apply_umask_permissions(staging)
         move_into_place(staging, out_dir)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        for folder in reversed(created_parents):
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+        with signals_deferred():
+            shutil.rmtree(staging, ignore_errors=True)
+            for folder in reversed(created_parents):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
         raise
+
+
+def move_into_place(staging: Path, out_dir: Path) -> None:
+    """Rename `staging` to `out_dir`. An existing `out_dir` is first renamed aside to `.OUT.<pid>.<random>.old`
+    and deleted once the new one is in place; SIGINT / SIGTERM wait until both renames are done. If the process
+    dies between the two renames anyway (SIGKILL, power loss), the old output is complete under its `.old` name
+    and the next run puts it back (`recover_interrupted_output`)."""
+    aside = None
+    try:
+        with signals_deferred():
+            if not (out_dir.exists() or out_dir.is_symlink()):
+                os.replace(staging, out_dir)
+                return
+            aside = Path(tempfile.mkdtemp(prefix=leftover_prefix(out_dir), suffix=".old", dir=out_dir.parent))
+            aside.rmdir()  # only the unique name is wanted: os.replace cannot put a file or symlink over a folder
+            os.replace(out_dir, aside)
+            try:
+                os.replace(staging, out_dir)
+            except BaseException:
+                os.replace(aside, out_dir)
+                raise
+    finally:  # also when a deferred signal arrives at the end of the block
+        if aside is not None and out_dir.exists():
+            remove_path(aside)
+
+
+def leftover_prefix(out_dir: Path) -> str:
+    return f".{out_dir.name}.{os.getpid()}."
+
+
+LEFTOVER_KINDS = ("partial", "old")
+
+
+def recover_interrupted_output(out_dir: Path) -> None:
+    """Clean up after runs killed while writing `out_dir`, with a note on stderr for each thing done.
+
+    `.OUT.<pid>.*.partial` of a process that no longer runs is an incomplete output: deleted. `.OUT.<pid>.*.old`
+    is a complete previous output moved aside by a `--force` replace: put back when `out_dir` is missing (the
+    run died between the two renames), deleted otherwise. Leftovers of running processes are left alone, and
+    ones without a process id (older versions) are only reported.
+    """
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(?:(\d+)\.)?[^.]+\.({'|'.join(LEFTOVER_KINDS)})")
+    if not out_dir.parent.is_dir():
+        return
+    leftovers = [(path, match) for path in out_dir.parent.iterdir() if (match := pattern.fullmatch(path.name))]
+    leftovers.sort(key=lambda item: item[0].lstat().st_mtime, reverse=True)  # the newest old output first
+    for path, match in leftovers:
+        pid, kind = match.group(1), match.group(2)
+        if pid is None:
+            note(f"{path} looks like the leftover of an interrupted run; delete it if no other run writes {out_dir}")
+        elif process_is_running(int(pid)):
+            continue
+        elif kind == "old" and not (out_dir.exists() or out_dir.is_symlink()):
+            os.replace(path, out_dir)
+            note(f"restored {out_dir} from {path.name}: a run replacing it was interrupted")
+        else:
+            remove_path(path)
+            what = "incomplete output" if kind == "partial" else "previous output"
+            note(f"removed {path.name}, the {what} of a run that was interrupted while writing {out_dir}")
+
+
+def process_is_running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def note(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr)
+
+
+DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block is done, then deliver them, so renames come in pairs and cleanups
+    finish. (Python runs signal handlers in the main thread only; elsewhere there is nothing to defer.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: received.append(signum)) for signum in DEFERRED_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        for signum in received:
+            signal.raise_signal(signum)
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit(143), like Ctrl-C's KeyboardInterrupt, so staged outputs are cleaned up."""
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
 
 
 def make_parents(folder: Path) -> list[Path]:
@@ -88,16 +213,6 @@ def apply_umask_permissions(folder: Path) -> None:
     folder.chmod(0o777 & ~umask)
     for path in folder.rglob("*"):
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-def move_into_place(staging: Path, out_dir: Path) -> None:
-    if not (out_dir.exists() or out_dir.is_symlink()):
-        os.replace(staging, out_dir)
-        return
-    trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
-    os.replace(out_dir, trash / out_dir.name)
-    os.replace(staging, out_dir)
-    shutil.rmtree(trash)
 
 
 def parse_size(size: str | int) -> int:

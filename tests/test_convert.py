@@ -539,9 +539,86 @@ def test_command_line_converts_and_reports_errors(tmp_path, capsys):
     assert "variant bam_ssmax" in printed and "prior formula legacy" in printed
     assert BamLlamaConfig.from_pretrained(tmp_path / "bam").prior_formula == "legacy"
 
-    assert main(["reference", str(tmp_path / "run"), str(tmp_path / "bam")]) == 1
+    assert main(["reference", str(tmp_path / "run"), str(tmp_path / "bam")]) == 2
     assert "already exists; pass --force" in capsys.readouterr().err
-    assert main(["to-reference", str(tmp_path / "missing"), str(tmp_path / "back")]) == 1
+    assert main(["to-reference", str(tmp_path / "missing"), str(tmp_path / "back")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["to-reference", str(tmp_path / "bam"), str(tmp_path / "back"), "--prior-names", "theta"]) == 0
     assert "prior.theta_beta" in torch.load(tmp_path / "back" / "model.pt", weights_only=True)
+
+
+# ---------------------------------------------------------------------------------------------- interruptions, bad settings
+
+
+CONVERT_THEN_WAIT = """
+import sys, time
+from bam_llama import convert_bam, io_bam
+
+finish = io_bam.SafetensorsShardWriter.finish
+
+def finish_then_wait(self):
+    files = finish(self)
+    print("staged", flush=True)
+    time.sleep(60)
+    return files
+
+io_bam.SafetensorsShardWriter.finish = finish_then_wait
+sys.exit(convert_bam.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_bam_convert_leaves_no_partial_folder(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    write_reference_run(tmp_path / "run")
+    (tmp_path / "convert.py").write_text(CONVERT_THEN_WAIT)
+    repository = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repository, os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen(
+        [sys.executable, str(tmp_path / "convert.py"), "reference", str(tmp_path / "run"), str(tmp_path / "out" / "bam")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    for line in process.stdout:
+        if line.strip() == "staged":
+            break
+    assert any(path.name.endswith(".partial") for path in (tmp_path / "out").iterdir())
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["convert.py", "run"]  # nor the parent it created
+
+
+def test_missing_ffn_dim_multiplier_points_at_args_json(tmp_path):
+    write_reference_run(tmp_path / "run", ffn_dim_multiplier=2)
+    args_path = tmp_path / "run" / "args.json"
+    run_args = json.loads(args_path.read_text())
+    del run_args["model_args"]["ffn_dim_multiplier"]
+    args_path.write_text(json.dumps(run_args))
+    message = assert_conversion_error(tmp_path, ["feed-forward width 64", "no ffn_dim_multiplier", "give 32", "args.json"])
+    assert "shape mismatches" not in message
+
+
+def test_a_nan_ssmax_scale_is_refused_before_writing(tiny_llama, tmp_path, capsys):
+    llama_dir, _ = tiny_llama
+    status = main(["llama", str(llama_dir), str(tmp_path / "bam"), "--ssmax", "--ssmax-scale-init", "nan"])
+    assert status == 2
+    error = capsys.readouterr().err.strip()
+    assert "ssmax_scale_init" in error and "finite" in error and len(error.splitlines()) == 1
+    assert not (tmp_path / "bam").exists()
+
+
+def test_an_unwritable_output_parent_is_one_line_and_status_2(tmp_path, monkeypatch, capsys):
+    from bam_llama import io_bam
+
+    write_reference_run(tmp_path / "run")
+
+    def refuse(*args, dir=None, **kwargs):
+        raise PermissionError(13, "Permission denied", str(dir))
+
+    monkeypatch.setattr(io_bam.tempfile, "mkdtemp", refuse)
+    assert main(["reference", str(tmp_path / "run"), str(tmp_path / "bam")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == f"bam-convert: error: cannot create {tmp_path / 'bam'}: no permission to write in {tmp_path}"
