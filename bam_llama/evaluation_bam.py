@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from .io_bam import check_model_path, load_tokenizer
+from .arguments_bam import device_name, length_list, non_negative_int, positive_int
+from .io_bam import check_model_path, check_safetensors_files, load_tokenizer
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -206,6 +207,7 @@ def evaluate_passkey(
     from tqdm.auto import tqdm
 
     lengths = [int(length) for length in lengths]
+    check_positive(lengths=min(lengths, default=0), num_digits=num_digits, chunk_size=chunk_size)
     depths = uniform_depths(num_depths)
     rng = random.Random(seed)
     model.eval()
@@ -348,6 +350,10 @@ def evaluate_perplexity(
     """
     from tqdm.auto import tqdm
 
+    check_positive(
+        context_lengths=min(context_lengths, default=0), window=window, chunk_size=chunk_size,
+        max_sequences=1 if max_sequences is None else max_sequences,
+    )
     stream = token_stream(tokenizer, text_or_token_ids)
     bos = [tokenizer.bos_token_id] if add_bos and tokenizer is not None and tokenizer.bos_token_id is not None else []
     device = model_device(model)
@@ -369,6 +375,12 @@ def evaluate_perplexity(
             results.window_perplexity.append([float(torch.exp(torch.tensor(loss))) for loss in window_losses])
             results.num_sequences.append(len(sequences))
     return results
+
+
+def check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
 
 
 def _cut_sequences(stream: torch.Tensor, size: int, max_sequences: int | None) -> list[torch.Tensor]:
@@ -500,6 +512,7 @@ def load_model(path, device=None, dtype=None, attn_implementation=None):
     import bam_llama  # noqa: F401  (registers bam_llama with the Auto classes)
 
     check_model_path(path)
+    check_safetensors_files(path)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     kwargs = {"dtype": _parse_dtype(dtype)}
     if attn_implementation is not None:
@@ -533,14 +546,14 @@ def _save_figure(figure, path) -> None:
 # --------------------------------------------------------------------------------------------------------
 
 
-def parse_lengths(values: list[str]) -> list[int]:
-    """`["256,512", "1k"]` -> `[256, 512, 1024]`: lists may be comma or space separated, `k` means 1024."""
-    lengths = []
-    for value in values:
-        for item in filter(None, value.split(",")):
-            item = item.strip().lower()
-            lengths.append(int(item[:-1]) * 1024 if item.endswith("k") else int(item))
-    return lengths
+PASSKEY_LENGTHS = "256,512,1024,2048,4096"
+PERPLEXITY_LENGTHS = "1024,4096"
+
+
+def parse_lengths(values: list[str] | list[list[int]]) -> list[int]:
+    """`["256,512", "1k"]` -> `[256, 512, 1024]`: lists may be comma or space separated, `k` means 1024. Values the
+    parser already read (lists of ints) are flattened."""
+    return [length for value in values for length in (length_list(value) if isinstance(value, str) else value)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -555,10 +568,10 @@ def build_parser() -> argparse.ArgumentParser:
         "uniformly spaced from the start to the end of the filler; accuracy of the greedy answer.",
     )
     _add_model_arguments(passkey)
-    passkey.add_argument("--lengths", nargs="+", default=["256,512,1024,2048,4096"],
-                         help="requested prompt lengths in tokens, e.g. 512,1k,2k (default: %(default)s)")
-    passkey.add_argument("--depths", type=int, default=20, help="depths per length (default: %(default)s)")
-    passkey.add_argument("--digits", type=int, default=5, help="digits of the passkey (default: %(default)s)")
+    passkey.add_argument("--lengths", nargs="+", type=length_list, default=[length_list(PASSKEY_LENGTHS)],
+                         help=f"requested prompt lengths in tokens, e.g. 512,1k,2k (default: {PASSKEY_LENGTHS})")
+    passkey.add_argument("--depths", type=positive_int, default=20, help="depths per length (default: %(default)s)")
+    passkey.add_argument("--digits", type=positive_int, default=5, help="digits of the passkey (default: %(default)s)")
     passkey.add_argument("--seed", type=int, default=0, help="seed of the random passkeys (default: %(default)s)")
     passkey.add_argument("--per-depth", action="store_true", help="print one column per depth")
     passkey.set_defaults(run=run_passkey)
@@ -575,12 +588,12 @@ def build_parser() -> argparse.ArgumentParser:
     perplexity.add_argument("--dataset-config", help="the dataset's configuration name, e.g. 20231101.en")
     perplexity.add_argument("--split", default="test", help="dataset split (default: %(default)s)")
     perplexity.add_argument("--text-column", default="text", help="dataset column with text (default: %(default)s)")
-    perplexity.add_argument("--max-documents", type=int, default=1000,
+    perplexity.add_argument("--max-documents", type=positive_int, default=1000,
                             help="documents read from the dataset (default: %(default)s)")
-    perplexity.add_argument("--lengths", nargs="+", default=["1024,4096"],
-                            help="context lengths in tokens, e.g. 1k,4k,16k (default: %(default)s)")
-    perplexity.add_argument("--window", type=int, default=1024, help="positions per window (default: %(default)s)")
-    perplexity.add_argument("--max-sequences", type=int, default=8,
+    perplexity.add_argument("--lengths", nargs="+", type=length_list, default=[length_list(PERPLEXITY_LENGTHS)],
+                            help=f"context lengths in tokens, e.g. 1k,4k,16k (default: {PERPLEXITY_LENGTHS})")
+    perplexity.add_argument("--window", type=positive_int, default=1024, help="positions per window (default: %(default)s)")
+    perplexity.add_argument("--max-sequences", type=positive_int, default=8,
                             help="sequences per context length (default: %(default)s)")
     perplexity.set_defaults(run=run_perplexity)
 
@@ -590,8 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prior.add_argument("model", help="BamLlama folder or Hub id")
     prior.add_argument("--out", default="prior.png", help="PNG file, or a folder to write prior.png in")
-    prior.add_argument("--max-distance", type=int, default=1024, help="largest distance (default: %(default)s)")
-    prior.add_argument("--layer", type=int, help="plot only this layer's prior (per-layer priors)")
+    prior.add_argument("--max-distance", type=positive_int, default=1024, help="largest distance (default: %(default)s)")
+    prior.add_argument("--layer", type=non_negative_int, help="plot only this layer's prior (per-layer priors)")
     prior.set_defaults(run=run_prior)
     return parser
 
@@ -599,9 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model folder or Hub id (BamLlama or any causal LM)")
     parser.add_argument("--tokenizer", help="tokenizer folder or Hub id (default: the model's, else the byte tokenizer)")
-    parser.add_argument("--chunk-size", type=int, default=1024, help="prompt tokens per forward (default: %(default)s)")
+    parser.add_argument("--chunk-size", type=positive_int, default=1024, help="prompt tokens per forward (default: %(default)s)")
     parser.add_argument("--add-bos", action="store_true", help="start every sequence with the tokenizer's BOS")
-    parser.add_argument("--device", help="e.g. cuda, cuda:1, cpu (default: CUDA if available)")
+    parser.add_argument("--device", type=device_name, help="e.g. cuda, cuda:1, cpu (default: CUDA if available)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype")
     parser.add_argument("--attn-implementation", help="e.g. bam_sdpa, bam_triton, sdpa (default: the model's)")
     parser.add_argument("--out", help="folder for the table (.md), results (.json) and plot (.png)")

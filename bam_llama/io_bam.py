@@ -295,6 +295,22 @@ def check_model_path(path) -> None:
         raise FileNotFoundError(f"no model folder at {text}")
 
 
+def check_safetensors_files(model_path) -> None:
+    """Every safetensors file of a local model folder must open: a corrupt or truncated one is named (safetensors
+    itself only says "Error while deserializing header")."""
+    folder = Path(model_path)
+    if not folder.is_dir():
+        return
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except SafetensorError as error:
+            raise ValueError(f"{path} is not a readable safetensors file, probably corrupt or truncated ({error})") from None
+
+
 def load_tokenizer(model_path, config, tokenizer=None):
     """`tokenizer` (an object, or a path to load), else the one saved at `model_path`, else the built-in byte
     tokenizer (with a note on stderr, and a warning when the model's vocabulary is not the byte tokenizer's)."""
@@ -309,11 +325,12 @@ def load_tokenizer(model_path, config, tokenizer=None):
     except (OSError, ValueError, TypeError):
         if tokenizer is not None:
             raise
-    print(f"No tokenizer found in {model_path}; using the built-in byte tokenizer.", file=sys.stderr)
-    if getattr(config, "vocab_size", BYTE_VOCAB_SIZE) != BYTE_VOCAB_SIZE:
-        print(
-            f"Warning: the model's vocab_size is {config.vocab_size}, the byte tokenizer's {BYTE_VOCAB_SIZE}; "
-            "pass --tokenizer if the model was trained with another tokenizer.",
-            file=sys.stderr,
+    vocab_size = getattr(config, "vocab_size", BYTE_VOCAB_SIZE)
+    if vocab_size != BYTE_VOCAB_SIZE:
+        raise ValueError(
+            f"no tokenizer found in {model_path}, and the built-in byte tokenizer does not fit the model: its "
+            f"vocab_size is {vocab_size}, the byte tokenizer's {BYTE_VOCAB_SIZE}; save the model's tokenizer in its "
+            "folder (bam-eval can also take one with --tokenizer)"
         )
+    print(f"No tokenizer found in {model_path}; using the built-in byte tokenizer.", file=sys.stderr)
     return build_byte_tokenizer()
