@@ -36,10 +36,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, Trainer, TrainingArguments, set_seed
-from transformers.trainer_utils import get_last_checkpoint
 
 from .configuration_bam import BamLlamaConfig
-from .io_bam import check_model_path, current_umask, load_tokenizer, staged_output_dir
+from .io_bam import (
+    check_model_path,
+    check_safetensors_files,
+    current_umask,
+    exit_on_sigterm,
+    load_tokenizer,
+    staged_output_dir,
+)
 from .modeling_bam import BamLlamaForCausalLM, BamPrior, BamScalableSoftmax
 
 
@@ -161,6 +167,8 @@ class FinetuneSummary:
 def load_documents(source: str, text_field: str = "text", split: str = "train", config_name: str | None = None) -> list[str]:
     """The non-empty documents of `source`; a ValueError naming `source` when there are none."""
     path = Path(source)
+    if looks_like_a_local_path(source) and not path.exists():
+        raise FileNotFoundError(f"no training data at {source} (the file or folder does not exist)")
     if path.is_dir() and not _is_saved_dataset(path):
         documents = [document for file in _text_files(path) for document in _read_text_file(file, text_field)]
     elif path.is_file() and path.suffix in TEXT_SUFFIXES:
@@ -171,6 +179,17 @@ def load_documents(source: str, text_field: str = "text", split: str = "train", 
     if not documents:
         raise ValueError(f"no training text found in {source!r} (field {text_field!r} for JSON lines and datasets)")
     return documents
+
+
+def looks_like_a_local_path(source: str) -> bool:
+    """A data source that can only be local: absolute, ./ ../ ~, more than one '/', or a data-file extension. Hub
+    dataset names ('wikitext', 'user/name') are none of these."""
+    return (
+        source.startswith((os.sep, "/", ".", "~"))
+        or source.count("/") > 1
+        or (os.sep != "/" and os.sep in source)
+        or Path(source).suffix.lower() in (*TEXT_SUFFIXES, *DATASETS_FILE_BUILDERS)
+    )
 
 
 def _text_files(folder: Path) -> list[Path]:
@@ -188,11 +207,22 @@ def _read_text_file(path: Path, text_field: str) -> list[str]:
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{line_number} is not valid JSON ({error})") from None
         if not isinstance(record, dict) or text_field not in record:
             raise ValueError(f"{path}:{line_number} has no field {text_field!r} (choose it with --text-field)")
-        documents.append(str(record[text_field]))
+        documents.append(checked_text(record[text_field], f"{path}:{line_number}", text_field))
     return documents
+
+
+def checked_text(value, where: str, text_field: str) -> str:
+    """`value` if it is text; otherwise a ValueError naming where it is and its type (never train on "None")."""
+    if not isinstance(value, str):
+        kind = "null" if value is None else type(value).__name__
+        raise ValueError(f"{where}: field {text_field!r} is {kind} ({value!r:.40}), not text")
+    return value
 
 
 def _is_saved_dataset(folder: Path) -> bool:
@@ -217,7 +247,8 @@ def _read_dataset(source: str, text_field: str, split: str, config_name: str | N
         dataset = dataset[split]
     if len(dataset) and text_field not in dataset.column_names:
         raise ValueError(f"{source!r} has no column {text_field!r} (it has {dataset.column_names}); use --text-field")
-    return [str(text) for text in dataset[text_field]] if len(dataset) else []
+    texts = dataset[text_field] if len(dataset) else []
+    return [checked_text(text, f"{source} row {index}", text_field) for index, text in enumerate(texts)]
 
 
 def tokenize_documents(documents: list[str], tokenizer, show_progress: bool = True, batch_size: int = 512) -> list[list[int]]:
@@ -333,6 +364,7 @@ def check_tokenizer(tokenizer, config: BamLlamaConfig) -> int:
 
 
 def load_model(args: FinetuneArguments) -> BamLlamaForCausalLM:
+    check_safetensors_files(args.model)
     model = BamLlamaForCausalLM.from_pretrained(
         args.model, dtype=torch.float32, attn_implementation=args.attn_implementation
     )
@@ -488,23 +520,38 @@ def distributed_on_cpu() -> bool:
 
 
 def resolve_checkpoint(args: FinetuneArguments) -> str | None:
+    """The checkpoint folder to resume from: the given one, or with 'latest' the newest complete one in the output
+    folder (a checkpoint interrupted while saving is skipped, with a warning)."""
     if args.resume_from_checkpoint in (None, ""):
         return None
-    if args.resume_from_checkpoint == "latest":
-        checkpoint = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
-        if checkpoint is None:
-            raise ValueError(f"--resume-from-checkpoint latest: no checkpoint-* folder in {args.output_dir}")
-        return checkpoint
-    if not Path(args.resume_from_checkpoint).is_dir():
-        raise ValueError(f"checkpoint folder {args.resume_from_checkpoint} does not exist")
-    return args.resume_from_checkpoint
+    if args.resume_from_checkpoint != "latest":
+        if not Path(args.resume_from_checkpoint).is_dir():
+            raise ValueError(f"checkpoint folder {args.resume_from_checkpoint} does not exist")
+        if checkpoint_step(args.resume_from_checkpoint) is None:
+            raise ValueError(f"checkpoint {args.resume_from_checkpoint} is incomplete (no readable trainer_state.json)")
+        return args.resume_from_checkpoint
+    folders = sorted(Path(args.output_dir).glob("checkpoint-*"), key=checkpoint_number, reverse=True)
+    folders = [folder for folder in folders if folder.is_dir() and checkpoint_number(folder) >= 0]
+    for folder in folders:
+        if checkpoint_step(folder) is not None:
+            return str(folder)
+        logger.warning("skipping %s: it is incomplete (no readable trainer_state.json; interrupted while saving?)", folder)
+    found = f"only incomplete checkpoints ({', '.join(folder.name for folder in folders)})" if folders else "no checkpoint-* folder"
+    raise ValueError(f"--resume-from-checkpoint latest: {found} in {args.output_dir}")
 
 
-def checkpoint_step(checkpoint: str | None) -> int:
-    if checkpoint is None:
-        return 0
-    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
-    return int(state["global_step"])
+def checkpoint_number(folder: Path) -> int:
+    match = re.fullmatch(r"checkpoint-(\d+)", folder.name)
+    return int(match.group(1)) if match else -1
+
+
+def checkpoint_step(checkpoint: str | os.PathLike) -> int | None:
+    """The step a checkpoint was saved at, from its trainer_state.json (written last by Trainer); None when the
+    file is missing or unreadable, i.e. the save did not finish."""
+    try:
+        return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 @torch.no_grad()
@@ -558,6 +605,17 @@ def save_final(model, tokenizer, args: FinetuneArguments, train_context_length_b
     return str(final_dir), str(merged_dir)
 
 
+def check_no_stale_merged_model(args: FinetuneArguments) -> None:
+    """A merged/ folder that this run will not rewrite belongs to an earlier run and would not match the new
+    adapter: refuse before training rather than leave the two side by side."""
+    merged_dir = Path(args.output_dir) / "merged"
+    if (merged_dir.exists() or merged_dir.is_symlink()) and not (args.lora and args.merge):
+        raise ValueError(
+            f"{merged_dir} holds a merged model from an earlier run, which this run would leave out of date: pass "
+            "--merge to replace it, or move it away"
+        )
+
+
 def write_finetuned_card(model_dir: str, args: FinetuneArguments, train_context_length_before: int) -> None:
     """The BAM model card of a fine-tuned folder: base model, data and what the fine-tune did."""
     from .card_bam import write_model_card
@@ -609,6 +667,8 @@ def finetune(args: FinetuneArguments) -> FinetuneSummary:
     started = time.perf_counter()
     base_config = check_model_config(args.model, args.context_length)
     checkpoint = resolve_checkpoint(args)
+    resumed_from_step = 0 if checkpoint is None else checkpoint_step(checkpoint)  # rotation may delete it later
+    check_no_stale_merged_model(args)
     training_args = training_arguments(args)
     is_main = training_args.process_index == 0
     show_progress = is_main and not args.disable_progress_bars
@@ -662,7 +722,7 @@ def finetune(args: FinetuneArguments) -> FinetuneSummary:
         eval_rows=len(eval_rows),
         eval_split=eval_split,
         steps=trainer.state.global_step,
-        resumed_from_step=checkpoint_step(checkpoint),
+        resumed_from_step=resumed_from_step,
         tokens_seen=int(trainer.state.num_input_tokens_seen),
         train_loss=train_output.training_loss,
         loss_before=loss_before,
@@ -732,6 +792,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parsed = build_parser().parse_args(argv)
+    exit_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = FinetuneArguments(**vars(parsed))
     try:
