@@ -18,6 +18,16 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
 def length_list(text: str) -> list[int]:
     """`"256,512,1k"` -> `[256, 512, 1024]`; `k` means 1024; every length must be positive."""
     lengths = []

@@ -32,7 +32,8 @@ from .evaluation_bam import (
     plot_prior,
     random_passkey,
 )
-from .io_bam import staged_output_dir
+from .arguments_bam import device_name, length_list, positive_float, positive_int
+from .io_bam import exit_on_sigterm, staged_output_dir
 from .modeling_bam import BamLlamaForCausalLM
 from .tokenization_bam import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID, build_byte_tokenizer
 
@@ -269,36 +270,57 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
         if value is not None:
             setattr(target, field, value)
     if args.lengths:
-        settings.lengths = [int(length) for length in args.lengths.split(",")]
+        settings.lengths = args.lengths
     return settings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    full, quick = default_settings(quick=False), default_settings(quick=True)
+
+    def default(full_value, quick_value) -> str:
+        return f"(default: {full_value}; with --quick: {quick_value})"
+
     parser = argparse.ArgumentParser(
         prog="bam-demo",
         description="Train tiny models at a short context, then measure passkey retrieval far beyond it.",
     )
-    parser.add_argument("--output-dir", default="bam-demo-output")
+    parser.add_argument("--output-dir", default="bam-demo-output", help="(default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="a few seconds for CI; the numbers mean nothing")
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated subset of bam,rope,alibi")
-    parser.add_argument("--device", default="cpu", help="e.g. cpu, cuda")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--lr", type=float)
-    parser.add_argument("--prior-lr", type=float, help="learning rate of the prior and SSMax scales")
-    parser.add_argument("--train-length", type=int, help="training context in tokens")
-    parser.add_argument("--lengths", help="comma-separated evaluation prompt lengths in tokens")
-    parser.add_argument("--depths", type=int, help="passkey depths per length")
-    parser.add_argument("--hidden-size", type=int)
-    parser.add_argument("--layers", type=int)
-    parser.add_argument("--heads", type=int)
-    parser.add_argument("--prior-scope", choices=("global", "layer"), default="layer", help="BAM prior per layer or shared")
-    parser.add_argument("--ssmax", action=argparse.BooleanOptionalAction, default=True, help="Scalable Softmax in BAM")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated subset of bam,rope,alibi (default: %(default)s)")
+    parser.add_argument("--device", type=device_name, default="cpu", help="e.g. cpu, cuda (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    parser.add_argument("--steps", type=positive_int, help=default(full.train.steps, quick.train.steps))
+    parser.add_argument("--batch-size", type=positive_int, help=default(full.train.batch_size, quick.train.batch_size))
+    parser.add_argument("--lr", type=positive_float, help=default(full.train.lr, quick.train.lr))
+    parser.add_argument(
+        "--prior-lr", type=positive_float,
+        help="learning rate of the prior and SSMax scales " + default(full.train.prior_lr, quick.train.prior_lr),
+    )
+    parser.add_argument(
+        "--train-length", type=positive_int,
+        help="training context in tokens " + default(full.data.train_length, quick.data.train_length),
+    )
+    parser.add_argument(
+        "--lengths", type=length_list,
+        help="comma-separated evaluation prompt lengths in tokens "
+        + default(",".join(map(str, full.lengths)), ",".join(map(str, quick.lengths))),
+    )
+    parser.add_argument("--depths", type=positive_int, help="passkey depths per length " + default(full.num_depths, quick.num_depths))
+    parser.add_argument("--hidden-size", type=positive_int, help=default(full.size.hidden_size, quick.size.hidden_size))
+    parser.add_argument("--layers", type=positive_int, help=default(full.size.num_hidden_layers, quick.size.num_hidden_layers))
+    parser.add_argument("--heads", type=positive_int, help=default(full.size.num_attention_heads, quick.size.num_attention_heads))
+    parser.add_argument(
+        "--prior-scope", choices=("global", "layer"), default="layer",
+        help="BAM prior per layer or shared (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ssmax", action=argparse.BooleanOptionalAction, default=True, help="Scalable Softmax in BAM (default: on)"
+    )
     args = parser.parse_args(argv)
     unknown = set(args.models.split(",")) - set(MODEL_NAMES)
     if unknown:
         parser.error(f"unknown model(s) {sorted(unknown)}; choose from {','.join(MODEL_NAMES)}")
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     return args
 
 
@@ -345,13 +367,14 @@ def run_demo(argv: list[str] | None = None) -> dict[str, PasskeyResults]:
     summary = f"Passkey retrieval accuracy, trained at {train_length} tokens ({minutes:.1f} min on {args.device}):"
     print(f"\n{summary}\n\n{table}\n\nHeatmaps, prior plot and the trained BAM model are in {output_dir}/")
     (output_dir / "results.md").write_text(f"{summary}\n\n{table}\n")
-    run = {"minutes": minutes, "device": args.device, "argv": argv, "settings": asdict(settings)}
+    run = {"minutes": minutes, "device": args.device, "argv": args.argv, "settings": asdict(settings)}
     outputs = {"run": run, **{name: result.to_dict() for name, result in results.items()}}
     (output_dir / "results.json").write_text(json.dumps(outputs, indent=2))
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()
     run_demo(argv)
     return 0
 
