@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES_DIR
+from conftest import FIXTURES_DIR, require_reference_fixtures
 from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
@@ -77,9 +77,7 @@ def folder_listing(folder: Path) -> list[str]:
 
 
 def fixture_run(variant: str) -> Path:
-    if not FIXTURES_DIR.exists():
-        pytest.skip(f"reference fixtures not found at {FIXTURES_DIR} (CI puts ../shared beside the clone)")
-    return FIXTURES_DIR / "logs" / "l6" / variant / "version_00"
+    return require_reference_fixtures() / "logs" / "l6" / variant / "version_00"
 
 
 def fixture_io(variant: str) -> dict:
