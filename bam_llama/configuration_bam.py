@@ -1,6 +1,7 @@
 """Configuration of BamLlama: a Llama decoder without RoPE whose attention adds a GGD positional prior."""
 
 import math
+import sys
 
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
@@ -117,6 +118,7 @@ class BamLlamaConfig(PreTrainedConfig):
         self.tie_word_embeddings = tie_word_embeddings
         super().__init__(**kwargs)
         self.validate_bam()
+        _register_models_with_the_auto_classes()
 
     def validate_bam(self) -> None:
         """Raise a ValueError naming the first inconsistent field."""
@@ -187,6 +189,16 @@ class BamLlamaConfig(PreTrainedConfig):
                 f"the SSMax factor) reaches exp({log_extent:.1f}) and float32 ends at exp({LOG_FLOAT32_MAX:.2f}); "
                 f"keep theta_alpha_init below {bound:.2f}"
             )
+
+
+def _register_models_with_the_auto_classes() -> None:
+    """Installed as `bam_llama`, whose import registers only this config with AutoConfig (to stay light): register
+    the models too, before an Auto model class looks for them. Not in Hub remote code, where there is no package."""
+    package = sys.modules.get(__name__.rpartition(".")[0])
+    modeling = sys.modules.get(f"{package.__name__}.modeling_bam") if package is not None else None
+    if getattr(package, "register", None) is None or getattr(getattr(modeling, "__spec__", None), "_initializing", False):
+        return
+    package.register()
 
 
 def _check_init(name: str, value, schemes: tuple[str, ...]) -> None:

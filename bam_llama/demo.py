@@ -10,6 +10,8 @@ context, then measures passkey retrieval far beyond it.
     bam-demo --device cuda --steps 4000 --train-length 256 --lengths 256,1024,4096,16384
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import math
@@ -18,12 +20,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from tqdm.auto import tqdm
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, set_seed
-
-from .configuration_bam import BamLlamaConfig
+from .arguments_bam import device_name, length_list, positive_float, positive_int
 from .evaluation_bam import (
     PasskeyResults,
     PasskeyTemplate,
@@ -32,10 +31,12 @@ from .evaluation_bam import (
     plot_prior,
     random_passkey,
 )
-from .arguments_bam import device_name, length_list, positive_float, positive_int
 from .io_bam import exit_on_sigterm, staged_output_dir
-from .modeling_bam import BamLlamaForCausalLM
-from .tokenization_bam import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID, build_byte_tokenizer
+
+
+if TYPE_CHECKING:  # torch, Transformers and the model are imported where used, so that --help does not load them
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 IGNORE_INDEX = -100
@@ -101,6 +102,8 @@ def training_batch(
     batch_size: int,
 ) -> dict[str, torch.Tensor]:
     """Right-padded batch; padding comes after every real token, so causal attention never sees it."""
+    import torch
+
     examples = [
         (passkey_example if rng.random() < data.passkey_fraction else filler_example)(rng, tokenizer, template, data)
         for _ in range(batch_size)
@@ -125,6 +128,8 @@ class ModelSize:
     intermediate_size: int | None = None
 
     def llama_fields(self) -> dict:
+        from .tokenization_bam import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
+
         return dict(
             vocab_size=BYTE_VOCAB_SIZE,
             hidden_size=self.hidden_size,
@@ -139,6 +144,11 @@ class ModelSize:
 
 def build_model(name: str, size: ModelSize, train_length: int, **bam_overrides) -> PreTrainedModel:
     """"bam" (uniform prior, alpha and beta trained), "alibi" (fixed linear prior) or "rope" (Transformers' Llama)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .configuration_bam import BamLlamaConfig
+    from .modeling_bam import BamLlamaForCausalLM
+
     if name == "rope":
         config = LlamaConfig(**size.llama_fields(), max_position_embeddings=1 << 16)
         return LlamaForCausalLM(config)
@@ -173,6 +183,8 @@ PRIOR_PARAMETER_SUFFIXES = ("theta_alpha", "theta_beta", "theta_mu", "ssmax.scal
 
 
 def optimizer_for(model: PreTrainedModel, train: TrainConfig) -> torch.optim.Optimizer:
+    import torch
+
     prior, rest = [], []
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
@@ -202,6 +214,9 @@ def train_model(
     desc: str = "train",
 ) -> list[float]:
     """Train in place on freshly generated batches (the same batches for every model given the same seed)."""
+    import torch
+    from tqdm.auto import tqdm
+
     model.to(device).train()
     optimizer = optimizer_for(model, train)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -339,6 +354,11 @@ def accuracy_table(results: dict[str, PasskeyResults], train_length: int) -> str
 def run_demo(argv: list[str] | None = None) -> dict[str, PasskeyResults]:
     """Train, evaluate and save as the command line says; returns each model's passkey results."""
     args = parse_args(argv)
+    import torch  # after parsing: --help and bad arguments need none of the model stack
+    from transformers import set_seed
+
+    from .tokenization_bam import build_byte_tokenizer
+
     settings = settings_from_args(args)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

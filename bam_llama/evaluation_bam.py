@@ -7,6 +7,8 @@ separately tokenized pieces; prompts run through the KV cache in chunks so long 
 Command line: `bam-eval passkey MODEL`, `bam-eval perplexity MODEL --data FILE`, `bam-eval prior MODEL`.
 """
 
+from __future__ import annotations
+
 import argparse
 import inspect
 import json
@@ -14,12 +16,15 @@ import random
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from typing import TYPE_CHECKING
 
 from .arguments_bam import device_name, length_list, non_negative_int, positive_int
 from .io_bam import check_model_path, check_safetensors_files, load_tokenizer
+
+
+if TYPE_CHECKING:  # torch and Transformers are imported where used, so that --help does not load them
+    import torch
+    from transformers import DynamicCache
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -125,6 +130,7 @@ class PasskeyResults:
 
     def save_heatmap(self, path, title: str = "Passkey retrieval") -> None:
         """Length (x) by depth (y) PNG, green where the key was retrieved."""
+        import torch
         from matplotlib.colors import ListedColormap
         from matplotlib.figure import Figure
 
@@ -164,6 +170,8 @@ def _forward_accepts(model, name: str) -> bool:
 def prefill(model, input_ids: torch.Tensor, chunk_size: int) -> tuple[DynamicCache, torch.Tensor]:
     """Run a (1, L) prompt through a fresh cache `chunk_size` tokens at a time; returns the cache and the
     logits of the last position. Positions continue across chunks because they are read from the cache."""
+    from transformers import DynamicCache
+
     cache = DynamicCache(config=model.config)
     extra = {"logits_to_keep": 1} if _forward_accepts(model, "logits_to_keep") else {}
     logits = None
@@ -174,6 +182,8 @@ def prefill(model, input_ids: torch.Tensor, chunk_size: int) -> tuple[DynamicCac
 
 def greedy_continuation(model, prompt_ids: list[int], max_new_tokens: int, chunk_size: int) -> list[int]:
     """Greedy decoding of `max_new_tokens` tokens after a chunked prefill, reusing the cache."""
+    import torch
+
     input_ids = torch.tensor([prompt_ids], device=model_device(model))
     cache, logits = prefill(model, input_ids, chunk_size)
     new_tokens = []
@@ -204,6 +214,7 @@ def evaluate_passkey(
     """Passkey retrieval accuracy for each requested prompt length, at `num_depths` depths uniformly spaced in
     [0, 1]. One seeded random key per (length, depth); correct iff the greedy continuation (num_digits + 2 new
     tokens), stripped of leading whitespace, starts with the key."""
+    import torch
     from tqdm.auto import tqdm
 
     lengths = [int(length) for length in lengths]
@@ -307,6 +318,8 @@ class PerplexityResults:
 def token_stream(tokenizer, text_or_token_ids) -> torch.Tensor:
     """One long 1D stream of token ids from a text, a list of texts (documents run together, as in the reference
     '10B' set) or token ids."""
+    import torch
+
     if isinstance(text_or_token_ids, torch.Tensor):
         return text_or_token_ids.flatten().long().cpu()
     if isinstance(text_or_token_ids, str):
@@ -321,6 +334,9 @@ def token_stream(tokenizer, text_or_token_ids) -> torch.Tensor:
 
 def token_losses(model, sequence: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """Per-token cross-entropy (L,) of a (1, L + 1) sequence, run through one cache `chunk_size` tokens at a time."""
+    import torch
+    from transformers import DynamicCache
+
     inputs, targets = sequence[:, :-1], sequence[:, 1:]
     cache = DynamicCache(config=model.config)
     losses = []
@@ -348,6 +364,7 @@ def evaluate_perplexity(
 
     With `add_bos`, each sequence is the tokenizer's BOS followed by L tokens of the stream.
     """
+    import torch
     from tqdm.auto import tqdm
 
     check_positive(
@@ -434,6 +451,8 @@ def find_priors(model) -> list[tuple[str, torch.nn.Module]]:
 
 def prior_curves(prior, max_distance: int) -> torch.Tensor:
     """(H, max_distance + 1) prior b_h at causal distances i - j = 0 .. max_distance."""
+    import torch
+
     from .attention_bam import ggd_bias
 
     distance = -torch.arange(max_distance + 1, dtype=torch.float32, device=prior.theta_alpha.device)
@@ -509,7 +528,12 @@ def _prior_ylim(curves: torch.Tensor) -> tuple[float, float]:
 def load_model(path, device=None, dtype=None, attn_implementation=None):
     """A causal LM from a folder or Hub id (BamLlama or any other), in eval mode on `device` (default: CUDA if
     available)."""
-    import bam_llama  # noqa: F401  (registers bam_llama with the Auto classes)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from . import register
+
+    register()  # BamLlama with the Auto classes
 
     check_model_path(path)
     check_safetensors_files(path)
@@ -528,6 +552,8 @@ def load_model_and_tokenizer(path, tokenizer=None, device=None, dtype=None, attn
 
 
 def _parse_dtype(dtype):
+    import torch
+
     if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
     return getattr(torch, dtype)
