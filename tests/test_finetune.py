@@ -17,9 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from bam_llama.finetune_bam import (
-    BamTrainer,
     FinetuneArguments,
-    PackedRows,
     collate_packed_rows,
     finetune,
     load_documents,
@@ -27,9 +25,9 @@ from bam_llama.finetune_bam import (
     pack_documents,
     prepare_model,
     resolve_checkpoint,
-    training_arguments,
 )
 from bam_llama.tokenization_bam import build_byte_tokenizer
+from bam_llama.trainer_bam import BamTrainer, PackedRows, training_arguments
 
 
 TRAIN_LENGTH, TARGET_LENGTH = 32, 64
