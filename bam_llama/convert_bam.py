@@ -10,6 +10,8 @@ shard. Everything goes to a hidden staging folder beside OUT_DIR that is renamed
 failure leaves nothing behind and an existing OUT_DIR is replaced only with `force`.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import math
@@ -19,15 +21,8 @@ import shutil
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors import safe_open
-from transformers import LlamaConfig
-from transformers.activations import ACT2FN
-from transformers.dynamic_module_utils import custom_object_save
-
-from . import card_bam
-from .configuration_bam import PRIOR_FORMULAS, PRIOR_SCOPES, BamLlamaConfig
 from .io_bam import (
     DEFAULT_MAX_SHARD_SIZE,
     OutputError,
@@ -36,7 +31,13 @@ from .io_bam import (
     exit_on_sigterm,
     staged_output_dir,
 )
-from .modeling_bam import REMOTE_CODE_AUTO_MAP, BamLlamaForCausalLM, BamPrior, BamScalableSoftmax
+
+
+if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used, so that --help does not load them
+    import torch
+    from transformers import LlamaConfig
+
+    from .configuration_bam import BamLlamaConfig
 
 
 VARIANTS = ("bam", "bam_ssmax")
@@ -44,7 +45,7 @@ LLAMA_PRIOR_INITS = {
     "uniform": dict(theta_alpha_init=0.0, theta_beta_init=0.0),  # bias -1 everywhere: no positional preference
     "alibi": dict(theta_alpha_init="alibi", theta_beta_init=1.0),  # bias -slope_h * |j - i|: ALiBi
 }
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}  # torch dtype names
 MIN_MAX_POSITION_EMBEDDINGS = 1 << 20
 
 # Reference (Meta Llama layout) names -> BamLlama names.
@@ -115,6 +116,8 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape, read from the shard headers only."""
+    from safetensors import safe_open
+
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
         try:
@@ -132,6 +135,8 @@ def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 
 def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors one at a time, opening one shard at a time."""
+    from safetensors import safe_open
+
     for path in files:
         with safe_open(path, framework="pt") as shard:
             for name in shard.keys():
@@ -175,6 +180,10 @@ def is_per_head_parameter(bam_name: str) -> bool:
 
 def bam_parameter_shapes(config: BamLlamaConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of every BamLlamaForCausalLM parameter for `config` (built on the meta device)."""
+    import torch
+
+    from .modeling_bam import BamLlamaForCausalLM
+
     with torch.device("meta"):
         model = BamLlamaForCausalLM(config)
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
@@ -196,9 +205,11 @@ def cast_weight(bam_name: str, tensor: torch.Tensor, dtype: torch.dtype | None) 
 
 
 def parse_dtype(name: str) -> torch.dtype | None:
+    import torch
+
     if name not in DTYPES:
         raise ConversionError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    return None if DTYPES[name] is None else getattr(torch, DTYPES[name])
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -207,6 +218,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def save_config_and_code(config: BamLlamaConfig, folder: Path) -> None:
     """config.json plus the modeling code, so the folder loads with trust_remote_code=True."""
+    from transformers.dynamic_module_utils import custom_object_save
+
+    from .modeling_bam import REMOTE_CODE_AUTO_MAP, BamLlamaForCausalLM
+
     config.architectures = ["BamLlamaForCausalLM"]
     config.auto_map = dict(REMOTE_CODE_AUTO_MAP)
     custom_object_save(BamLlamaForCausalLM, folder)  # modeling_bam.py and the modules it imports relatively
@@ -232,6 +247,8 @@ def copy_files(files: Iterable[Path], folder: Path) -> None:
 
 def write_model_card(folder: Path, model_name: str, lines: list[str], base_model: str | None = None) -> None:
     """The package's Hub model card (metadata, architecture, prior), with how the folder was converted."""
+    from . import card_bam
+
     card_bam.write_model_card(folder, model_name=model_name, description="\n".join(lines), base_model=base_model)
 
 
@@ -316,6 +333,8 @@ def read_run_args(run_dir: Path) -> dict:
 
 def load_reference_state_dict(run_dir: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
     """model.pt memory-mapped, with DDP / torch.compile prefixes stripped; also returns the prefixes found."""
+    import torch
+
     path = run_dir / "model.pt"
     if not path.is_file():
         raise ConversionError(f"missing file {path} (the reference checkpoint)")
@@ -431,6 +450,8 @@ def train_flag(model_args: dict, index: int, default: bool) -> bool:
 
 def reference_config(run_args: dict, variant: str, prior_scope: str, formula: str) -> BamLlamaConfig:
     """The BamLlamaConfig of a reference run, from args.json's model_args."""
+    from .configuration_bam import BamLlamaConfig
+
     model_args = run_args["model_args"]
     heads = model_args["n_heads"]
     values = dict(
@@ -483,6 +504,8 @@ def convert_reference_checkpoint(
         variant: "bam" or "bam_ssmax"; must agree with args.json's position_encoding when both are given.
         dtype: "auto" keeps the stored dtype; otherwise every weight but the prior / SSMax parameters is cast.
     """
+    from .configuration_bam import PRIOR_FORMULAS
+
     log = print if verbose else quiet
     run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
     tokenizer = Path(tokenizer).resolve() if tokenizer is not None else None
@@ -588,6 +611,9 @@ def describe_reference_layout(config: BamLlamaConfig, prior_names: str) -> str:
 
 
 def read_llama_config(llama_dir: Path) -> LlamaConfig:
+    from transformers import LlamaConfig
+    from transformers.activations import ACT2FN
+
     path = llama_dir / "config.json"
     if not path.is_file():
         raise ConversionError(f"missing file {path}")
@@ -620,6 +646,8 @@ def bam_config_from_llama(
     prior_scope: str,
     ssmax_scale_init: float,
 ) -> BamLlamaConfig:
+    from .configuration_bam import PRIOR_SCOPES, BamLlamaConfig
+
     if prior not in LLAMA_PRIOR_INITS:
         raise ConversionError(f"unknown prior initialisation {prior!r}; expected one of {', '.join(LLAMA_PRIOR_INITS)}")
     if prior_scope not in PRIOR_SCOPES:
@@ -655,6 +683,8 @@ def bam_config_from_llama(
 
 def initial_prior_state(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
     """Freshly initialised prior (and SSMax) parameters by the schemes in `config`, under their BamLlama names."""
+    from .modeling_bam import BamPrior, BamScalableSoftmax
+
     prior = BamPrior(config).state_dict()
     state = {}
     if config.prior_scope == "global":
@@ -668,6 +698,9 @@ def initial_prior_state(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
 
 
 def source_dtype(llama: LlamaConfig, files: list[Path]) -> torch.dtype:
+    import torch
+    from safetensors import safe_open
+
     dtype = getattr(llama, "dtype", None)
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -770,6 +803,8 @@ def convert_llama_checkpoint(
 
 
 def read_bam_config(bam_dir: Path) -> BamLlamaConfig:
+    from .configuration_bam import BamLlamaConfig
+
     path = bam_dir / "config.json"
     if not path.is_file():
         raise ConversionError(f"missing file {path}")
@@ -879,6 +914,8 @@ def convert_bam_to_reference(
         prior_names: "shape-scale-loc" (the names of the reference code that produced the published checkpoints)
             or "theta" (newer upstream code: theta_beta / theta_alpha / theta_mu).
     """
+    import torch
+
     log = print if verbose else quiet
     bam_dir, out_run_dir = Path(bam_dir).resolve(), Path(out_run_dir).resolve()
     check_output_dir(out_run_dir, force, (bam_dir,))
@@ -946,7 +983,7 @@ def build_parser() -> argparse.ArgumentParser:
     reference.add_argument("out_dir", metavar="OUT_DIR", help="BamLlama folder to create")
     reference.add_argument("--tokenizer", metavar="PATH", help="tokenizer folder or file to copy into OUT_DIR")
     reference.add_argument(
-        "--formula", choices=PRIOR_FORMULAS,
+        "--formula",
         help="prior formula the run was trained with: current (default; reference code since May 2025) or legacy "
         "(scale inside the power, older runs); the weights cannot tell",
     )
@@ -964,7 +1001,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--prior", choices=list(LLAMA_PRIOR_INITS), default="uniform",
         help="prior initialisation: uniform (theta 0, no positional preference; default) or alibi (beta 1, ALiBi slopes)",
     )
-    llama.add_argument("--prior-scope", choices=PRIOR_SCOPES, default="global", help="one prior for all layers (default) or one per layer")
+    llama.add_argument(
+        "--prior-scope", default="global", help="global: one prior for all layers (default), or layer: one per layer"
+    )
     llama.add_argument("--ssmax", action="store_true", help="add Scalable Softmax")
     llama.add_argument("--ssmax-scale-init", type=float, default=1.0, metavar="S", help="initial SSMax scale (default 1)")
     llama.add_argument("--train-context-length", type=int, metavar="N", help="default: the Llama max_position_embeddings")

@@ -620,3 +620,15 @@ def test_an_unwritable_output_parent_is_one_line_and_status_2(tmp_path, monkeypa
     assert main(["reference", str(tmp_path / "run"), str(tmp_path / "bam")]) == 2
     error = capsys.readouterr().err.strip()
     assert error == f"bam-convert: error: cannot create {tmp_path / 'bam'}: no permission to write in {tmp_path}"
+
+
+def test_unknown_formula_and_prior_scope_are_one_line_errors(tiny_llama, tmp_path, capsys):
+    write_reference_run(tmp_path / "run")
+    assert main(["reference", str(tmp_path / "run"), str(tmp_path / "bam"), "--formula", "newest"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "bam-convert: error: unknown prior formula 'newest'; expected one of ('current', 'legacy')"
+    )
+    llama_dir, _ = tiny_llama
+    assert main(["llama", str(llama_dir), str(tmp_path / "bam"), "--prior-scope", "head"]) == 2
+    assert "unknown prior scope 'head'; expected one of ('global', 'layer')" in capsys.readouterr().err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]

@@ -19,7 +19,9 @@ def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
 
 
-@pytest.mark.parametrize("module", ["bam_llama.evaluation_bam", "bam_llama.demo"])
+@pytest.mark.parametrize(
+    "module", ["bam_llama.evaluation_bam", "bam_llama.demo", "bam_llama.finetune_bam", "bam_llama.convert_bam", "bam_llama.card_bam"]
+)
 def test_help_imports_no_heavy_module(module):
     completed = run_python(
         "import runpy, sys\n"
