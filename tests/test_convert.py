@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES_DIR, require_reference_fixtures
+from conftest import FIXTURES_DIR, checkout_environment, require_reference_fixtures
 from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
@@ -566,18 +566,15 @@ sys.exit(convert_bam.main(sys.argv[1:]))
 
 
 def test_sigterm_during_bam_convert_leaves_no_partial_folder(tmp_path):
-    import os
     import signal
     import subprocess
     import sys
 
     write_reference_run(tmp_path / "run")
     (tmp_path / "convert.py").write_text(CONVERT_THEN_WAIT)
-    repository = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repository, os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen(
         [sys.executable, str(tmp_path / "convert.py"), "reference", str(tmp_path / "run"), str(tmp_path / "out" / "bam")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=checkout_environment(),
     )
     for line in process.stdout:
         if line.strip() == "staged":

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import checkout_environment, tiny_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -27,7 +27,7 @@ from bam_llama.finetune_bam import (
     resolve_checkpoint,
 )
 from bam_llama.tokenization_bam import build_byte_tokenizer
-from bam_llama.trainer_bam import BamTrainer, PackedRows, training_arguments
+from bam_llama.trainer_bam import BamTrainer, training_arguments
 
 
 TRAIN_LENGTH, TARGET_LENGTH = 32, 64
@@ -311,15 +311,21 @@ def test_merged_model_gets_a_bam_card_naming_its_base(lora_run, workspace):
     assert f"fine-tuned at {TARGET_LENGTH} tokens" in card.text
 
 
+def resume_from_step_6(lora_run, output_dir: Path, **overrides) -> FinetuneArguments:
+    """The LoRA run's arguments, resuming in a fresh `output_dir` from a copy of its checkpoint-6."""
+    args, _ = lora_run
+    output_dir.mkdir()
+    shutil.copytree(Path(args.output_dir) / "checkpoint-6", output_dir / "checkpoint-6")
+    return arguments(
+        Path(args.model), Path(args.data), output_dir, resume_from_checkpoint="latest", eval_rows=args.eval_rows,
+        **overrides,
+    )
+
+
 def test_resume_continues_from_the_saved_step(lora_run, tmp_path):
     args, _ = lora_run
     output_dir = tmp_path / "resumed"
-    output_dir.mkdir()
-    shutil.copytree(Path(args.output_dir) / "checkpoint-6", output_dir / "checkpoint-6")
-    resumed_args = arguments(
-        Path(args.model), Path(args.data), output_dir, resume_from_checkpoint="latest", eval_rows=args.eval_rows
-    )
-    summary = finetune(resumed_args)
+    summary = finetune(resume_from_step_6(lora_run, output_dir))
     assert summary.resumed_from_step == 6 and summary.steps == 12
     assert summary.tokens_seen == 12 * 4 * TARGET_LENGTH  # restored from the checkpoint, then 6 more steps
     uninterrupted = load_file(Path(args.output_dir) / "adapter" / "adapter_model.safetensors")
@@ -445,11 +451,7 @@ def test_ctrl_c_while_saving_a_checkpoint_then_resume_latest(workspace, tmp_path
         "--output-dir", str(output_dir), "--context-length", str(TARGET_LENGTH), "--max-steps", "6", "--save-steps", "2",
         "--batch-size", "4", "--lora-rank", "4", "--eval-rows", "4", "--disable-progress-bars",
     ]
-    repository = str(Path(__file__).resolve().parents[1])
-    environment = dict(
-        os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [repository, os.environ.get("PYTHONPATH")])),
-    )
+    environment = checkout_environment(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
     for line in process.stdout:
         if line.strip() == "saving":
@@ -465,15 +467,8 @@ def test_ctrl_c_while_saving_a_checkpoint_then_resume_latest(workspace, tmp_path
 
 
 def test_a_resumed_run_whose_checkpoint_is_rotated_away_still_writes_its_summary(lora_run, tmp_path):
-    args, _ = lora_run
     output_dir = tmp_path / "resumed"
-    output_dir.mkdir()
-    shutil.copytree(Path(args.output_dir) / "checkpoint-6", output_dir / "checkpoint-6")
-    resumed_args = arguments(
-        Path(args.model), Path(args.data), output_dir, resume_from_checkpoint="latest", eval_rows=args.eval_rows,
-        save_total_limit=1,
-    )
-    summary = finetune(resumed_args)
+    summary = finetune(resume_from_step_6(lora_run, output_dir, save_total_limit=1))
     assert not (output_dir / "checkpoint-6").exists()  # rotated away by checkpoint-12
     assert summary.resumed_from_step == 6
     assert json.loads((output_dir / "summary.json").read_text())["resumed_from_step"] == 6

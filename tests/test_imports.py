@@ -1,22 +1,18 @@
 """The commands answer --help without importing the model stack, and `import bam_llama` stays light while still
 registering BamLlama with the Auto classes before they can be used (checked in fresh processes)."""
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import tiny_model
+from conftest import checkout_environment, tiny_model
 
 
-REPOSITORY = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "tokenizers", "safetensors", "matplotlib")
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=checkout_environment())
 
 
 @pytest.mark.parametrize(

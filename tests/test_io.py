@@ -1,7 +1,6 @@
 """Staged outputs under interruption: SIGTERM, SIGKILL and crashes between the two renames of a replace, sent to
 real subprocesses; and the stale leftovers of killed runs, cleaned (or put back) by the next run."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -9,12 +8,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import checkout_environment
 
 from bam_llama import io_bam
 from bam_llama.io_bam import OutputError, check_output_dir, staged_output_dir
 
 
-REPOSITORY = Path(__file__).resolve().parents[1]
 
 # Writes OUT/content.txt through staged_output_dir. ACTION "wait" stops inside the staging block (prints
 # "staged"); "kill-after-rename-N" / "term-after-rename-N" send SIGKILL / SIGTERM to itself right after the N-th
@@ -51,10 +50,9 @@ WRITER = textwrap.dedent(
 def start_writer(out: Path, content: str, action: str) -> subprocess.Popen:
     script = out.parent.parent / "writer.py"
     script.write_text(WRITER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen(
         [sys.executable, str(script), str(out), content, action],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=checkout_environment(),
     )
 
 
