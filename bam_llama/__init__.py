@@ -1,7 +1,8 @@
 """bam-llama: GGD-BAM (Bayesian Attention Mechanism) for Hugging Face Transformers.
 
-Importing the package registers `bam_llama` with the Auto classes and BAM's attention implementations
-("bam_eager", "bam_sdpa", "bam_triton") with Transformers' attention interfaces.
+Importing the package registers `bam_llama` with the Auto classes, and BAM's mask functions under private names
+with Transformers' mask interface. A BamLlama's "eager", "sdpa" and "bam_triton" attention are BAM's own, chosen
+inside the model: Transformers' global "eager" / "sdpa" stay as they are for every other model.
 
 The import itself is light, so the commands can print --help without loading PyTorch: the classes are imported on
 first use, and the registration happens as soon as Transformers' Auto classes are imported (at once when they
@@ -34,7 +35,7 @@ AUTO_PACKAGE = "transformers.models.auto"
 
 def register() -> None:
     """Register BamLlama with AutoConfig / AutoModel / AutoModelForCausalLM (and, by importing modeling_bam, BAM's
-    attention implementations). Safe to call more than once."""
+    mask functions). Safe to call more than once."""
     from transformers.models.auto import AutoModel, AutoModelForCausalLM
 
     from .modeling_bam import BamLlamaForCausalLM, BamLlamaModel

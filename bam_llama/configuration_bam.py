@@ -5,6 +5,10 @@ import sys
 
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
 
 
 PRIOR_SCOPES = ("global", "layer")
@@ -161,33 +165,36 @@ class BamLlamaConfig(PreTrainedConfig):
         if not _is_positive_int(self.train_context_length):
             raise ValueError(f"BamLlamaConfig.train_context_length must be a positive integer, got {self.train_context_length!r}")
         if self.max_position_embeddings < self.train_context_length:
-            raise ValueError(
+            # Only a limit reported to generation tools: a config lowered on purpose must still save and reload.
+            logger.warning(
                 f"max_position_embeddings ({self.max_position_embeddings}) is below train_context_length "
-                f"({self.train_context_length}); BAM extrapolates, so keep it large"
+                f"({self.train_context_length}): generation tools will stop there, though BAM extrapolates"
             )
         self._check_initial_prior_is_finite()
 
     def _check_initial_prior_is_finite(self) -> None:
         """The initial prior times the SSMax factor must stay finite in float32 at every distance up to
-        max_position_embeddings: an infinite bias makes eager, SDPA and Triton disagree (or give NaN)."""
+        max_position_embeddings (or train_context_length, when longer): an infinite bias makes eager, SDPA and Triton
+        disagree (or give NaN)."""
+        longest = max(self.max_position_embeddings, self.train_context_length)
         alpha = 0.0 if self.theta_alpha_init == "alibi" else float(self.theta_alpha_init)  # ALiBi: log slopes <= 0
         betas = (0.0, 1.0) if self.theta_beta_init == "linear" else (float(self.theta_beta_init),)
         mu = 2 * math.sinh(min(abs(float(self.theta_mu_init)), 700.0))
-        spans = (self.prior_eps, self.max_position_embeddings + mu + self.prior_eps)  # extremes of |distance - mu| + eps
+        spans = (self.prior_eps, longest + mu + self.prior_eps)  # extremes of |distance - mu| + eps
         log_prior = max(
             alpha + beta * math.log(span) if self.prior_formula == "current"
             else max(alpha, beta * math.log(math.exp(min(alpha, 700.0)) * span + self.prior_eps))
             for beta in betas for span in spans
         )
-        ssmax_factor = abs(self.ssmax_scale_init) * math.log(self.max_position_embeddings) if self.ssmax and self.ssmax_prior else 1.0
+        ssmax_factor = abs(self.ssmax_scale_init) * math.log(longest) if self.ssmax and self.ssmax_prior else 1.0
         log_extent = log_prior + math.log(max(ssmax_factor, 1e-30))
         if log_extent >= LOG_FLOAT32_MAX:
             bound = alpha - (log_extent - LOG_FLOAT32_MAX)
             raise ValueError(
-                f"theta_alpha_init={self.theta_alpha_init!r} makes the initial prior overflow float32: with theta_beta_init="
-                f"{self.theta_beta_init!r} and max_position_embeddings={self.max_position_embeddings}, |prior| (times "
-                f"the SSMax factor) reaches exp({log_extent:.1f}) and float32 ends at exp({LOG_FLOAT32_MAX:.2f}); "
-                f"keep theta_alpha_init below {bound:.2f}"
+                f"theta_alpha_init={self.theta_alpha_init!r} makes the initial prior overflow float32: with "
+                f"theta_beta_init={self.theta_beta_init!r} and distances up to {longest}, |prior| (times the SSMax "
+                f"factor) reaches exp({log_extent:.1f}) and float32 ends at exp({LOG_FLOAT32_MAX:.2f}); keep "
+                f"theta_alpha_init below {bound:.2f}"
             )
 
 

@@ -40,7 +40,6 @@ def logits(model, input_ids, **kwargs):
         (dict(theta_alpha_init="slopes"), "theta_alpha_init"),
         (dict(theta_beta_init=None), "theta_beta_init"),
         (dict(prior_eps=0.0), "prior_eps"),
-        (dict(max_position_embeddings=8, train_context_length=16), "max_position_embeddings"),
     ],
 )
 def test_invalid_config_raises_clear_error(overrides, message):
