@@ -33,9 +33,15 @@ EXPORTED_FROM = {
 AUTO_PACKAGE = "transformers.models.auto"
 
 
+_registered = False
+
+
 def register() -> None:
     """Register BamLlama with AutoConfig / AutoModel / AutoModelForCausalLM (and, by importing modeling_bam, BAM's
     mask functions). Safe to call more than once."""
+    global _registered
+    if _registered:
+        return
     from transformers.models.auto import AutoModel, AutoModelForCausalLM
 
     from .modeling_bam import BamLlamaForCausalLM, BamLlamaModel
@@ -44,6 +50,7 @@ def register() -> None:
     config_class = BamLlamaForCausalLM.config_class
     AutoModel.register(config_class, BamLlamaModel, exist_ok=True)
     AutoModelForCausalLM.register(config_class, BamLlamaForCausalLM, exist_ok=True)
+    _registered = True
 
 
 def register_config() -> None:
@@ -61,6 +68,7 @@ def __getattr__(name: str):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{EXPORTED_FROM[name]}", __name__), name)
     register()
+    globals()[name] = value  # later look-ups skip __getattr__
     return value
 
 
@@ -71,10 +79,11 @@ class _RegisterConfigAfterAutoImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname != AUTO_PACKAGE:
             return None
-        sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _ThenRegisterConfig(spec.loader)
+        if spec is None or spec.loader is None:
+            return None  # an unusual installation: leave it to the other finders, and register on first use
+        sys.meta_path.remove(self)
+        spec.loader = _ThenRegisterConfig(spec.loader)
         return spec
 
 

@@ -87,11 +87,11 @@ def test_console_script_help():
 
 
 def test_main_reports_success_as_exit_status_zero_and_records_the_argv(tmp_path):
-    argv = ["--quick", "--models", "bam", "--output-dir", str(tmp_path), "--lengths", "64,1k"]
+    argv = ["--quick", "--models", "bam", "--output-dir", str(tmp_path), "--lengths", "64,80"]
     assert main(argv) == 0
     assert (tmp_path / "results.md").is_file()
     run = json.loads((tmp_path / "results.json").read_text())["run"]
-    assert run["argv"] == argv and run["settings"]["lengths"] == [64, 1024]
+    assert run["argv"] == argv and run["settings"]["lengths"] == [64, 80]
 
 
 @pytest.mark.parametrize(
