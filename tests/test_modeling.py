@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import FIXTURES_DIR, tiny_config, tiny_model
+from conftest import FIXTURES_DIR, require_reference_fixtures, tiny_config, tiny_model
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCache, StaticCache
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM, BamLlamaModel
@@ -285,8 +285,7 @@ REFERENCE_TO_HF = [
 
 
 def load_reference_fixture(variant):
-    if not FIXTURES_DIR.exists():
-        pytest.skip(f"reference fixtures not found at {FIXTURES_DIR}")
+    require_reference_fixtures()
     run_dir = FIXTURES_DIR / "logs" / "l6" / variant / "version_00"
     model_args = json.loads((run_dir / "args.json").read_text())["model_args"]
     config = BamLlamaConfig(
