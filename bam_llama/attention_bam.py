@@ -181,20 +181,30 @@ def bam_attention_sdpa(
     """Same result as `bam_attention_reference` through `F.scaled_dot_product_attention` with a float mask.
 
     The SSMax factor multiplies the queries (so q.k is scaled per row); the prior, scaled or not, is the mask.
+    The mask stays float32 and 16-bit inputs are computed in float32: in fp16 the prior overflows to -inf
+    (distance 0 with a negative beta), in bf16 far priors round to equal values.
     """
+    input_dtype = query.dtype
+    query, key, value = (tensor.to(attention_compute_dtype(input_dtype)) for tensor in (query, key, value))
     n_rep = query.shape[1] // key.shape[1]
     key = repeat_kv(key, n_rep)
     value = repeat_kv(value, n_rep)
     visible, has_keys = _rows_with_keys(visible)
     if row_factor is not None:
-        query = (query.float() * row_factor).to(query.dtype)
+        query = query * row_factor.to(query.dtype)
         if ssmax_prior:
             bias = bias * row_factor
     float_mask = torch.where(visible, bias, torch.full_like(bias, float("-inf"))).to(query.dtype)
     output = F.scaled_dot_product_attention(
         query, key, value, attn_mask=float_mask, dropout_p=dropout, scale=scaling
     )
-    return torch.where(has_keys, output, torch.zeros_like(output))
+    return torch.where(has_keys, output, torch.zeros_like(output)).to(input_dtype)
+
+
+def attention_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit inputs: the prior needs float32's range and precision, and SDPA's float mask must
+    have the query's dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def default_scaling(head_dim: int) -> float:
