@@ -207,5 +207,93 @@ def attention_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+HIDDEN = -1e30  # finite "minus infinity" for padded keys: a row that sees no key stays finite (then zeroed)
+
+
+def bam_attention_blocked(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_positions: torch.Tensor,
+    prior_table: torch.Tensor,
+    scaling: float,
+    ssmax_scale: torch.Tensor | None = None,
+    ssmax_prior: bool = True,
+    key_valid: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    block_elements: int = 1 << 23,
+) -> torch.Tensor:
+    """Same result as `bam_attention_reference` without any (Lq x Lk) tensor: SDPA over blocks of queries.
+
+    The prior depends on j - i only, so every mask row is a window of one table per head. With the queries in
+    reverse order, the rows of a block are consecutive windows: the block's mask is a strided VIEW of the table
+    (no copy), with the causal -inf in the table's padding. A block of queries at positions <= p attends to keys
+    0..p only (causal blocks are skipped). With SSMax scaling the prior, or padding, or packed documents, the
+    mask of one block (rows x keys, at most `block_elements` values) is materialized.
+
+    Args:
+        query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D).
+        query_positions: (Lq,) consecutive absolute positions p_0, p_0 + 1, ..., P.
+        prior_table: (H, P + 1) float32 prior at distances j - i = -P, ..., 0 (the keys of the last query).
+        ssmax_scale: (H,) Scalable-Softmax scale s (c_i = s ln n_i), or None for plain softmax.
+        key_valid: (B, Lk) bool/int, False for padding; document_ids: (B, Lk) int (packed sequences).
+    Returns:
+        (B, H, Lq, D) in the query dtype, zero for rows that see no key (a view of a (B, Lq, H, D) tensor).
+    """
+    input_dtype = query.dtype
+    compute_dtype = attention_compute_dtype(input_dtype)
+    query, key, value = (tensor.to(compute_dtype) for tensor in (query, key, value))
+    batch, heads, q_len, _ = query.shape
+    last = int(query_positions[-1])
+    counts = visible_key_counts(query_positions, key.shape[2], key_valid, document_ids)  # (B or 1, Lq)
+    row_factor = None if ssmax_scale is None else ssmax_factor(counts, ssmax_scale)
+    block = max(1, min(q_len, block_elements // (batch * heads * (last + 1))))
+    scale_prior = row_factor is not None and ssmax_prior
+    # table[m] = prior at distance m - P; entries past P are future keys: -inf, or 0 when the row factor
+    # multiplies the prior (c = 0 or c < 0 would turn -inf into NaN / +inf; those are masked separately).
+    table = F.pad(prior_table.to(compute_dtype), (0, block - 1), value=0.0 if scale_prior else float("-inf"))
+
+    reverse = torch.arange(q_len - 1, -1, -1, device=query.device)
+    query = _reverse_rows(query, reverse)
+    if row_factor is not None:
+        row_factor = row_factor.flip(2).to(compute_dtype)
+        query = query * row_factor
+    key_mask = None if key_valid is None else torch.zeros(key_valid.shape, dtype=compute_dtype, device=key.device)
+    if key_mask is not None:
+        key_mask = key_mask.masked_fill(~key_valid.bool(), HIDDEN)[:, None, None, :]
+    query_documents = None if document_ids is None else document_ids[:, query_positions.flip(0)]
+
+    outputs = []
+    for start in range(0, q_len, block):  # start = reversed row index: the block's last query is at P - start
+        rows, keys = min(block, q_len - start), last - start + 1
+        mask = table[:, start : start + rows + keys - 1].unfold(-1, keys, 1)[None]  # (1, H, rows, keys) view
+        if scale_prior:
+            mask = mask * row_factor[:, :, start : start + rows]
+            mask = mask.masked_fill(_future(rows, keys, query.device), float("-inf"))
+        if key_mask is not None:
+            mask = mask + key_mask[..., :keys]
+        if query_documents is not None:
+            other = query_documents[:, start : start + rows, None] != document_ids[:, None, :keys]
+            mask = mask.masked_fill(other[:, None], HIDDEN)
+        outputs.append(F.scaled_dot_product_attention(
+            query[:, :, start : start + rows], key[:, :, :keys], value[:, :, :keys], attn_mask=mask,
+            dropout_p=dropout, scale=scaling, enable_gqa=True,
+        ).transpose(1, 2))
+    output = torch.cat(outputs, dim=1).index_select(1, reverse)  # (B, Lq, H, D), natural order
+    output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
+    return output.to(input_dtype).transpose(1, 2)
+
+
+def _reverse_rows(tensor: torch.Tensor, reverse: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) -> the same rows in reverse order, copied in the (B, L, H, D) layout (fast to reorder)."""
+    return tensor.transpose(1, 2).index_select(1, reverse).transpose(1, 2)
+
+
+def _future(rows: int, keys: int, device) -> torch.Tensor:
+    """(rows, keys) bool, True where key j lies after the query of reversed row r (position P_block - r)."""
+    return torch.arange(keys, device=device)[None, :] + torch.arange(rows, device=device)[:, None] >= keys
+
+
 def default_scaling(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)

@@ -30,6 +30,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_bam import (
+    bam_attention_blocked,
     bam_attention_reference,
     bam_attention_sdpa,
     ggd_bias,
@@ -98,6 +99,11 @@ class BamPrior(nn.Module):
     def reset_parameters(self, config: BamLlamaConfig) -> None:
         for name, value in initial_prior_values(config).items():
             _copy_init(getattr(self, name), value)
+
+    def table(self, last_position: int) -> torch.Tensor:
+        """(H, P + 1) float32 prior at distances -P, ..., 0: every row of the bias is a window of it."""
+        distance = torch.arange(-last_position, 1, device=self.theta_alpha.device, dtype=torch.float32)
+        return ggd_bias(distance, self.theta_alpha, self.theta_beta, self.theta_mu, self.formula, self.eps)
 
     def bias(self, query_positions: torch.Tensor, key_length: int) -> torch.Tensor:
         """(1, H, Lq, Lk) float32 prior for queries at absolute positions (Lq,) and keys 0..Lk-1."""
@@ -191,9 +197,19 @@ def bam_sdpa_attention_forward(
     document_ids: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """PyTorch SDPA with the (SSMax-scaled) prior passed as a float mask."""
-    visible, bias, row_factor = _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids)
-    output = bam_attention_sdpa(query, key, value, visible, bias, scaling, row_factor, module.config.ssmax_prior, dropout)
+    """PyTorch SDPA with the (SSMax-scaled) prior passed as a float mask, over blocks of queries whose mask is a
+    view of a 1-D prior table per head; a custom 4D mask gets the materialized (Lq x Lk) path."""
+    if attention_mask is not None and attention_mask.dim() == 4:
+        visible, bias, row_factor = _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids)
+        output = bam_attention_sdpa(
+            query, key, value, visible, bias, scaling, row_factor, module.config.ssmax_prior, dropout
+        )
+        return output.transpose(1, 2).contiguous(), None
+    output = bam_attention_blocked(
+        query, key, value, query_positions, prior.table(int(query_positions[-1])), scaling,
+        ssmax_scale=None if module.ssmax is None else module.ssmax.scale, ssmax_prior=module.config.ssmax_prior,
+        key_valid=attention_mask, document_ids=document_ids, dropout=dropout,
+    )
     return output.transpose(1, 2).contiguous(), None
 
 
@@ -253,7 +269,7 @@ def bam_key_padding_mask(
 
 BAM_ATTENTION_FUNCTIONS = {
     "bam_eager": (bam_eager_attention_forward, bam_boolean_mask),
-    "bam_sdpa": (bam_sdpa_attention_forward, bam_boolean_mask),
+    "bam_sdpa": (bam_sdpa_attention_forward, bam_key_padding_mask),
     "bam_triton": (bam_triton_attention_forward, bam_key_padding_mask),
 }
 ATTENTION_ALIASES = {"eager": "bam_eager", "sdpa": "bam_sdpa"}
