@@ -264,25 +264,86 @@ def bam_attention_blocked(
         key_mask = key_mask.masked_fill(~key_valid.bool(), HIDDEN)[:, None, None, :]
     query_documents = None if document_ids is None else document_ids[:, query_positions.flip(0)]
 
+    # Training: each block runs without autograd (on SDPA's fused kernel) and is recomputed in the backward
+    # pass, so no block's scores or probabilities are kept; memory stays O(L).
+    prior_factor = row_factor if scale_prior else None
+    tensors = (query, key, value, table, prior_factor, key_mask, query_documents, document_ids)
+    recompute = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     outputs = []
     for start in range(0, q_len, block):  # start = reversed row index: the block's last query is at P - start
         rows, keys = min(block, q_len - start), last - start + 1
-        mask = table[:, start : start + rows + keys - 1].unfold(-1, keys, 1)[None]  # (1, H, rows, keys) view
-        if scale_prior:
-            mask = mask * row_factor[:, :, start : start + rows]
-            mask = mask.masked_fill(_future(rows, keys, query.device), float("-inf"))
-        if key_mask is not None:
-            mask = mask + key_mask[..., :keys]
-        if query_documents is not None:
-            other = query_documents[:, start : start + rows, None] != document_ids[:, None, :keys]
-            mask = mask.masked_fill(other[:, None], HIDDEN)
-        outputs.append(F.scaled_dot_product_attention(
-            query[:, :, start : start + rows], key[:, :, :keys], value[:, :, :keys], attn_mask=mask,
-            dropout_p=dropout, scale=scaling, enable_gqa=True,
-        ).transpose(1, 2))
+        if recompute:
+            outputs.append(_RecomputedBlock.apply(start, rows, keys, scaling, dropout, *tensors))
+        else:
+            outputs.append(_attend_block(*tensors, start, rows, keys, scaling, dropout))
     output = torch.cat(outputs, dim=1).index_select(1, reverse)  # (B, Lq, H, D), natural order
     output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
     return output.to(input_dtype).transpose(1, 2)
+
+
+def _attend_block(
+    query, key, value, table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys, scaling, dropout
+) -> torch.Tensor:
+    """Reversed query rows start..start+rows against keys 0..keys-1: (B, rows, H, D).
+
+    prior_factor: the SSMax factor (B, H, Lq, 1) where it scales the prior (the table's future padding is then 0)."""
+    mask = table[:, start : start + rows + keys - 1].unfold(-1, keys, 1)[None]  # (1, H, rows, keys) view
+    if prior_factor is not None:  # copy, then scale in place: `view * factor` would be laid out column-major
+        mask = torch.empty(prior_factor.shape[0], *mask.shape[1:], dtype=mask.dtype, device=mask.device)
+        mask = mask.copy_(table[:, start : start + rows + keys - 1].unfold(-1, keys, 1)[None])
+        mask.mul_(prior_factor[:, :, start : start + rows])
+        mask[..., keys - rows :].masked_fill_(_future(rows, rows, mask.device), float("-inf"))
+    if key_mask is not None:
+        mask = mask + key_mask[..., :keys]
+    if query_documents is not None:
+        other = query_documents[:, start : start + rows, None] != document_ids[:, None, :keys]
+        mask = mask.masked_fill(other[:, None], HIDDEN)
+    output = F.scaled_dot_product_attention(
+        query[:, :, start : start + rows], key[:, :, :keys], value[:, :, :keys], attn_mask=mask,
+        dropout_p=dropout, scale=scaling, enable_gqa=True,
+    )
+    return output.transpose(1, 2)
+
+
+class _RecomputedBlock(torch.autograd.Function):
+    """`_attend_block` that keeps only its inputs: the backward pass recomputes the block with autograd on,
+    replaying the random state for dropout. Gradients come from `torch.autograd.grad`, so `.grad()` works."""
+
+    @staticmethod
+    def forward(ctx, start, rows, keys, scaling, dropout, *tensors):
+        ctx.block = (start, rows, keys, scaling, dropout)
+        ctx.device = tensors[0].device
+        ctx.rng_state = _rng_state(ctx.device) if dropout > 0.0 else None
+        ctx.save_for_backward(*tensors)
+        detached = [t.detach() if t is not None else None for t in tensors]  # else SDPA avoids its fused kernel
+        return _attend_block(*detached, *ctx.block)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        needs_grad = ctx.needs_input_grad[5:]
+        tensors = [
+            t.detach().requires_grad_(wanted) if t is not None else None
+            for t, wanted in zip(ctx.saved_tensors, needs_grad)
+        ]
+        with torch.enable_grad(), torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+            if ctx.rng_state is not None:
+                _set_rng_state(ctx.device, ctx.rng_state)
+            output = _attend_block(*tensors, *ctx.block)
+        wanted = [t for t, flag in zip(tensors, needs_grad) if flag]
+        grads = iter(torch.autograd.grad(output, wanted, grad_output))
+        return (None,) * 5 + tuple(next(grads) if flag else None for flag in needs_grad)
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
 
 
 def _reverse_rows(tensor: torch.Tensor, reverse: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,8 @@ Modes at every length L (tokens):
 Timing: `--repeats` rounds; in every round each (case, mode) runs once, the cases interleaved, so a load spike
 hits all of them; the table gives the median and the min-max spread. Peak memory: a separate untimed pass per
 (case, mode, length) resets the process' peak RSS (`echo 5 > /proc/self/clear_refs`, Linux), runs once, and
-reports VmHWM minus the RSS before the run (large tensors are mmapped by glibc and returned when freed, so the
-increase is that run's own). A profile (`--profile L`) prints torch.profiler's top operators for the BAM forward.
+reports VmHWM minus the RSS before the run (the script re-executes itself with MALLOC_MMAP_THRESHOLD_=128K so
+that every tensor above 128 KiB is mmapped and returned to the system when freed: the increase is that run's own). A profile (`--profile L`) prints torch.profiler's top operators for the BAM forward.
 
     python benchmarks/cpu_speed.py                          # 512..4096, writes benchmarks/results/cpu-speed.{md,json}
     python benchmarks/cpu_speed.py --lengths 512 --repeats 1 --out /tmp/x    # quick look
@@ -238,16 +238,24 @@ def profile(length: int, case: str) -> None:
 
 
 def main(argv=None) -> int:
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ and argv is None:
+        # A fixed mmap threshold: every large tensor is mmapped and returned to the system when freed, so the
+        # RSS of one run is that run's own (glibc's dynamic threshold would keep freed tensors in the heap).
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "cpu-speed")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--profile", type=int, metavar="L", help="print a torch.profiler table instead")
     parser.add_argument("--profile-case", choices=list(CASES), default="bam+ssmax")
     args = parser.parse_args(argv)
     if any(length < 2 for length in args.lengths) or args.repeats < 1:
         parser.error("--lengths must be >= 2 and --repeats >= 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.profile is not None:
         profile(args.profile, args.profile_case)
         return 0
