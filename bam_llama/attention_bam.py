@@ -246,7 +246,10 @@ def bam_attention_blocked(
     query, key, value = (tensor.to(compute_dtype) for tensor in (query, key, value))
     batch, heads, q_len, _ = query.shape
     last = int(query_positions[-1])
-    counts = visible_key_counts(query_positions, key.shape[2], key_valid, document_ids)  # (B or 1, Lq)
+    if key_valid is None and document_ids is None:
+        counts = (query_positions + 1)[None]  # (1, Lq): every key up to the query's own position
+    else:
+        counts = visible_key_counts(query_positions, key.shape[2], key_valid, document_ids)  # (B, Lq)
     row_factor = None if ssmax_scale is None else ssmax_factor(counts, ssmax_scale)
     block = max(1, min(q_len, block_elements // (batch * heads * (last + 1))))
     scale_prior = row_factor is not None and ssmax_prior
@@ -255,9 +258,10 @@ def bam_attention_blocked(
     table = F.pad(prior_table.to(compute_dtype), (0, block - 1), value=0.0 if scale_prior else float("-inf"))
 
     reverse = torch.arange(q_len - 1, -1, -1, device=query.device)
-    query = _reverse_rows(query, reverse)
+    if q_len > 1:
+        query = _reverse_rows(query, reverse)
     if row_factor is not None:
-        row_factor = row_factor.flip(2).to(compute_dtype)
+        row_factor = (row_factor.flip(2) if q_len > 1 else row_factor).to(compute_dtype)
         query = query * row_factor
     key_mask = None if key_valid is None else torch.zeros(key_valid.shape, dtype=compute_dtype, device=key.device)
     if key_mask is not None:
@@ -276,8 +280,10 @@ def bam_attention_blocked(
             outputs.append(_RecomputedBlock.apply(start, rows, keys, scaling, dropout, *tensors))
         else:
             outputs.append(_attend_block(*tensors, start, rows, keys, scaling, dropout))
-    output = torch.cat(outputs, dim=1).index_select(1, reverse)  # (B, Lq, H, D), natural order
-    output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
+    output = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+    output = output.index_select(1, reverse) if q_len > 1 else output  # (B, Lq, H, D), natural order
+    if key_valid is not None:  # rows that see no key (queries on padding) give zeros
+        output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
     return output.to(input_dtype).transpose(1, 2)
 
 

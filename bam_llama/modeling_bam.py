@@ -195,10 +195,13 @@ def bam_sdpa_attention_forward(
     query_positions: torch.Tensor,
     prior: BamPrior,
     document_ids: torch.Tensor | None = None,
+    prior_table: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """PyTorch SDPA with the (SSMax-scaled) prior passed as a float mask, over blocks of queries whose mask is a
-    view of a 1-D prior table per head; a custom 4D mask gets the materialized (Lq x Lk) path."""
+    view of a 1-D prior table per head; a custom 4D mask gets the materialized (Lq x Lk) path.
+
+    prior_table: `prior.table(P)` when the model computed it once for all layers (global prior)."""
     if attention_mask is not None and attention_mask.dim() == 4:
         visible, bias, row_factor = _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids)
         output = bam_attention_sdpa(
@@ -206,7 +209,8 @@ def bam_sdpa_attention_forward(
         )
         return output.transpose(1, 2).contiguous(), None
     output = bam_attention_blocked(
-        query, key, value, query_positions, prior.table(int(query_positions[-1])), scaling,
+        query, key, value, query_positions,
+        prior.table(int(query_positions[-1])) if prior_table is None else prior_table, scaling,
         ssmax_scale=None if module.ssmax is None else module.ssmax.scale, ssmax_prior=module.config.ssmax_prior,
         key_valid=attention_mask, document_ids=document_ids, dropout=dropout,
     )
@@ -541,6 +545,9 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         )
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        if self.prior is not None:
+            # The global prior depends on j - i only: one (H, P + 1) table, computed once for all layers.
+            kwargs["prior_table"] = self.prior.table(int(query_positions[-1]))
 
         hidden_states = inputs_embeds
         all_hidden_states = () if output_hidden_states else None
