@@ -268,11 +268,12 @@ def bam_attention_blocked(
         key_mask = key_mask.masked_fill(~key_valid.bool(), HIDDEN)[:, None, None, :]
     query_documents = None if document_ids is None else document_ids[:, query_positions.flip(0)]
 
-    # Training: each block runs without autograd (on SDPA's fused kernel) and is recomputed in the backward
-    # pass, so no block's scores or probabilities are kept; memory stays O(L).
+    # Training a prior: SDPA has no gradient for its mask on the fused kernel, so each block runs without
+    # autograd (fused) and is recomputed in the backward pass; no block's scores are kept, memory stays O(L).
+    # A frozen prior (only q, k, v need gradients) keeps SDPA's own fused backward.
     prior_factor = row_factor if scale_prior else None
     tensors = (query, key, value, table, prior_factor, key_mask, query_documents, document_ids)
-    recompute = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    recompute = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (table, prior_factor))
     outputs = []
     for start in range(0, q_len, block):  # start = reversed row index: the block's last query is at P - start
         rows, keys = min(block, q_len - start), last - start + 1

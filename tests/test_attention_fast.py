@@ -146,6 +146,7 @@ BLOCKED_CASES = {
     "left_padding": dict(ssmax=True, padded=True),
     "packed_documents": dict(ssmax=True, packed=True),
     "cache_offset": dict(ssmax=True, offset=7),
+    "frozen_prior": dict(ssmax=False, frozen=True),
 }
 
 
@@ -168,7 +169,7 @@ def test_blocked_attention_and_gradients_match_float64_reference(case, block_ele
         "ssmax_scale": torch.tensor([0.8, 1.2, -0.5, 1.0], dtype=torch.float64),
     }
     for tensor in parameters.values():
-        tensor.requires_grad_(True)
+        tensor.requires_grad_(not options.get("frozen"))
     key_valid = document_ids = None
     if options.get("padded"):
         key_valid = torch.ones(2, k_len, dtype=torch.long)
@@ -191,7 +192,9 @@ def test_blocked_attention_and_gradients_match_float64_reference(case, block_ele
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)  # ggd_bias computes in float32
     if key_valid is not None:
         assert actual[1, :, :5].abs().max() == 0
-    inputs = [query, key, value] + [t for name, t in parameters.items() if ssmax or name != "ssmax_scale"]
+    inputs = [query, key, value] + [
+        t for name, t in parameters.items() if t.requires_grad and (ssmax or name != "ssmax_scale")
+    ]
     weights = torch.randn(expected.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     actual_grads = torch.autograd.grad((actual * weights).sum(), inputs)
     expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
