@@ -295,10 +295,13 @@ def _attend_block(
 
     prior_factor: the SSMax factor (B, H, Lq, 1) where it scales the prior (the table's future padding is then 0)."""
     mask = table[:, start : start + rows + keys - 1].unfold(-1, keys, 1)[None]  # (1, H, rows, keys) view
-    if prior_factor is not None:  # copy, then scale in place: `view * factor` would be laid out column-major
-        mask = torch.empty(prior_factor.shape[0], *mask.shape[1:], dtype=mask.dtype, device=mask.device)
-        mask = mask.copy_(table[:, start : start + rows + keys - 1].unfold(-1, keys, 1)[None])
-        mask.mul_(prior_factor[:, :, start : start + rows])
+    if prior_factor is not None:  # into a row-major tensor: `view * factor` would be laid out column-major
+        factor = prior_factor[:, :, start : start + rows]
+        scaled = torch.empty(factor.shape[0], *mask.shape[1:], dtype=mask.dtype, device=mask.device)
+        if torch.is_grad_enabled() and (table.requires_grad or factor.requires_grad):
+            mask = scaled.copy_(mask).mul_(factor)  # out= has no autograd
+        else:
+            mask = torch.mul(mask, factor, out=scaled)
         mask[..., keys - rows :].masked_fill_(_future(rows, rows, mask.device), float("-inf"))
     if key_mask is not None:
         mask = mask + key_mask[..., :keys]
