@@ -33,6 +33,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .attention_bam import (
+    bam_attention_blocked,
     bam_attention_reference,
     bam_attention_sdpa,
     ggd_bias,
@@ -104,6 +105,11 @@ class BamPrior(nn.Module):
     def reset_parameters(self, config: BamLlamaConfig) -> None:
         for name, value in initial_prior_values(config).items():
             _copy_init(getattr(self, name), value)
+
+    def table(self, last_position: int) -> torch.Tensor:
+        """(H, P + 1) float32 prior at distances -P, ..., 0: every row of the bias is a window of it."""
+        distance = torch.arange(-last_position, 1, device=self.theta_alpha.device, dtype=torch.float32)
+        return ggd_bias(distance, self.theta_alpha, self.theta_beta, self.theta_mu, self.formula, self.eps)
 
     def bias(self, query_positions: torch.Tensor, key_length: int) -> torch.Tensor:
         """(1, H, Lq, Lk) float32 prior for queries at absolute positions (Lq,) and keys 0..Lk-1."""
@@ -195,11 +201,25 @@ def bam_sdpa_attention_forward(
     query_positions: torch.Tensor,
     prior: BamPrior,
     document_ids: torch.Tensor | None = None,
+    prior_table: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """PyTorch SDPA with the (SSMax-scaled) prior passed as a float mask."""
-    visible, bias, row_factor = _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids)
-    output = bam_attention_sdpa(query, key, value, visible, bias, scaling, row_factor, module.config.ssmax_prior, dropout)
+    """PyTorch SDPA with the (SSMax-scaled) prior passed as a float mask, over blocks of queries whose mask is a
+    view of a 1-D prior table per head; a custom 4D mask gets the materialized (Lq x Lk) path.
+
+    prior_table: `prior.table(P)` when the model computed it once for all layers (global prior)."""
+    if attention_mask is not None and attention_mask.dim() == 4:
+        visible, bias, row_factor = _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids)
+        output = bam_attention_sdpa(
+            query, key, value, visible, bias, scaling, row_factor, module.config.ssmax_prior, dropout
+        )
+        return output.transpose(1, 2).contiguous(), None
+    output = bam_attention_blocked(
+        query, key, value, query_positions,
+        prior.table(int(query_positions[-1])) if prior_table is None else prior_table, scaling,
+        ssmax_scale=None if module.ssmax is None else module.ssmax.scale, ssmax_prior=module.config.ssmax_prior,
+        key_valid=attention_mask, document_ids=document_ids, dropout=dropout,
+    )
     return output.transpose(1, 2).contiguous(), None
 
 
@@ -267,7 +287,7 @@ BAM_ATTENTION_FUNCTIONS = {
 ATTENTION_ALIASES = {"bam_eager": "eager", "bam_sdpa": "sdpa"}  # the names of earlier releases
 # `create_causal_mask` finds the mask function by the config's name in the global registry, so BAM's are registered
 # under private names, and the model hands it a config view carrying the private name (see `_MaskingConfig`).
-BAM_MASK_FUNCTIONS = {"bam_eager": bam_boolean_mask, "bam_sdpa": bam_boolean_mask, "bam_triton": bam_key_padding_mask}
+BAM_MASK_FUNCTIONS = {"bam_eager": bam_boolean_mask, "bam_sdpa": bam_key_padding_mask, "bam_triton": bam_key_padding_mask}
 MASK_FUNCTION_NAMES = {"eager": "bam_eager", "sdpa": "bam_sdpa", "bam_triton": "bam_triton"}
 
 
@@ -575,6 +595,9 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         )
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        if self.prior is not None:
+            # The global prior depends on j - i only: one (H, P + 1) table, computed once for all layers.
+            kwargs["prior_table"] = self.prior.table(int(query_positions[-1]))
 
         hidden_states = inputs_embeds
         for decoder_layer in self.layers:
