@@ -181,20 +181,189 @@ def bam_attention_sdpa(
     """Same result as `bam_attention_reference` through `F.scaled_dot_product_attention` with a float mask.
 
     The SSMax factor multiplies the queries (so q.k is scaled per row); the prior, scaled or not, is the mask.
+    The mask stays float32 and 16-bit inputs are computed in float32: in fp16 the prior overflows to -inf
+    (distance 0 with a negative beta), in bf16 far priors round to equal values.
     """
+    input_dtype = query.dtype
+    query, key, value = (tensor.to(attention_compute_dtype(input_dtype)) for tensor in (query, key, value))
     n_rep = query.shape[1] // key.shape[1]
     key = repeat_kv(key, n_rep)
     value = repeat_kv(value, n_rep)
     visible, has_keys = _rows_with_keys(visible)
     if row_factor is not None:
-        query = (query.float() * row_factor).to(query.dtype)
+        query = query * row_factor.to(query.dtype)
         if ssmax_prior:
             bias = bias * row_factor
     float_mask = torch.where(visible, bias, torch.full_like(bias, float("-inf"))).to(query.dtype)
     output = F.scaled_dot_product_attention(
         query, key, value, attn_mask=float_mask, dropout_p=dropout, scale=scaling
     )
-    return torch.where(has_keys, output, torch.zeros_like(output))
+    return torch.where(has_keys, output, torch.zeros_like(output)).to(input_dtype)
+
+
+def attention_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit inputs: the prior needs float32's range and precision, and SDPA's float mask must
+    have the query's dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+HIDDEN = -1e30  # finite "minus infinity" for padded keys: a row that sees no key stays finite (then zeroed)
+
+
+def bam_attention_blocked(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_positions: torch.Tensor,
+    prior_table: torch.Tensor,
+    scaling: float,
+    ssmax_scale: torch.Tensor | None = None,
+    ssmax_prior: bool = True,
+    key_valid: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    block_elements: int = 1 << 23,
+) -> torch.Tensor:
+    """Same result as `bam_attention_reference` without any (Lq x Lk) tensor: SDPA over blocks of queries.
+
+    The prior depends on j - i only, so every mask row is a window of one table per head. With the queries in
+    reverse order, the rows of a block are consecutive windows: the block's mask is a strided VIEW of the table
+    (no copy), with the causal -inf in the table's padding. A block of queries at positions <= p attends to keys
+    0..p only (causal blocks are skipped). With SSMax scaling the prior, or padding, or packed documents, the
+    mask of one block (rows x keys, at most `block_elements` values) is materialized.
+
+    Args:
+        query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D).
+        query_positions: (Lq,) consecutive absolute positions p_0, p_0 + 1, ..., P.
+        prior_table: (H, P + 1) float32 prior at distances j - i = -P, ..., 0 (the keys of the last query).
+        ssmax_scale: (H,) Scalable-Softmax scale s (c_i = s ln n_i), or None for plain softmax.
+        key_valid: (B, Lk) bool/int, False for padding; document_ids: (B, Lk) int (packed sequences).
+    Returns:
+        (B, H, Lq, D) in the query dtype, zero for rows that see no key (a view of a (B, Lq, H, D) tensor).
+    """
+    input_dtype = query.dtype
+    compute_dtype = attention_compute_dtype(input_dtype)
+    query, key, value = (tensor.to(compute_dtype) for tensor in (query, key, value))
+    batch, heads, q_len, _ = query.shape
+    last = int(query_positions[-1])
+    if key_valid is None and document_ids is None:
+        counts = (query_positions + 1)[None]  # (1, Lq): every key up to the query's own position
+    else:
+        counts = visible_key_counts(query_positions, key.shape[2], key_valid, document_ids)  # (B, Lq)
+    row_factor = None if ssmax_scale is None else ssmax_factor(counts, ssmax_scale)
+    block = max(1, min(q_len, block_elements // (batch * heads * (last + 1))))
+    scale_prior = row_factor is not None and ssmax_prior
+    # table[m] = prior at distance m - P; entries past P are future keys: -inf, or 0 when the row factor
+    # multiplies the prior (c = 0 or c < 0 would turn -inf into NaN / +inf; those are masked separately).
+    table = F.pad(prior_table.to(compute_dtype), (0, block - 1), value=0.0 if scale_prior else float("-inf"))
+
+    reverse = torch.arange(q_len - 1, -1, -1, device=query.device)
+    if q_len > 1:
+        query = _reverse_rows(query, reverse)
+    if row_factor is not None:
+        row_factor = (row_factor.flip(2) if q_len > 1 else row_factor).to(compute_dtype)
+        query = query * row_factor
+    key_mask = None if key_valid is None else torch.zeros(key_valid.shape, dtype=compute_dtype, device=key.device)
+    if key_mask is not None:
+        key_mask = key_mask.masked_fill(~key_valid.bool(), HIDDEN)[:, None, None, :]
+    query_documents = None if document_ids is None else document_ids[:, query_positions.flip(0)]
+
+    # Training a prior: SDPA has no gradient for its mask on the fused kernel, so each block runs without
+    # autograd (fused) and is recomputed in the backward pass; no block's scores are kept, memory stays O(L).
+    # A frozen prior (only q, k, v need gradients) keeps SDPA's own fused backward.
+    prior_factor = row_factor if scale_prior else None
+    tensors = (query, key, value, table, prior_factor, key_mask, query_documents, document_ids)
+    recompute = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (table, prior_factor))
+    outputs = []
+    for start in range(0, q_len, block):  # start = reversed row index: the block's last query is at P - start
+        rows, keys = min(block, q_len - start), last - start + 1
+        if recompute:
+            outputs.append(_RecomputedBlock.apply(start, rows, keys, scaling, dropout, *tensors))
+        else:
+            outputs.append(_attend_block(*tensors, start, rows, keys, scaling, dropout))
+    output = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+    output = output.index_select(1, reverse) if q_len > 1 else output  # (B, Lq, H, D), natural order
+    if key_valid is not None:  # rows that see no key (queries on padding) give zeros
+        output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
+    return output.to(input_dtype).transpose(1, 2)
+
+
+def _attend_block(
+    query, key, value, table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys, scaling, dropout
+) -> torch.Tensor:
+    """Reversed query rows start..start+rows against keys 0..keys-1: (B, rows, H, D).
+
+    prior_factor: the SSMax factor (B, H, Lq, 1) where it scales the prior (the table's future padding is then 0)."""
+    mask = table[:, start : start + rows + keys - 1].unfold(-1, keys, 1)[None]  # (1, H, rows, keys) view
+    if prior_factor is not None:  # into a row-major tensor: `view * factor` would be laid out column-major
+        factor = prior_factor[:, :, start : start + rows]
+        scaled = torch.empty(factor.shape[0], *mask.shape[1:], dtype=mask.dtype, device=mask.device)
+        if torch.is_grad_enabled() and (table.requires_grad or factor.requires_grad):
+            mask = scaled.copy_(mask).mul_(factor)  # out= has no autograd
+        else:
+            mask = torch.mul(mask, factor, out=scaled)
+        mask[..., keys - rows :].masked_fill_(_future(rows, rows, mask.device), float("-inf"))
+    if key_mask is not None:
+        mask = mask + key_mask[..., :keys]
+    if query_documents is not None:
+        other = query_documents[:, start : start + rows, None] != document_ids[:, None, :keys]
+        mask = mask.masked_fill(other[:, None], HIDDEN)
+    output = F.scaled_dot_product_attention(
+        query[:, :, start : start + rows], key[:, :, :keys], value[:, :, :keys], attn_mask=mask,
+        dropout_p=dropout, scale=scaling, enable_gqa=True,
+    )
+    return output.transpose(1, 2)
+
+
+class _RecomputedBlock(torch.autograd.Function):
+    """`_attend_block` that keeps only its inputs: the backward pass recomputes the block with autograd on,
+    replaying the random state for dropout. Gradients come from `torch.autograd.grad`, so `.grad()` works."""
+
+    @staticmethod
+    def forward(ctx, start, rows, keys, scaling, dropout, *tensors):
+        ctx.block = (start, rows, keys, scaling, dropout)
+        ctx.device = tensors[0].device
+        ctx.rng_state = _rng_state(ctx.device) if dropout > 0.0 else None
+        ctx.save_for_backward(*tensors)
+        detached = [t.detach() if t is not None else None for t in tensors]  # else SDPA avoids its fused kernel
+        return _attend_block(*detached, *ctx.block)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        needs_grad = ctx.needs_input_grad[5:]
+        tensors = [
+            t.detach().requires_grad_(wanted) if t is not None else None
+            for t, wanted in zip(ctx.saved_tensors, needs_grad)
+        ]
+        with torch.enable_grad(), torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+            if ctx.rng_state is not None:
+                _set_rng_state(ctx.device, ctx.rng_state)
+            output = _attend_block(*tensors, *ctx.block)
+        wanted = [t for t, flag in zip(tensors, needs_grad) if flag]
+        grads = iter(torch.autograd.grad(output, wanted, grad_output))
+        return (None,) * 5 + tuple(next(grads) if flag else None for flag in needs_grad)
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _reverse_rows(tensor: torch.Tensor, reverse: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) -> the same rows in reverse order, copied in the (B, L, H, D) layout (fast to reorder)."""
+    return tensor.transpose(1, 2).index_select(1, reverse).transpose(1, 2)
+
+
+def _future(rows: int, keys: int, device) -> torch.Tensor:
+    """(rows, keys) bool, True where key j lies after the query of reversed row r (position P_block - r)."""
+    return torch.arange(keys, device=device)[None, :] + torch.arange(rows, device=device)[:, None] >= keys
 
 
 def default_scaling(head_dim: int) -> float:

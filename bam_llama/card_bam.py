@@ -20,6 +20,8 @@ import yaml
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from .io_bam import check_safetensors_files
+
 
 TEMPLATE_NAME = "model_card_template.md"  # a symlink to model_cards/bam_llama_card_template.md, copied into wheels
 BAM_TAGS = ["bam", "ggd-bam", "custom_code", "long-context"]
@@ -425,6 +427,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args) -> None:
     model_dir = Path(args.model_dir)
+    check_safetensors_files(model_dir)
     if args.push:
         check_repo_id(args.push)
         check_uploadable(model_dir.resolve())

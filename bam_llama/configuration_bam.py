@@ -1,12 +1,21 @@
 """Configuration of BamLlama: a Llama decoder without RoPE whose attention adds a GGD positional prior."""
 
+import math
+import sys
+
 from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
 
 
 PRIOR_SCOPES = ("global", "layer")
 PRIOR_FORMULAS = ("current", "legacy")
 THETA_ALPHA_SCHEMES = ("alibi",)
 THETA_BETA_SCHEMES = ("linear",)
+LOG_FLOAT32_MAX = math.log(3.4028234663852886e38)  # 88.72: exp of more overflows float32
 
 
 class BamLlamaConfig(PreTrainedConfig):
@@ -113,6 +122,7 @@ class BamLlamaConfig(PreTrainedConfig):
         self.tie_word_embeddings = tie_word_embeddings
         super().__init__(**kwargs)
         self.validate_bam()
+        _register_models_with_the_auto_classes()
 
     def validate_bam(self) -> None:
         """Raise a ValueError naming the first inconsistent field."""
@@ -127,12 +137,20 @@ class BamLlamaConfig(PreTrainedConfig):
                     f"({self.num_attention_heads}) when head_dim is not given"
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if not isinstance(self.num_key_value_heads, int) or self.num_key_value_heads <= 0:
+        if not _is_positive_int(self.head_dim):
+            raise ValueError(f"BamLlamaConfig.head_dim must be a positive integer, got {self.head_dim!r}")
+        if not _is_positive_int(self.num_key_value_heads):
             raise ValueError(f"num_key_value_heads must be a positive integer, got {self.num_key_value_heads!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
                 f"({self.num_attention_heads})"
+            )
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
+            raise ValueError(f"BamLlamaConfig.hidden_act {self.hidden_act!r} is not a Transformers activation (e.g. 'silu')")
+        if not _is_positive_int(self.max_position_embeddings):
+            raise ValueError(
+                f"BamLlamaConfig.max_position_embeddings must be a positive integer, got {self.max_position_embeddings!r}"
             )
         if self.prior_scope not in PRIOR_SCOPES:
             raise ValueError(f"prior_scope must be one of {PRIOR_SCOPES}, got {self.prior_scope!r}")
@@ -141,24 +159,70 @@ class BamLlamaConfig(PreTrainedConfig):
         _check_init("theta_alpha_init", self.theta_alpha_init, THETA_ALPHA_SCHEMES)
         _check_init("theta_beta_init", self.theta_beta_init, THETA_BETA_SCHEMES)
         _check_init("theta_mu_init", self.theta_mu_init, ())
-        if not self.prior_eps > 0:
-            raise ValueError(f"prior_eps must be > 0, got {self.prior_eps!r}")
-        if self.train_context_length <= 0:
-            raise ValueError(f"train_context_length must be positive, got {self.train_context_length!r}")
+        _check_init("ssmax_scale_init", self.ssmax_scale_init, ())
+        if not _is_number(self.prior_eps) or not self.prior_eps > 0 or math.isinf(self.prior_eps):
+            raise ValueError(f"prior_eps must be a finite number > 0, got {self.prior_eps!r}")
+        if not _is_positive_int(self.train_context_length):
+            raise ValueError(f"BamLlamaConfig.train_context_length must be a positive integer, got {self.train_context_length!r}")
         if self.max_position_embeddings < self.train_context_length:
-            raise ValueError(
+            # Only a limit reported to generation tools: a config lowered on purpose must still save and reload.
+            logger.warning(
                 f"max_position_embeddings ({self.max_position_embeddings}) is below train_context_length "
-                f"({self.train_context_length}); BAM extrapolates, so keep it large"
+                f"({self.train_context_length}): generation tools will stop there, though BAM extrapolates"
             )
+        self._check_initial_prior_is_finite()
+
+    def _check_initial_prior_is_finite(self) -> None:
+        """The initial prior times the SSMax factor must stay finite in float32 at every distance up to
+        max_position_embeddings (or train_context_length, when longer): an infinite bias makes eager, SDPA and Triton
+        disagree (or give NaN)."""
+        longest = max(self.max_position_embeddings, self.train_context_length)
+        alpha = 0.0 if self.theta_alpha_init == "alibi" else float(self.theta_alpha_init)  # ALiBi: log slopes <= 0
+        betas = (0.0, 1.0) if self.theta_beta_init == "linear" else (float(self.theta_beta_init),)
+        mu = 2 * math.sinh(min(abs(float(self.theta_mu_init)), 700.0))
+        spans = (self.prior_eps, longest + mu + self.prior_eps)  # extremes of |distance - mu| + eps
+        log_prior = max(
+            alpha + beta * math.log(span) if self.prior_formula == "current"
+            else max(alpha, beta * math.log(math.exp(min(alpha, 700.0)) * span + self.prior_eps))
+            for beta in betas for span in spans
+        )
+        ssmax_factor = abs(self.ssmax_scale_init) * math.log(longest) if self.ssmax and self.ssmax_prior else 1.0
+        log_extent = log_prior + math.log(max(ssmax_factor, 1e-30))
+        if log_extent >= LOG_FLOAT32_MAX:
+            bound = alpha - (log_extent - LOG_FLOAT32_MAX)
+            raise ValueError(
+                f"theta_alpha_init={self.theta_alpha_init!r} makes the initial prior overflow float32: with "
+                f"theta_beta_init={self.theta_beta_init!r} and distances up to {longest}, |prior| (times the SSMax "
+                f"factor) reaches exp({log_extent:.1f}) and float32 ends at exp({LOG_FLOAT32_MAX:.2f}); keep "
+                f"theta_alpha_init below {bound:.2f}"
+            )
+
+
+def _register_models_with_the_auto_classes() -> None:
+    """Installed as `bam_llama`, whose import registers only this config with AutoConfig (to stay light): register
+    the models too, before an Auto model class looks for them. Not in Hub remote code, where there is no package."""
+    package = sys.modules.get(__name__.rpartition(".")[0])
+    modeling = sys.modules.get(f"{package.__name__}.modeling_bam") if package is not None else None
+    if getattr(package, "register", None) is None or getattr(getattr(modeling, "__spec__", None), "_initializing", False):
+        return
+    package.register()
 
 
 def _check_init(name: str, value, schemes: tuple[str, ...]) -> None:
     if isinstance(value, str):
         if value not in schemes:
-            allowed = f"a number or one of {schemes}" if schemes else "a number"
+            allowed = f"a finite number or one of {schemes}" if schemes else "a finite number"
             raise ValueError(f"{name} must be {allowed}, got {value!r}")
-    elif isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    elif not _is_number(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 __all__ = ["BamLlamaConfig"]

@@ -11,28 +11,34 @@ shard. Everything goes to a hidden staging folder beside OUT_DIR that is renamed
 failure leaves nothing behind and an existing OUT_DIR is replaced only with `force`.
 """
 
+from __future__ import annotations
+
 import argparse
-import contextlib
 import json
 import math
 import os
 import re
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-from transformers import LlamaConfig
-from transformers.activations import ACT2FN
-from transformers.dynamic_module_utils import custom_object_save
+from .io_bam import (
+    DEFAULT_MAX_SHARD_SIZE,
+    OutputError,
+    SafetensorsShardWriter,
+    check_output_dir,
+    exit_on_sigterm,
+    staged_output_dir,
+)
 
-from . import card_bam
-from .configuration_bam import PRIOR_FORMULAS, PRIOR_SCOPES, BamLlamaConfig
-from .modeling_bam import REMOTE_CODE_AUTO_MAP, BamLlamaForCausalLM, BamPrior, BamScalableSoftmax
+
+if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used, so that --help does not load them
+    import torch
+    from transformers import LlamaConfig
+
+    from .configuration_bam import BamLlamaConfig
 
 
 VARIANTS = ("bam", "bam_ssmax")
@@ -40,8 +46,7 @@ LLAMA_PRIOR_INITS = {
     "uniform": dict(theta_alpha_init=0.0, theta_beta_init=0.0),  # bias -1 everywhere: no positional preference
     "alibi": dict(theta_alpha_init="alibi", theta_beta_init=1.0),  # bias -slope_h * |j - i|: ALiBi
 }
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_MAX_SHARD_SIZE = "5GB"
+DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}  # torch dtype names
 MIN_MAX_POSITION_EMBEDDINGS = 1 << 20
 
 # Reference (Meta Llama layout) names -> BamLlama names.
@@ -86,143 +91,8 @@ class ConversionError(Exception):
 
 
 # --------------------------------------------------------------------------------------------------------
-# Output folder: staged beside OUT_DIR, renamed into place when complete
+# Safetensors: reading shard headers
 # --------------------------------------------------------------------------------------------------------
-
-
-def check_output_dir(out_dir: Path, force: bool, inputs: Iterable[Path] = ()) -> None:
-    for source in inputs:
-        if out_dir == source or out_dir in source.parents:
-            raise ConversionError(f"the output folder {out_dir} would replace the input {source}")
-    if out_dir.exists() or out_dir.is_symlink():
-        if not force:
-            raise ConversionError(f"the output folder {out_dir} already exists; pass --force to replace it")
-
-
-@contextlib.contextmanager
-def staged_output_dir(out_dir: Path, force: bool, inputs: Iterable[Path] = ()) -> Iterator[Path]:
-    """Yield an empty folder beside `out_dir`; it becomes `out_dir` if the block succeeds and is deleted otherwise."""
-    inputs = tuple(inputs)
-    check_output_dir(out_dir, force, inputs)
-    created_parents = make_parents(out_dir.parent)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-    try:
-        yield staging
-        check_output_dir(out_dir, force, inputs)
-        apply_umask_permissions(staging)
-        move_into_place(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        for folder in reversed(created_parents):
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        raise
-
-
-def make_parents(folder: Path) -> list[Path]:
-    """Create `folder` and its missing parents; return the folders created, outermost first."""
-    missing = []
-    while not folder.exists():
-        missing.append(folder)
-        folder = folder.parent
-    created = []
-    for folder in reversed(missing):
-        folder.mkdir()
-        created.append(folder)
-    return created
-
-
-def current_umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
-def apply_umask_permissions(folder: Path) -> None:
-    """mkdtemp (and safetensors) create private files; give the output the permissions of ordinary new files."""
-    umask = current_umask()
-    folder.chmod(0o777 & ~umask)
-    for path in folder.rglob("*"):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-def move_into_place(staging: Path, out_dir: Path) -> None:
-    if not (out_dir.exists() or out_dir.is_symlink()):
-        os.replace(staging, out_dir)
-        return
-    trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
-    os.replace(out_dir, trash / out_dir.name)
-    os.replace(staging, out_dir)
-    shutil.rmtree(trash)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Safetensors: reading shard headers, writing shard by shard
-# --------------------------------------------------------------------------------------------------------
-
-
-def parse_size(size: str | int) -> int:
-    """'5GB', '500MB', '2GiB' or a number of bytes -> bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
-    if match is None or float(match.group(1)) <= 0:
-        raise ConversionError(f"cannot read the shard size {size!r}; write it like 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * units[match.group(2) or ""])
-
-
-class SafetensorsShardWriter:
-    """Writes named tensors into `model.safetensors`, or into numbered shards plus an index when they exceed
-    `max_shard_size`. Holds at most one shard of tensors at a time."""
-
-    def __init__(self, folder: Path, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE):
-        self.folder = folder
-        self.max_shard_bytes = parse_size(max_shard_size)
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_storages: set[int] = set()
-        self.pending_bytes = 0
-        self.shard_names: list[list[str]] = []
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
-            self.flush()
-        storage = tensor.untyped_storage().data_ptr()
-        if storage in self.pending_storages:
-            tensor = tensor.clone()  # safetensors refuses tensors that share memory
-            storage = tensor.untyped_storage().data_ptr()
-        self.pending_storages.add(storage)
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += size
-        self.total_bytes += size
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        save_file(self.pending, self.folder / self._partial_name(len(self.shard_names)), metadata={"format": "pt"})
-        self.shard_names.append(list(self.pending))
-        self.pending, self.pending_storages, self.pending_bytes = {}, set(), 0
-
-    def finish(self) -> list[str]:
-        """Write the last shard, give the shards their final names and write the index; return the file names."""
-        self.flush()
-        if len(self.shard_names) == 1:
-            os.replace(self.folder / self._partial_name(0), self.folder / "model.safetensors")
-            return ["model.safetensors"]
-        count = len(self.shard_names)
-        files, weight_map = [], {}
-        for index, names in enumerate(self.shard_names):
-            file_name = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(self.folder / self._partial_name(index), self.folder / file_name)
-            files.append(file_name)
-            weight_map.update(dict.fromkeys(names, file_name))
-        index_file = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2) + "\n")
-        return files + ["model.safetensors.index.json"]
-
-    @staticmethod
-    def _partial_name(index: int) -> str:
-        return f"shard-{index:05d}.safetensors.partial"
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -247,6 +117,8 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape, read from the shard headers only."""
+    from safetensors import safe_open
+
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
         try:
@@ -264,6 +136,8 @@ def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 
 def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors one at a time, opening one shard at a time."""
+    from safetensors import safe_open
+
     for path in files:
         with safe_open(path, framework="pt") as shard:
             for name in shard.keys():
@@ -307,6 +181,10 @@ def is_per_head_parameter(bam_name: str) -> bool:
 
 def bam_parameter_shapes(config: BamLlamaConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of every BamLlamaForCausalLM parameter for `config` (built on the meta device)."""
+    import torch
+
+    from .modeling_bam import BamLlamaForCausalLM
+
     with torch.device("meta"):
         model = BamLlamaForCausalLM(config)
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
@@ -328,9 +206,11 @@ def cast_weight(bam_name: str, tensor: torch.Tensor, dtype: torch.dtype | None) 
 
 
 def parse_dtype(name: str) -> torch.dtype | None:
+    import torch
+
     if name not in DTYPES:
         raise ConversionError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    return None if DTYPES[name] is None else getattr(torch, DTYPES[name])
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -339,6 +219,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def save_config_and_code(config: BamLlamaConfig, folder: Path) -> None:
     """config.json plus the modeling code, so the folder loads with trust_remote_code=True."""
+    from transformers.dynamic_module_utils import custom_object_save
+
+    from .modeling_bam import REMOTE_CODE_AUTO_MAP, BamLlamaForCausalLM
+
     config.architectures = ["BamLlamaForCausalLM"]
     config.auto_map = dict(REMOTE_CODE_AUTO_MAP)
     custom_object_save(BamLlamaForCausalLM, folder)  # modeling_bam.py and the modules it imports relatively
@@ -364,6 +248,8 @@ def copy_files(files: Iterable[Path], folder: Path) -> None:
 
 def write_model_card(folder: Path, model_name: str, lines: list[str], base_model: str | None = None) -> None:
     """The package's Hub model card (metadata, architecture, prior), with how the folder was converted."""
+    from . import card_bam
+
     card_bam.write_model_card(folder, model_name=model_name, description="\n".join(lines), base_model=base_model)
 
 
@@ -448,6 +334,8 @@ def read_run_args(run_dir: Path) -> dict:
 
 def load_reference_state_dict(run_dir: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
     """model.pt memory-mapped, with DDP / torch.compile prefixes stripped; also returns the prefixes found."""
+    import torch
+
     path = run_dir / "model.pt"
     if not path.is_file():
         raise ConversionError(f"missing file {path} (the reference checkpoint)")
@@ -563,6 +451,8 @@ def train_flag(model_args: dict, index: int, default: bool) -> bool:
 
 def reference_config(run_args: dict, variant: str, prior_scope: str, formula: str) -> BamLlamaConfig:
     """The BamLlamaConfig of a reference run, from args.json's model_args."""
+    from .configuration_bam import BamLlamaConfig
+
     model_args = run_args["model_args"]
     heads = model_args["n_heads"]
     values = dict(
@@ -615,6 +505,8 @@ def convert_reference_checkpoint(
         variant: "bam" or "bam_ssmax"; must agree with args.json's position_encoding when both are given.
         dtype: "auto" keeps the stored dtype; otherwise every weight but the prior / SSMax parameters is cast.
     """
+    from .configuration_bam import PRIOR_FORMULAS
+
     log = print if verbose else quiet
     run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
     tokenizer = Path(tokenizer).resolve() if tokenizer is not None else None
@@ -637,6 +529,7 @@ def convert_reference_checkpoint(
     table, shapes = checked_reference_key_table(config, prior_names)
     expected = {name: reference_shape(bam_name, shapes[bam_name]) for name, bam_name in table.items()}
     found = {name: tuple(tensor.shape) for name, tensor in state_dict.items()}
+    check_feed_forward_width(found, config, run_args["model_args"])
     check_keys_and_shapes(found, expected, f"{run_dir / 'model.pt'}", describe_reference_layout(config, prior_names))
     tokenizer_files = tokenizer_files_at(tokenizer) if tokenizer is not None else []
 
@@ -689,6 +582,21 @@ def convert_reference_checkpoint(
     return out_dir
 
 
+def check_feed_forward_width(found: Mapping[str, tuple], config: BamLlamaConfig, model_args: dict) -> None:
+    """The FFN width is the one size args.json gives only indirectly (dim, ffn_dim_multiplier, multiple_of): when it
+    disagrees with model.pt, say so instead of listing every feed-forward weight as a shape mismatch."""
+    shape = found.get("layers.0.feed_forward.w1.weight")
+    if shape is None or len(shape) != 2 or shape[0] == config.intermediate_size:
+        return
+    multiplier = model_args.get("ffn_dim_multiplier")
+    given = "no ffn_dim_multiplier" if multiplier is None else f"ffn_dim_multiplier {multiplier}"
+    raise ConversionError(
+        f"model.pt has feed-forward width {shape[0]}, but args.json model_args (dim {model_args['dim']}, {given}, "
+        f"multiple_of {model_args.get('multiple_of') or 1}) give {config.intermediate_size}: args.json does not "
+        "describe this checkpoint; check model_args.ffn_dim_multiplier (missing or wrong?)"
+    )
+
+
 def describe_reference_layout(config: BamLlamaConfig, prior_names: str) -> str:
     variant = "bam_ssmax" if config.ssmax else "bam"
     return (
@@ -704,6 +612,9 @@ def describe_reference_layout(config: BamLlamaConfig, prior_names: str) -> str:
 
 
 def read_llama_config(llama_dir: Path) -> LlamaConfig:
+    from transformers import LlamaConfig
+    from transformers.activations import ACT2FN
+
     path = llama_dir / "config.json"
     if not path.is_file():
         raise ConversionError(f"missing file {path}")
@@ -736,6 +647,8 @@ def bam_config_from_llama(
     prior_scope: str,
     ssmax_scale_init: float,
 ) -> BamLlamaConfig:
+    from .configuration_bam import PRIOR_SCOPES, BamLlamaConfig
+
     if prior not in LLAMA_PRIOR_INITS:
         raise ConversionError(f"unknown prior initialisation {prior!r}; expected one of {', '.join(LLAMA_PRIOR_INITS)}")
     if prior_scope not in PRIOR_SCOPES:
@@ -771,6 +684,8 @@ def bam_config_from_llama(
 
 def initial_prior_state(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
     """Freshly initialised prior (and SSMax) parameters by the schemes in `config`, under their BamLlama names."""
+    from .modeling_bam import BamPrior, BamScalableSoftmax
+
     prior = BamPrior(config).state_dict()
     state = {}
     if config.prior_scope == "global":
@@ -784,6 +699,9 @@ def initial_prior_state(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
 
 
 def source_dtype(llama: LlamaConfig, files: list[Path]) -> torch.dtype:
+    import torch
+    from safetensors import safe_open
+
     dtype = getattr(llama, "dtype", None)
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -889,6 +807,8 @@ def convert_llama_checkpoint(
 
 
 def read_bam_config(bam_dir: Path) -> BamLlamaConfig:
+    from .configuration_bam import BamLlamaConfig
+
     path = bam_dir / "config.json"
     if not path.is_file():
         raise ConversionError(f"missing file {path}")
@@ -998,6 +918,8 @@ def convert_bam_to_reference(
         prior_names: "shape-scale-loc" (the names of the reference code that produced the published checkpoints)
             or "theta" (newer upstream code: theta_beta / theta_alpha / theta_mu).
     """
+    import torch
+
     log = print if verbose else quiet
     bam_dir, out_run_dir = Path(bam_dir).resolve(), Path(out_run_dir).resolve()
     check_output_dir(out_run_dir, force, (bam_dir,))
@@ -1065,7 +987,7 @@ def build_parser() -> argparse.ArgumentParser:
     reference.add_argument("out_dir", metavar="OUT_DIR", help="BamLlama folder to create")
     reference.add_argument("--tokenizer", metavar="PATH", help="tokenizer folder or file to copy into OUT_DIR")
     reference.add_argument(
-        "--formula", choices=PRIOR_FORMULAS,
+        "--formula",
         help="prior formula the run was trained with: current (default; reference code since May 2025) or legacy "
         "(scale inside the power, older runs); the weights cannot tell",
     )
@@ -1083,7 +1005,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--prior", choices=list(LLAMA_PRIOR_INITS), default="uniform",
         help="prior initialisation: uniform (theta 0, no positional preference; default) or alibi (beta 1, ALiBi slopes)",
     )
-    llama.add_argument("--prior-scope", choices=PRIOR_SCOPES, default="global", help="one prior for all layers (default) or one per layer")
+    llama.add_argument(
+        "--prior-scope", default="global", help="global: one prior for all layers (default), or layer: one per layer"
+    )
     llama.add_argument("--ssmax", action="store_true", help="add Scalable Softmax")
     llama.add_argument("--ssmax-scale-init", type=float, default=1.0, metavar="S", help="initial SSMax scale (default 1)")
     llama.add_argument("--train-context-length", type=int, metavar="N", help="default: the Llama max_position_embeddings")
@@ -1126,11 +1050,12 @@ def run_command(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    exit_on_sigterm()
     try:
         run_command(args)
-    except ConversionError as error:
+    except (ConversionError, OutputError) as error:
         print(f"bam-convert: error: {error}", file=sys.stderr)
-        return getattr(error, "exit_status", 1)
+        return 2
     return 0
 
 

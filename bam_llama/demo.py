@@ -10,6 +10,8 @@ context, then measures passkey retrieval far beyond it.
     bam-demo --device cuda --steps 4000 --train-length 256 --lengths 256,1024,4096,16384
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import math
@@ -18,13 +20,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from tqdm.auto import tqdm
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, set_seed
-
-from .configuration_bam import BamLlamaConfig
-from .convert_bam import staged_output_dir
+from .arguments_bam import device_name, length_list, positive_float, positive_int
 from .evaluation_bam import (
     PasskeyResults,
     PasskeyTemplate,
@@ -32,9 +30,14 @@ from .evaluation_bam import (
     evaluate_passkey,
     plot_prior,
     random_passkey,
+    save_passkey_template,
 )
-from .modeling_bam import BamLlamaForCausalLM
-from .tokenization_bam import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID, build_byte_tokenizer
+from .io_bam import exit_on_sigterm, staged_output_dir
+
+
+if TYPE_CHECKING:  # torch, Transformers and the model are imported where used, so that --help does not load them
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 IGNORE_INDEX = -100
@@ -100,6 +103,8 @@ def training_batch(
     batch_size: int,
 ) -> dict[str, torch.Tensor]:
     """Right-padded batch; padding comes after every real token, so causal attention never sees it."""
+    import torch
+
     examples = [
         (passkey_example if rng.random() < data.passkey_fraction else filler_example)(rng, tokenizer, template, data)
         for _ in range(batch_size)
@@ -124,6 +129,8 @@ class ModelSize:
     intermediate_size: int | None = None
 
     def llama_fields(self) -> dict:
+        from .tokenization_bam import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
+
         return dict(
             vocab_size=BYTE_VOCAB_SIZE,
             hidden_size=self.hidden_size,
@@ -138,6 +145,11 @@ class ModelSize:
 
 def build_model(name: str, size: ModelSize, train_length: int, **bam_overrides) -> PreTrainedModel:
     """"bam" (uniform prior, alpha and beta trained), "alibi" (fixed linear prior) or "rope" (Transformers' Llama)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .configuration_bam import BamLlamaConfig
+    from .modeling_bam import BamLlamaForCausalLM
+
     if name == "rope":
         config = LlamaConfig(**size.llama_fields(), max_position_embeddings=1 << 16)
         return LlamaForCausalLM(config)
@@ -172,6 +184,8 @@ PRIOR_PARAMETER_SUFFIXES = ("theta_alpha", "theta_beta", "theta_mu", "ssmax.scal
 
 
 def optimizer_for(model: PreTrainedModel, train: TrainConfig) -> torch.optim.Optimizer:
+    import torch
+
     prior, rest = [], []
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
@@ -201,6 +215,9 @@ def train_model(
     desc: str = "train",
 ) -> list[float]:
     """Train in place on freshly generated batches (the same batches for every model given the same seed)."""
+    import torch
+    from tqdm.auto import tqdm
+
     model.to(device).train()
     optimizer = optimizer_for(model, train)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -269,36 +286,57 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
         if value is not None:
             setattr(target, field, value)
     if args.lengths:
-        settings.lengths = [int(length) for length in args.lengths.split(",")]
+        settings.lengths = args.lengths
     return settings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    full, quick = default_settings(quick=False), default_settings(quick=True)
+
+    def default(full_value, quick_value) -> str:
+        return f"(default: {full_value}; with --quick: {quick_value})"
+
     parser = argparse.ArgumentParser(
         prog="bam-demo",
         description="Train tiny models at a short context, then measure passkey retrieval far beyond it.",
     )
-    parser.add_argument("--output-dir", default="bam-demo-output")
+    parser.add_argument("--output-dir", default="bam-demo-output", help="(default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="a few seconds for CI; the numbers mean nothing")
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated subset of bam,rope,alibi")
-    parser.add_argument("--device", default="cpu", help="e.g. cpu, cuda")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--lr", type=float)
-    parser.add_argument("--prior-lr", type=float, help="learning rate of the prior and SSMax scales")
-    parser.add_argument("--train-length", type=int, help="training context in tokens")
-    parser.add_argument("--lengths", help="comma-separated evaluation prompt lengths in tokens")
-    parser.add_argument("--depths", type=int, help="passkey depths per length")
-    parser.add_argument("--hidden-size", type=int)
-    parser.add_argument("--layers", type=int)
-    parser.add_argument("--heads", type=int)
-    parser.add_argument("--prior-scope", choices=("global", "layer"), default="layer", help="BAM prior per layer or shared")
-    parser.add_argument("--ssmax", action=argparse.BooleanOptionalAction, default=True, help="Scalable Softmax in BAM")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated subset of bam,rope,alibi (default: %(default)s)")
+    parser.add_argument("--device", type=device_name, default="cpu", help="e.g. cpu, cuda (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    parser.add_argument("--steps", type=positive_int, help=default(full.train.steps, quick.train.steps))
+    parser.add_argument("--batch-size", type=positive_int, help=default(full.train.batch_size, quick.train.batch_size))
+    parser.add_argument("--lr", type=positive_float, help=default(full.train.lr, quick.train.lr))
+    parser.add_argument(
+        "--prior-lr", type=positive_float,
+        help="learning rate of the prior and SSMax scales " + default(full.train.prior_lr, quick.train.prior_lr),
+    )
+    parser.add_argument(
+        "--train-length", type=positive_int,
+        help="training context in tokens " + default(full.data.train_length, quick.data.train_length),
+    )
+    parser.add_argument(
+        "--lengths", type=length_list,
+        help="comma-separated evaluation prompt lengths in tokens "
+        + default(",".join(map(str, full.lengths)), ",".join(map(str, quick.lengths))),
+    )
+    parser.add_argument("--depths", type=positive_int, help="passkey depths per length " + default(full.num_depths, quick.num_depths))
+    parser.add_argument("--hidden-size", type=positive_int, help=default(full.size.hidden_size, quick.size.hidden_size))
+    parser.add_argument("--layers", type=positive_int, help=default(full.size.num_hidden_layers, quick.size.num_hidden_layers))
+    parser.add_argument("--heads", type=positive_int, help=default(full.size.num_attention_heads, quick.size.num_attention_heads))
+    parser.add_argument(
+        "--prior-scope", choices=("global", "layer"), default="layer",
+        help="BAM prior per layer or shared (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ssmax", action=argparse.BooleanOptionalAction, default=True, help="Scalable Softmax in BAM (default: on)"
+    )
     args = parser.parse_args(argv)
     unknown = set(args.models.split(",")) - set(MODEL_NAMES)
     if unknown:
         parser.error(f"unknown model(s) {sorted(unknown)}; choose from {','.join(MODEL_NAMES)}")
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     return args
 
 
@@ -317,6 +355,11 @@ def accuracy_table(results: dict[str, PasskeyResults], train_length: int) -> str
 def run_demo(argv: list[str] | None = None) -> dict[str, PasskeyResults]:
     """Train, evaluate and save as the command line says; returns each model's passkey results."""
     args = parse_args(argv)
+    import torch  # after parsing: --help and bad arguments need none of the model stack
+    from transformers import set_seed
+
+    from .tokenization_bam import build_byte_tokenizer
+
     settings = settings_from_args(args)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -338,6 +381,7 @@ def run_demo(argv: list[str] | None = None) -> dict[str, PasskeyResults]:
         title = f"{MODEL_LABELS[name]}, trained at {train_length} tokens"
         results[name].save_heatmap(output_dir / f"passkey-{name}.png", title=title)
         if name == "bam":
+            save_passkey_template(model, DEMO_TEMPLATE, settings.data.add_bos)  # bam-eval passkey's default prompt
             save_bam(model, tokenizer, output_dir)
     minutes = (time.perf_counter() - start) / 60
 
@@ -345,13 +389,14 @@ def run_demo(argv: list[str] | None = None) -> dict[str, PasskeyResults]:
     summary = f"Passkey retrieval accuracy, trained at {train_length} tokens ({minutes:.1f} min on {args.device}):"
     print(f"\n{summary}\n\n{table}\n\nHeatmaps, prior plot and the trained BAM model are in {output_dir}/")
     (output_dir / "results.md").write_text(f"{summary}\n\n{table}\n")
-    run = {"minutes": minutes, "device": args.device, "argv": argv, "settings": asdict(settings)}
+    run = {"minutes": minutes, "device": args.device, "argv": args.argv, "settings": asdict(settings)}
     outputs = {"run": run, **{name: result.to_dict() for name, result in results.items()}}
     (output_dir / "results.json").write_text(json.dumps(outputs, indent=2))
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()
     run_demo(argv)
     return 0
 

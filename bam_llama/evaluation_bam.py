@@ -7,17 +7,24 @@ separately tokenized pieces; prompts run through the KV cache in chunks so long 
 Command line: `bam-eval passkey MODEL`, `bam-eval perplexity MODEL --data FILE`, `bam-eval prior MODEL`.
 """
 
+from __future__ import annotations
+
 import argparse
 import inspect
 import json
-import os
 import random
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from .arguments_bam import device_name, length_list, non_negative_int, positive_int
+from .io_bam import check_model_path, check_safetensors_files, load_tokenizer
+
+
+if TYPE_CHECKING:  # torch and Transformers are imported where used, so that --help does not load them
+    import torch
+    from transformers import DynamicCache
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -36,6 +43,53 @@ class PasskeyTemplate:
     filler: str = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
     info: str = "The pass key is {passkey}. Remember it. {passkey} is the pass key. "
     question: str = "What is the pass key? The pass key is"
+
+
+# A model carries the prompt it was trained on in its config (`config.passkey_template`: the four pieces and
+# `add_bos`). The config is the one file every save_pretrained writes, so the template survives reloading,
+# bam-finetune's merged copy and a Hub push; a separate file in the folder would be lost by the first re-save.
+PASSKEY_TEMPLATE_FIELD = "passkey_template"
+TEMPLATE_PIECES = ("task", "filler", "info", "question")
+
+
+def passkey_template_record(template: PasskeyTemplate, add_bos: bool) -> dict:
+    """The JSON form of a prompt format: `{task, filler, info, question, add_bos}`."""
+    return {**asdict(template), "add_bos": add_bos}
+
+
+def passkey_template_from_record(record: dict, source: str) -> tuple[PasskeyTemplate, bool]:
+    """`(template, add_bos)` from a record; `source` names where it came from in the error of a bad record."""
+    if not isinstance(record, dict) or set(record) - {*TEMPLATE_PIECES, "add_bos"}:
+        raise ValueError(f"{source}: a passkey template has the keys {', '.join(TEMPLATE_PIECES)} and add_bos")
+    pieces = {name: record[name] for name in TEMPLATE_PIECES if name in record}
+    if not all(isinstance(piece, str) for piece in pieces.values()) or "{passkey}" not in pieces.get("info", "{passkey}"):
+        raise ValueError(f"{source}: the pieces must be strings and 'info' must contain {{passkey}}")
+    return PasskeyTemplate(**pieces), bool(record.get("add_bos", False))
+
+
+def save_passkey_template(model, template: PasskeyTemplate, add_bos: bool) -> None:
+    """Record the prompt format `model` was trained on in its config, so save_pretrained keeps it."""
+    setattr(model.config, PASSKEY_TEMPLATE_FIELD, passkey_template_record(template, add_bos))
+
+
+def choose_passkey_template(choice: str, config) -> tuple[PasskeyTemplate, bool, str]:
+    """`(template, add_bos, description)` for `bam-eval passkey --template`: "paper" (the paper's prompt, no BOS),
+    "model" (the one the model carries, else the paper's) or the path of a JSON record."""
+    if choice == "paper":
+        return PasskeyTemplate(), False, "the paper's prompt"
+    if choice == "model":
+        record = getattr(config, PASSKEY_TEMPLATE_FIELD, None)
+        if record is None:
+            return PasskeyTemplate(), False, "the paper's prompt (the model carries no passkey template)"
+        return *passkey_template_from_record(record, "the model's config"), "the model's own prompt"
+    path = Path(choice)
+    if not path.is_file():
+        raise FileNotFoundError(f"--template is paper, model or a JSON file; no file at {choice}")
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{choice} is not JSON: {error}") from None
+    return *passkey_template_from_record(record, choice), f"the prompt in {choice}"
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -122,20 +176,25 @@ class PasskeyResults:
         return "\n".join(lines) + "\n"
 
     def save_heatmap(self, path, title: str = "Passkey retrieval") -> None:
-        """Length (x) by depth (y) PNG, green where the key was retrieved."""
+        """Length (x, the table's lengths) by depth (y, 0% = key at the start of the filler) PNG, green where the
+        key was retrieved, with a colour legend."""
+        import torch
         from matplotlib.colors import ListedColormap
         from matplotlib.figure import Figure
 
         grid = torch.tensor(self.correct, dtype=torch.float32).T.numpy()  # (depth, length)
-        figure = Figure(figsize=(max(4.0, 0.6 * len(self.lengths) + 2), 4.5))
+        figure = Figure(figsize=(max(4.5, 0.6 * len(self.lengths) + 3), 4.5))
         axes = figure.subplots()
-        axes.imshow(grid, cmap=ListedColormap(["#d7301f", "#1a9850"]), vmin=0, vmax=1, aspect="auto", origin="upper")
-        axes.set_xticks(range(len(self.lengths)), [str(length) for length in self.prompt_lengths], rotation=45)
-        depth_ticks = sorted({0, len(self.depths) // 2, len(self.depths) - 1})
-        axes.set_yticks(depth_ticks, [f"{self.depths[index]:.0%}" for index in depth_ticks])
+        image = axes.imshow(
+            grid, cmap=ListedColormap(["#d7301f", "#1a9850"]), vmin=0, vmax=1, aspect="auto", origin="upper"
+        )
+        axes.set_xticks(range(len(self.lengths)), [str(length) for length in self.lengths], rotation=45)
+        axes.set_yticks(*_depth_ticks(len(self.depths)))
         axes.set_xlabel("prompt length (tokens)")
         axes.set_ylabel("depth of the key")
         axes.set_title(f"{title}\n{100 * self.mean_accuracy():.1f}% retrieved overall", fontsize=10)
+        legend = figure.colorbar(image, ax=axes, ticks=[0.25, 0.75], fraction=0.08, pad=0.03)
+        legend.ax.set_yticklabels(["missed", "retrieved"])
         _save_figure(figure, path)
 
     def to_dict(self) -> dict:
@@ -151,6 +210,14 @@ class PasskeyResults:
         return cls(**{name: value for name, value in values.items() if name in names})
 
 
+def _depth_ticks(num_depths: int) -> tuple[list[float], list[str]]:
+    """Heatmap rows are depths i / (num_depths - 1): ticks at 0, 25, 50, 75 and 100% sit at row (num_depths - 1) * d."""
+    if num_depths == 1:
+        return [0.0], ["0%"]
+    fractions = (0.0, 0.25, 0.5, 0.75, 1.0)
+    return [fraction * (num_depths - 1) for fraction in fractions], [f"{fraction:.0%}" for fraction in fractions]
+
+
 def model_device(model) -> torch.device:
     return next(model.parameters()).device
 
@@ -162,6 +229,8 @@ def _forward_accepts(model, name: str) -> bool:
 def prefill(model, input_ids: torch.Tensor, chunk_size: int) -> tuple[DynamicCache, torch.Tensor]:
     """Run a (1, L) prompt through a fresh cache `chunk_size` tokens at a time; returns the cache and the
     logits of the last position. Positions continue across chunks because they are read from the cache."""
+    from transformers import DynamicCache
+
     cache = DynamicCache(config=model.config)
     extra = {"logits_to_keep": 1} if _forward_accepts(model, "logits_to_keep") else {}
     logits = None
@@ -172,6 +241,8 @@ def prefill(model, input_ids: torch.Tensor, chunk_size: int) -> tuple[DynamicCac
 
 def greedy_continuation(model, prompt_ids: list[int], max_new_tokens: int, chunk_size: int) -> list[int]:
     """Greedy decoding of `max_new_tokens` tokens after a chunked prefill, reusing the cache."""
+    import torch
+
     input_ids = torch.tensor([prompt_ids], device=model_device(model))
     cache, logits = prefill(model, input_ids, chunk_size)
     new_tokens = []
@@ -202,9 +273,11 @@ def evaluate_passkey(
     """Passkey retrieval accuracy for each requested prompt length, at `num_depths` depths uniformly spaced in
     [0, 1]. One seeded random key per (length, depth); correct iff the greedy continuation (num_digits + 2 new
     tokens), stripped of leading whitespace, starts with the key."""
+    import torch
     from tqdm.auto import tqdm
 
     lengths = [int(length) for length in lengths]
+    check_positive(lengths=min(lengths, default=0), num_digits=num_digits, chunk_size=chunk_size)
     depths = uniform_depths(num_depths)
     rng = random.Random(seed)
     model.eval()
@@ -304,6 +377,8 @@ class PerplexityResults:
 def token_stream(tokenizer, text_or_token_ids) -> torch.Tensor:
     """One long 1D stream of token ids from a text, a list of texts (documents run together, as in the reference
     '10B' set) or token ids."""
+    import torch
+
     if isinstance(text_or_token_ids, torch.Tensor):
         return text_or_token_ids.flatten().long().cpu()
     if isinstance(text_or_token_ids, str):
@@ -318,6 +393,9 @@ def token_stream(tokenizer, text_or_token_ids) -> torch.Tensor:
 
 def token_losses(model, sequence: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """Per-token cross-entropy (L,) of a (1, L + 1) sequence, run through one cache `chunk_size` tokens at a time."""
+    import torch
+    from transformers import DynamicCache
+
     inputs, targets = sequence[:, :-1], sequence[:, 1:]
     cache = DynamicCache(config=model.config)
     losses = []
@@ -345,8 +423,13 @@ def evaluate_perplexity(
 
     With `add_bos`, each sequence is the tokenizer's BOS followed by L tokens of the stream.
     """
+    import torch
     from tqdm.auto import tqdm
 
+    check_positive(
+        context_lengths=min(context_lengths, default=0), window=window, chunk_size=chunk_size,
+        max_sequences=1 if max_sequences is None else max_sequences,
+    )
     stream = token_stream(tokenizer, text_or_token_ids)
     bos = [tokenizer.bos_token_id] if add_bos and tokenizer is not None and tokenizer.bos_token_id is not None else []
     device = model_device(model)
@@ -368,6 +451,12 @@ def evaluate_perplexity(
             results.window_perplexity.append([float(torch.exp(torch.tensor(loss))) for loss in window_losses])
             results.num_sequences.append(len(sequences))
     return results
+
+
+def check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
 
 
 def _cut_sequences(stream: torch.Tensor, size: int, max_sequences: int | None) -> list[torch.Tensor]:
@@ -421,6 +510,8 @@ def find_priors(model) -> list[tuple[str, torch.nn.Module]]:
 
 def prior_curves(prior, max_distance: int) -> torch.Tensor:
     """(H, max_distance + 1) prior b_h at causal distances i - j = 0 .. max_distance."""
+    import torch
+
     from .attention_bam import ggd_bias
 
     distance = -torch.arange(max_distance + 1, dtype=torch.float32, device=prior.theta_alpha.device)
@@ -430,8 +521,9 @@ def prior_curves(prior, max_distance: int) -> torch.Tensor:
 
 
 def plot_prior(model_or_path, path, max_distance: int = 1024, layer: int | None = None) -> None:
-    """Each head's prior b_h over distance (one line per head, legend with its parameters), one subplot per
-    prior: the shared prior, every layer's, or only `layer`'s."""
+    """Each head's penalty -b_h over distances 1 .. max_distance on log-log axes (heads differ by orders of
+    magnitude; a power law is a straight line, ALiBi a slope of 1), one line per head with its parameters and its
+    value at distance 0 in the legend, one subplot per prior: the shared prior, every layer's, or only `layer`'s."""
     from matplotlib.figure import Figure
 
     from .attention_bam import prior_offset
@@ -440,20 +532,28 @@ def plot_prior(model_or_path, path, max_distance: int = 1024, layer: int | None 
     if isinstance(model_or_path, (str, Path)):
         model = load_model(model_or_path, device="cpu")
     priors = _select_priors(find_priors(model), layer)
+    train_length = getattr(model.config, "train_context_length", None)
     columns = min(len(priors), 3)
     rows = -(-len(priors) // columns)
     figure = Figure(figsize=(6.5 * columns, 4.5 * rows))
+    distances = range(1, max_distance + 1)
     for axes, (label, prior) in zip(figure.subplots(rows, columns, squeeze=False).flat, priors):
         curves = prior_curves(prior, max_distance)
         mu = prior_offset(prior.theta_mu.detach().float()).cpu()
         for head, curve in enumerate(curves):
             alpha, beta = prior.theta_alpha[head].item(), prior.theta_beta[head].item()
-            axes.plot(curve, label=f"head {head}: θα={alpha:.2f} θβ={beta:.2f} μ={mu[head]:.2f}")
-        axes.set_ylim(*_prior_ylim(curves))
+            axes.plot(
+                distances, -curve[1:],
+                label=f"head {head}: θα={alpha:.2f} θβ={beta:.2f} μ={mu[head]:.2f}, b(0)={curve[0].item():.2g}",
+            )
+        if train_length and train_length <= max_distance:
+            axes.axvline(train_length, color="gray", linestyle="--", label=f"training length {train_length}")
+        axes.set_xscale("log")
+        axes.set_yscale("log")
         axes.set_xlabel("distance i - j (tokens)")
-        axes.set_ylabel("prior b_h")
+        axes.set_ylabel("penalty -b_h (log scale)")
         axes.set_title(label)
-        axes.grid(True, alpha=0.3)
+        axes.grid(True, which="major", alpha=0.3)
         axes.legend(fontsize="x-small", ncol=2 if len(curves) > 8 else 1)
     for axes in list(figure.axes)[len(priors) :]:
         axes.set_visible(False)
@@ -479,15 +579,6 @@ def _prior_label(module_name: str) -> str:
     return "prior shared by all layers"
 
 
-def _prior_ylim(curves: torch.Tensor) -> tuple[float, float]:
-    """Scale the axis to distances >= 1: with a negative beta, distance 0 is far below the rest and would flatten
-    every curve (it is drawn off the chart)."""
-    visible = curves[:, 1:] if curves.shape[1] > 1 else curves
-    low, high = visible.min().item(), max(visible.max().item(), 0.0)
-    margin = 0.05 * (high - low) or 1.0
-    return low - margin, high + margin
-
-
 # --------------------------------------------------------------------------------------------------------
 # Loading and plotting helpers
 # --------------------------------------------------------------------------------------------------------
@@ -496,23 +587,20 @@ def _prior_ylim(curves: torch.Tensor) -> tuple[float, float]:
 def load_model(path, device=None, dtype=None, attn_implementation=None):
     """A causal LM from a folder or Hub id (BamLlama or any other), in eval mode on `device` (default: CUDA if
     available)."""
-    import bam_llama  # noqa: F401  (registers bam_llama with the Auto classes)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from . import register
+
+    register()  # BamLlama with the Auto classes
 
     check_model_path(path)
+    check_safetensors_files(path)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     kwargs = {"dtype": _parse_dtype(dtype)}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     return AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
-
-
-def check_model_path(path) -> None:
-    """A path that can only be local (absolute, ./ or ../, more than one '/') must exist: Transformers would
-    otherwise report it as an invalid Hub repo id."""
-    text = str(path)
-    looks_local = isinstance(path, Path) or text.startswith((os.sep, ".", "~")) or text.count("/") > 1
-    if looks_local and not Path(text).expanduser().exists():
-        raise FileNotFoundError(f"no model folder at {text}")
 
 
 def load_model_and_tokenizer(path, tokenizer=None, device=None, dtype=None, attn_implementation=None):
@@ -522,29 +610,9 @@ def load_model_and_tokenizer(path, tokenizer=None, device=None, dtype=None, attn
     return model, load_tokenizer(path, model.config, tokenizer)
 
 
-def load_tokenizer(model_path, config, tokenizer=None):
-    """`tokenizer` (an object, or a path to load), else the one saved at `model_path`, else the built-in byte
-    tokenizer (with a note on stderr, and a warning when the model's vocabulary is not the byte tokenizer's)."""
-    from .tokenization_bam import BYTE_VOCAB_SIZE, build_byte_tokenizer
-
-    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
-        return tokenizer
-    try:
-        return AutoTokenizer.from_pretrained(tokenizer if tokenizer is not None else model_path)
-    except (OSError, ValueError, TypeError):
-        if tokenizer is not None:
-            raise
-    print(f"No tokenizer found in {model_path}; using the built-in byte tokenizer.", file=sys.stderr)
-    if getattr(config, "vocab_size", BYTE_VOCAB_SIZE) != BYTE_VOCAB_SIZE:
-        print(
-            f"Warning: the model's vocab_size is {config.vocab_size}, the byte tokenizer's {BYTE_VOCAB_SIZE}; "
-            "pass --tokenizer if the model was trained with another tokenizer.",
-            file=sys.stderr,
-        )
-    return build_byte_tokenizer()
-
-
 def _parse_dtype(dtype):
+    import torch
+
     if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
     return getattr(torch, dtype)
@@ -563,14 +631,14 @@ def _save_figure(figure, path) -> None:
 # --------------------------------------------------------------------------------------------------------
 
 
-def parse_lengths(values: list[str]) -> list[int]:
-    """`["256,512", "1k"]` -> `[256, 512, 1024]`: lists may be comma or space separated, `k` means 1024."""
-    lengths = []
-    for value in values:
-        for item in filter(None, value.split(",")):
-            item = item.strip().lower()
-            lengths.append(int(item[:-1]) * 1024 if item.endswith("k") else int(item))
-    return lengths
+PASSKEY_LENGTHS = "256,512,1024,2048,4096"
+PERPLEXITY_LENGTHS = "1024,4096"
+
+
+def parse_lengths(values: list[str] | list[list[int]]) -> list[int]:
+    """`["256,512", "1k"]` -> `[256, 512, 1024]`: lists may be comma or space separated, `k` means 1024. Values the
+    parser already read (lists of ints) are flattened."""
+    return [length for value in values for length in (length_list(value) if isinstance(value, str) else value)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -585,12 +653,18 @@ def build_parser() -> argparse.ArgumentParser:
         "uniformly spaced from the start to the end of the filler; accuracy of the greedy answer.",
     )
     _add_model_arguments(passkey)
-    passkey.add_argument("--lengths", nargs="+", default=["256,512,1024,2048,4096"],
-                         help="requested prompt lengths in tokens, e.g. 512,1k,2k (default: %(default)s)")
-    passkey.add_argument("--depths", type=int, default=20, help="depths per length (default: %(default)s)")
-    passkey.add_argument("--digits", type=int, default=5, help="digits of the passkey (default: %(default)s)")
+    passkey.add_argument("--lengths", nargs="+", type=length_list, default=[length_list(PASSKEY_LENGTHS)],
+                         help=f"requested prompt lengths in tokens, e.g. 512,1k,2k (default: {PASSKEY_LENGTHS})")
+    passkey.add_argument("--depths", type=positive_int, default=20, help="depths per length (default: %(default)s)")
+    passkey.add_argument("--digits", type=positive_int, default=5, help="digits of the passkey (default: %(default)s)")
     passkey.add_argument("--seed", type=int, default=0, help="seed of the random passkeys (default: %(default)s)")
     passkey.add_argument("--per-depth", action="store_true", help="print one column per depth")
+    passkey.add_argument(
+        "--template", default="model",
+        help="the prompt: 'model' (the one the model was trained on, saved in its config; the paper's if it has "
+        "none), 'paper', or a JSON file with task, filler, info ({passkey} in it), question and add_bos "
+        "(default: %(default)s)",
+    )
     passkey.set_defaults(run=run_passkey)
 
     perplexity = commands.add_parser(
@@ -605,12 +679,12 @@ def build_parser() -> argparse.ArgumentParser:
     perplexity.add_argument("--dataset-config", help="the dataset's configuration name, e.g. 20231101.en")
     perplexity.add_argument("--split", default="test", help="dataset split (default: %(default)s)")
     perplexity.add_argument("--text-column", default="text", help="dataset column with text (default: %(default)s)")
-    perplexity.add_argument("--max-documents", type=int, default=1000,
+    perplexity.add_argument("--max-documents", type=positive_int, default=1000,
                             help="documents read from the dataset (default: %(default)s)")
-    perplexity.add_argument("--lengths", nargs="+", default=["1024,4096"],
-                            help="context lengths in tokens, e.g. 1k,4k,16k (default: %(default)s)")
-    perplexity.add_argument("--window", type=int, default=1024, help="positions per window (default: %(default)s)")
-    perplexity.add_argument("--max-sequences", type=int, default=8,
+    perplexity.add_argument("--lengths", nargs="+", type=length_list, default=[length_list(PERPLEXITY_LENGTHS)],
+                            help=f"context lengths in tokens, e.g. 1k,4k,16k (default: {PERPLEXITY_LENGTHS})")
+    perplexity.add_argument("--window", type=positive_int, default=1024, help="positions per window (default: %(default)s)")
+    perplexity.add_argument("--max-sequences", type=positive_int, default=8,
                             help="sequences per context length (default: %(default)s)")
     perplexity.set_defaults(run=run_perplexity)
 
@@ -620,8 +694,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prior.add_argument("model", help="BamLlama folder or Hub id")
     prior.add_argument("--out", default="prior.png", help="PNG file, or a folder to write prior.png in")
-    prior.add_argument("--max-distance", type=int, default=1024, help="largest distance (default: %(default)s)")
-    prior.add_argument("--layer", type=int, help="plot only this layer's prior (per-layer priors)")
+    prior.add_argument("--max-distance", type=positive_int, default=1024, help="largest distance (default: %(default)s)")
+    prior.add_argument("--layer", type=non_negative_int, help="plot only this layer's prior (per-layer priors)")
     prior.set_defaults(run=run_prior)
     return parser
 
@@ -629,9 +703,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model folder or Hub id (BamLlama or any causal LM)")
     parser.add_argument("--tokenizer", help="tokenizer folder or Hub id (default: the model's, else the byte tokenizer)")
-    parser.add_argument("--chunk-size", type=int, default=1024, help="prompt tokens per forward (default: %(default)s)")
+    parser.add_argument("--chunk-size", type=positive_int, default=1024, help="prompt tokens per forward (default: %(default)s)")
     parser.add_argument("--add-bos", action="store_true", help="start every sequence with the tokenizer's BOS")
-    parser.add_argument("--device", help="e.g. cuda, cuda:1, cpu (default: CUDA if available)")
+    parser.add_argument("--device", type=device_name, help="e.g. cuda, cuda:1, cpu (default: CUDA if available)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype")
     parser.add_argument("--attn-implementation", help="e.g. bam_sdpa, bam_triton, sdpa (default: the model's)")
     parser.add_argument("--out", help="folder for the table (.md), results (.json) and plot (.png)")
@@ -647,9 +721,12 @@ def _load_for_cli(args):
 
 def run_passkey(args) -> None:
     model, tokenizer = _load_for_cli(args)
+    template, template_bos, description = choose_passkey_template(args.template, model.config)
+    print(f"Passkey prompts use {description}.", file=sys.stderr)
     results = evaluate_passkey(
         model, tokenizer, parse_lengths(args.lengths), num_depths=args.depths, num_digits=args.digits,
-        seed=args.seed, chunk_size=args.chunk_size, progress=not args.quiet, add_bos=args.add_bos,
+        seed=args.seed, chunk_size=args.chunk_size, progress=not args.quiet, add_bos=args.add_bos or template_bos,
+        template=template,
     )
     table = results.to_markdown(per_depth=args.per_depth)
     print(table)

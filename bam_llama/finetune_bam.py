@@ -32,16 +32,23 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from tqdm.auto import tqdm
-from transformers import AutoConfig, Trainer, TrainingArguments, set_seed
-from transformers.trainer_utils import get_last_checkpoint
+from .io_bam import (
+    check_model_path,
+    check_safetensors_files,
+    current_umask,
+    exit_on_sigterm,
+    load_tokenizer,
+    staged_output_dir,
+)
 
-from .configuration_bam import BamLlamaConfig
-from .convert_bam import current_umask, staged_output_dir
-from .evaluation_bam import check_model_path, load_tokenizer
-from .modeling_bam import BamLlamaForCausalLM, BamPrior, BamScalableSoftmax
+
+if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used, so that --help does not load them
+    import torch
+
+    from .configuration_bam import BamLlamaConfig
+    from .modeling_bam import BamLlamaForCausalLM
 
 
 logger = logging.getLogger(__name__)
@@ -162,6 +169,8 @@ class FinetuneSummary:
 def load_documents(source: str, text_field: str = "text", split: str = "train", config_name: str | None = None) -> list[str]:
     """The non-empty documents of `source`; a ValueError naming `source` when there are none."""
     path = Path(source)
+    if looks_like_a_local_path(source) and not path.exists():
+        raise FileNotFoundError(f"no training data at {source} (the file or folder does not exist)")
     if path.is_dir() and not _is_saved_dataset(path):
         documents = [document for file in _text_files(path) for document in _read_text_file(file, text_field)]
     elif path.is_file() and path.suffix in TEXT_SUFFIXES:
@@ -172,6 +181,17 @@ def load_documents(source: str, text_field: str = "text", split: str = "train", 
     if not documents:
         raise ValueError(f"no training text found in {source!r} (field {text_field!r} for JSON lines and datasets)")
     return documents
+
+
+def looks_like_a_local_path(source: str) -> bool:
+    """A data source that can only be local: absolute, ./ ../ ~, more than one '/', or a data-file extension. Hub
+    dataset names ('wikitext', 'user/name') are none of these."""
+    return (
+        source.startswith((os.sep, "/", ".", "~"))
+        or source.count("/") > 1
+        or (os.sep != "/" and os.sep in source)
+        or Path(source).suffix.lower() in (*TEXT_SUFFIXES, *DATASETS_FILE_BUILDERS)
+    )
 
 
 def _text_files(folder: Path) -> list[Path]:
@@ -189,11 +209,22 @@ def _read_text_file(path: Path, text_field: str) -> list[str]:
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{line_number} is not valid JSON ({error})") from None
         if not isinstance(record, dict) or text_field not in record:
             raise ValueError(f"{path}:{line_number} has no field {text_field!r} (choose it with --text-field)")
-        documents.append(str(record[text_field]))
+        documents.append(checked_text(record[text_field], f"{path}:{line_number}", text_field))
     return documents
+
+
+def checked_text(value, where: str, text_field: str) -> str:
+    """`value` if it is text; otherwise a ValueError naming where it is and its type (never train on "None")."""
+    if not isinstance(value, str):
+        kind = "null" if value is None else type(value).__name__
+        raise ValueError(f"{where}: field {text_field!r} is {kind} ({value!r:.40}), not text")
+    return value
 
 
 def _is_saved_dataset(folder: Path) -> bool:
@@ -218,11 +249,14 @@ def _read_dataset(source: str, text_field: str, split: str, config_name: str | N
         dataset = dataset[split]
     if len(dataset) and text_field not in dataset.column_names:
         raise ValueError(f"{source!r} has no column {text_field!r} (it has {dataset.column_names}); use --text-field")
-    return [str(text) for text in dataset[text_field]] if len(dataset) else []
+    texts = dataset[text_field] if len(dataset) else []
+    return [checked_text(text, f"{source} row {index}", text_field) for index, text in enumerate(texts)]
 
 
 def tokenize_documents(documents: list[str], tokenizer, show_progress: bool = True, batch_size: int = 512) -> list[list[int]]:
     """Token ids per document, framed by the tokenizer's <s> and </s> when it has them."""
+    from tqdm.auto import tqdm
+
     prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     suffix = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     tokenized = []
@@ -267,22 +301,10 @@ def _append_piece(row: dict[str, list[int]], piece: list[int], next_tokens: list
     row["labels"] += [IGNORE_INDEX] + (list(next_tokens) if targets else [IGNORE_INDEX] * len(next_tokens))
 
 
-class PackedRows(torch.utils.data.Dataset):
-    def __init__(self, rows: list[dict[str, list[int]]]):
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
-        return self.rows[index]
-
-    def tokens(self) -> int:
-        return sum(sum(label != IGNORE_INDEX for label in row["labels"]) for row in self.rows)
-
-
 def collate_packed_rows(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     """Stack packed rows: input_ids, position_ids and labels, and deliberately no attention_mask."""
+    import torch
+
     return {key: torch.tensor([row[key] for row in rows], dtype=torch.long) for key in ("input_ids", "position_ids", "labels")}
 
 
@@ -304,6 +326,12 @@ def split_eval_rows(rows: list[dict], eval_rows: int) -> tuple[list[dict], list[
 
 def check_model_config(model: str, context_length: int) -> BamLlamaConfig:
     """Read the config of `model`; refuse models that are not BamLlama and lengths below the training length."""
+    from transformers import AutoConfig
+
+    from . import register
+    from .configuration_bam import BamLlamaConfig
+
+    register()
     try:
         check_model_path(model)
         config = AutoConfig.from_pretrained(model)
@@ -334,6 +362,11 @@ def check_tokenizer(tokenizer, config: BamLlamaConfig) -> int:
 
 
 def load_model(args: FinetuneArguments) -> BamLlamaForCausalLM:
+    import torch
+
+    from .modeling_bam import BamLlamaForCausalLM
+
+    check_safetensors_files(args.model)
     model = BamLlamaForCausalLM.from_pretrained(
         args.model, dtype=torch.float32, attn_implementation=args.attn_implementation
     )
@@ -385,6 +418,8 @@ def apply_prior_flags(model: torch.nn.Module, config: BamLlamaConfig) -> None:
 
 def prior_values(model: torch.nn.Module) -> dict[str, dict[str, list[float]]]:
     """The prior / SSMax values the model computes with, by BamLlama module name (PEFT's wrapping removed)."""
+    from .modeling_bam import BamPrior, BamScalableSoftmax
+
     values: dict[str, dict[str, list[float]]] = {}
     for name, module in model.named_modules():
         if not isinstance(module, (BamPrior, BamScalableSoftmax)) or ".original_module" in name:
@@ -400,133 +435,39 @@ def prior_values(model: torch.nn.Module) -> dict[str, dict[str, list[float]]]:
 # --------------------------------------------------------------------------------------------------------
 
 
-def optimizer_parameter_groups(model: torch.nn.Module, decay_names, weight_decay: float, prior_learning_rate: float):
-    """Decayed weights, undecayed weights, and the prior / SSMax parameters at their own rate without decay."""
-    decayed, undecayed, prior = [], [], []
-    for name, parameter in model.named_parameters():
-        if not parameter.requires_grad:
-            continue
-        if is_prior_parameter(name):
-            prior.append(parameter)
-        elif name in decay_names:
-            decayed.append(parameter)
-        else:
-            undecayed.append(parameter)
-    groups = [
-        {"params": decayed, "weight_decay": weight_decay},
-        {"params": undecayed, "weight_decay": 0.0},
-        {"params": prior, "weight_decay": 0.0, "lr": prior_learning_rate},
-    ]
-    return [group for group in groups if group["params"]]
-
-
-class BamTrainer(Trainer):
-    """`Trainer` whose optimizer gives the prior and SSMax parameters their own learning rate (and no decay)."""
-
-    def __init__(self, *args, prior_learning_rate: float, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.prior_learning_rate = prior_learning_rate
-
-    def create_optimizer(self, model=None):
-        if self.optimizer is None:
-            model = self.model if model is None else model
-            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
-            groups = optimizer_parameter_groups(
-                model, set(self.get_decay_parameter_names(model)), self.args.weight_decay, self.prior_learning_rate
-            )
-            self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
-        return self.optimizer
-
-
-def bf16_available() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-
-
-def training_arguments(args: FinetuneArguments) -> TrainingArguments:
-    bf16 = bf16_available() if args.bf16 is None else args.bf16
-    return TrainingArguments(
-        output_dir=args.output_dir,
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        max_steps=args.max_steps if args.max_steps > 0 else -1,
-        num_train_epochs=args.num_train_epochs,
-        learning_rate=args.resolved_learning_rate,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps,
-        lr_scheduler_type=args.lr_scheduler_type,
-        bf16=bf16,
-        **checkpointing_arguments(args.gradient_checkpointing),
-        save_strategy="steps",
-        save_steps=args.save_steps,
-        save_total_limit=args.save_total_limit,
-        logging_steps=args.logging_steps,
-        logging_first_step=True,
-        report_to="none",
-        seed=args.seed,
-        remove_unused_columns=False,
-        label_names=["labels"],
-        include_num_input_tokens_seen="non_padding",
-        ddp_backend="gloo" if distributed_on_cpu() else None,
-        use_cpu=distributed_on_cpu(),  # else Accelerate sees several CPU processes but no distributed run
-        ddp_find_unused_parameters=False,
-        disable_tqdm=args.disable_progress_bars,
-        dataloader_pin_memory=torch.cuda.is_available(),
-    )
-
-
-def checkpointing_arguments(enabled: bool) -> dict:
-    """Gradient checkpointing under the name this Transformers release uses (newer ones call it activation_*)."""
-    if not enabled:
-        return {}
-    fields = {field.name for field in dataclasses.fields(TrainingArguments)}
-    prefix = "activation" if "activation_checkpointing" in fields else "gradient"
-    return {f"{prefix}_checkpointing": True, f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}}
-
-
-def distributed_on_cpu() -> bool:
-    """Launched by torchrun / accelerate with several processes and no GPU: DDP needs the gloo backend."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
-
-
 def resolve_checkpoint(args: FinetuneArguments) -> str | None:
+    """The checkpoint folder to resume from: the given one, or with 'latest' the newest complete one in the output
+    folder (a checkpoint interrupted while saving is skipped, with a warning)."""
     if args.resume_from_checkpoint in (None, ""):
         return None
-    if args.resume_from_checkpoint == "latest":
-        checkpoint = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
-        if checkpoint is None:
-            raise ValueError(f"--resume-from-checkpoint latest: no checkpoint-* folder in {args.output_dir}")
-        return checkpoint
-    if not Path(args.resume_from_checkpoint).is_dir():
-        raise ValueError(f"checkpoint folder {args.resume_from_checkpoint} does not exist")
-    return args.resume_from_checkpoint
+    if args.resume_from_checkpoint != "latest":
+        if not Path(args.resume_from_checkpoint).is_dir():
+            raise ValueError(f"checkpoint folder {args.resume_from_checkpoint} does not exist")
+        if checkpoint_step(args.resume_from_checkpoint) is None:
+            raise ValueError(f"checkpoint {args.resume_from_checkpoint} is incomplete (no readable trainer_state.json)")
+        return args.resume_from_checkpoint
+    folders = sorted(Path(args.output_dir).glob("checkpoint-*"), key=checkpoint_number, reverse=True)
+    folders = [folder for folder in folders if folder.is_dir() and checkpoint_number(folder) >= 0]
+    for folder in folders:
+        if checkpoint_step(folder) is not None:
+            return str(folder)
+        logger.warning("skipping %s: it is incomplete (no readable trainer_state.json; interrupted while saving?)", folder)
+    found = f"only incomplete checkpoints ({', '.join(folder.name for folder in folders)})" if folders else "no checkpoint-* folder"
+    raise ValueError(f"--resume-from-checkpoint latest: {found} in {args.output_dir}")
 
 
-def checkpoint_step(checkpoint: str | None) -> int:
-    if checkpoint is None:
-        return 0
-    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
-    return int(state["global_step"])
+def checkpoint_number(folder: Path) -> int:
+    match = re.fullmatch(r"checkpoint-(\d+)", folder.name)
+    return int(match.group(1)) if match else -1
 
 
-@torch.no_grad()
-def mean_token_loss(model: torch.nn.Module, rows: list[dict], batch_size: int, device, bf16: bool, show_progress: bool) -> float:
-    """Mean next-token loss over the target tokens of `rows`."""
-    was_training = model.training
-    model.eval()
-    total_loss, total_tokens = 0.0, 0
-    for start in tqdm(range(0, len(rows), batch_size), desc="evaluating", unit="batch", disable=not show_progress):
-        batch = {key: value.to(device) for key, value in collate_packed_rows(rows[start : start + batch_size]).items()}
-        labels = batch.pop("labels")
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(**batch).logits.float()
-        targets = labels[:, 1:]
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        total_loss += loss.item()
-        total_tokens += int((targets != IGNORE_INDEX).sum())
-    model.train(was_training)
-    return total_loss / max(total_tokens, 1)
+def checkpoint_step(checkpoint: str | os.PathLike) -> int | None:
+    """The step a checkpoint was saved at, from its trainer_state.json (written last by Trainer); None when the
+    file is missing or unreadable, i.e. the save did not finish."""
+    try:
+        return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -557,6 +498,17 @@ def save_final(model, tokenizer, args: FinetuneArguments, train_context_length_b
         tokenizer.save_pretrained(staging)
         write_finetuned_card(staging, args, train_context_length_before)
     return str(final_dir), str(merged_dir)
+
+
+def check_no_stale_merged_model(args: FinetuneArguments) -> None:
+    """A merged/ folder that this run will not rewrite belongs to an earlier run and would not match the new
+    adapter: refuse before training rather than leave the two side by side."""
+    merged_dir = Path(args.output_dir) / "merged"
+    if (merged_dir.exists() or merged_dir.is_symlink()) and not (args.lora and args.merge):
+        raise ValueError(
+            f"{merged_dir} holds a merged model from an earlier run, which this run would leave out of date: pass "
+            "--merge to replace it, or move it away"
+        )
 
 
 def write_finetuned_card(model_dir: str, args: FinetuneArguments, train_context_length_before: int) -> None:
@@ -597,6 +549,8 @@ def write_summary(summary: FinetuneSummary, output_dir: str) -> None:
 
 
 def build_training_data(args: FinetuneArguments, tokenizer, pad_token_id: int, show_progress: bool):
+    from .trainer_bam import PackedRows
+
     documents = load_documents(args.data, args.text_field, args.dataset_split, args.dataset_config)
     tokenized = tokenize_documents(documents, tokenizer, show_progress)
     rows = pack_documents(tokenized, args.context_length, pad_token_id)
@@ -607,9 +561,15 @@ def build_training_data(args: FinetuneArguments, tokenizer, pad_token_id: int, s
 def finetune(args: FinetuneArguments) -> FinetuneSummary:
     """Fine-tune `args.model` at `args.context_length` on `args.data`; returns (and on rank 0 writes and prints)
     the summary."""
+    from transformers import set_seed
+
+    from .trainer_bam import BamTrainer, mean_token_loss, training_arguments
+
     started = time.perf_counter()
     base_config = check_model_config(args.model, args.context_length)
     checkpoint = resolve_checkpoint(args)
+    resumed_from_step = 0 if checkpoint is None else checkpoint_step(checkpoint)  # rotation may delete it later
+    check_no_stale_merged_model(args)
     training_args = training_arguments(args)
     is_main = training_args.process_index == 0
     show_progress = is_main and not args.disable_progress_bars
@@ -663,7 +623,7 @@ def finetune(args: FinetuneArguments) -> FinetuneSummary:
         eval_rows=len(eval_rows),
         eval_split=eval_split,
         steps=trainer.state.global_step,
-        resumed_from_step=checkpoint_step(checkpoint),
+        resumed_from_step=resumed_from_step,
         tokens_seen=int(trainer.state.num_input_tokens_seen),
         train_loss=train_output.training_loss,
         loss_before=loss_before,
@@ -733,6 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parsed = build_parser().parse_args(argv)
+    exit_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = FinetuneArguments(**vars(parsed))
     try:

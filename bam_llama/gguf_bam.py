@@ -9,13 +9,19 @@ then converts. Peak memory is one dequantized copy of the model; the temporary f
 removed afterwards. Reading GGUF needs the optional dependency `gguf` (`pip install 'bam-llama[gguf]'`).
 """
 
+from __future__ import annotations
+
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from .convert_bam import ConversionError, convert_llama_checkpoint, dtype_name, parse_dtype, quiet
+from .io_bam import check_output_dir
 
-from .convert_bam import ConversionError, check_output_dir, convert_llama_checkpoint, dtype_name, parse_dtype, quiet
+
+if TYPE_CHECKING:  # PyTorch and Transformers are imported where used, as in convert_bam
+    import torch
 
 
 GGUF_SUFFIX = ".gguf"
@@ -23,9 +29,7 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 
 
 class MissingDependencyError(ConversionError):
-    """An optional dependency needed for this input is not installed (the CLI exits with status 2)."""
-
-    exit_status = 2
+    """An optional dependency needed for this input is not installed."""
 
 
 def gguf_source(llama_dir: str | os.PathLike, gguf_file: str | None = None) -> Path | None:
@@ -121,6 +125,8 @@ def convert_gguf_checkpoint(
     The quantized weights are dequantized to float32 (or `dtype`); the tokenizer, tied embeddings, grouped-query
     attention and the generation config carry over. `llama_options` are passed to `convert_llama_checkpoint`.
     """
+    import torch
+
     log = print if verbose else quiet
     gguf_path, out_dir = Path(gguf_path).resolve(), Path(out_dir).resolve()
     check_output_dir(out_dir, force, (gguf_path,))

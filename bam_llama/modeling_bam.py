@@ -5,9 +5,10 @@ Attention logit for query i (absolute position p_i) and key j, head h:
     score_ij = c_i * (q_i.k_j / sqrt(d) + b_h(p_i, j))        (ssmax_prior, the reference default)
     b_h(p, j) = -exp(theta_alpha_h) * (|(j - p) - mu_h| + eps) ** theta_beta_h
 
-with c_i = s_h * ln(n_i) under Scalable Softmax (n_i = keys visible to query i), else 1. The attention itself
-is dispatched through Transformers' attention interface: "bam_eager" (materialized reference),
-"bam_sdpa" (bias as a float mask) and "bam_triton" (fused kernels, never materializes the bias).
+with c_i = s_h * ln(n_i) under Scalable Softmax (n_i = keys visible to query i), else 1. The config keeps the
+attention names users pass; for this model they select BAM's own implementations: "eager" (materialized
+reference), "sdpa" (bias as a float mask) and "bam_triton" (fused kernels, never materializes the bias). They are
+dispatched here, not through Transformers' global registry, so "eager" and "sdpa" keep their meaning for other models.
 """
 
 import inspect
@@ -27,9 +28,12 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import can_return_tuple, logging
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
 
 from .attention_bam import (
+    bam_attention_blocked,
     bam_attention_reference,
     bam_attention_sdpa,
     ggd_bias,
@@ -45,6 +49,9 @@ try:
     from transformers import initialization as hf_init
 except ImportError:  # older 5.x releases
     hf_init = None
+
+
+logger = logging.get_logger(__name__)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -98,6 +105,11 @@ class BamPrior(nn.Module):
     def reset_parameters(self, config: BamLlamaConfig) -> None:
         for name, value in initial_prior_values(config).items():
             _copy_init(getattr(self, name), value)
+
+    def table(self, last_position: int) -> torch.Tensor:
+        """(H, P + 1) float32 prior at distances -P, ..., 0: every row of the bias is a window of it."""
+        distance = torch.arange(-last_position, 1, device=self.theta_alpha.device, dtype=torch.float32)
+        return ggd_bias(distance, self.theta_alpha, self.theta_beta, self.theta_mu, self.formula, self.eps)
 
     def bias(self, query_positions: torch.Tensor, key_length: int) -> torch.Tensor:
         """(1, H, Lq, Lk) float32 prior for queries at absolute positions (Lq,) and keys 0..Lk-1."""
@@ -189,11 +201,25 @@ def bam_sdpa_attention_forward(
     query_positions: torch.Tensor,
     prior: BamPrior,
     document_ids: torch.Tensor | None = None,
+    prior_table: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """PyTorch SDPA with the (SSMax-scaled) prior passed as a float mask."""
-    visible, bias, row_factor = _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids)
-    output = bam_attention_sdpa(query, key, value, visible, bias, scaling, row_factor, module.config.ssmax_prior, dropout)
+    """PyTorch SDPA with the (SSMax-scaled) prior passed as a float mask, over blocks of queries whose mask is a
+    view of a 1-D prior table per head; a custom 4D mask gets the materialized (Lq x Lk) path.
+
+    prior_table: `prior.table(P)` when the model computed it once for all layers (global prior)."""
+    if attention_mask is not None and attention_mask.dim() == 4:
+        visible, bias, row_factor = _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids)
+        output = bam_attention_sdpa(
+            query, key, value, visible, bias, scaling, row_factor, module.config.ssmax_prior, dropout
+        )
+        return output.transpose(1, 2).contiguous(), None
+    output = bam_attention_blocked(
+        query, key, value, query_positions,
+        prior.table(int(query_positions[-1])) if prior_table is None else prior_table, scaling,
+        ssmax_scale=None if module.ssmax is None else module.ssmax.scale, ssmax_prior=module.config.ssmax_prior,
+        key_valid=attention_mask, document_ids=document_ids, dropout=dropout,
+    )
     return output.transpose(1, 2).contiguous(), None
 
 
@@ -251,18 +277,25 @@ def bam_key_padding_mask(
     return None if bool(attention_mask.all()) else attention_mask
 
 
+# The attention names the config keeps, and BAM's function for each. They are looked up here, never in Transformers'
+# global registry, so "eager" and "sdpa" keep Transformers' meaning for every other model in the process.
 BAM_ATTENTION_FUNCTIONS = {
-    "bam_eager": (bam_eager_attention_forward, bam_boolean_mask),
-    "bam_sdpa": (bam_sdpa_attention_forward, bam_boolean_mask),
-    "bam_triton": (bam_triton_attention_forward, bam_key_padding_mask),
+    "eager": bam_eager_attention_forward,
+    "sdpa": bam_sdpa_attention_forward,
+    "bam_triton": bam_triton_attention_forward,
 }
-ATTENTION_ALIASES = {"eager": "bam_eager", "sdpa": "bam_sdpa"}
+ATTENTION_ALIASES = {"bam_eager": "eager", "bam_sdpa": "sdpa"}  # the names of earlier releases
+# `create_causal_mask` finds the mask function by the config's name in the global registry, so BAM's are registered
+# under private names, and the model hands it a config view carrying the private name (see `_MaskingConfig`).
+BAM_MASK_FUNCTIONS = {"bam_eager": bam_boolean_mask, "bam_sdpa": bam_key_padding_mask, "bam_triton": bam_key_padding_mask}
+MASK_FUNCTION_NAMES = {"eager": "bam_eager", "sdpa": "bam_sdpa", "bam_triton": "bam_triton"}
 
 
 def register_bam_attention() -> None:
-    """Register BAM's attention and mask functions; idempotent (runs on every import of this module)."""
-    for name, (attention_fn, mask_fn) in BAM_ATTENTION_FUNCTIONS.items():
-        ALL_ATTENTION_FUNCTIONS.register(name, attention_fn)
+    """Register BAM's mask functions under BAM's private names; idempotent (runs on every import of this module).
+    The attention functions are not registered: no other model could call them (they need BAM's prior), and
+    Transformers' own entries are left alone."""
+    for name, mask_fn in BAM_MASK_FUNCTIONS.items():
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask_fn)
 
 
@@ -270,7 +303,18 @@ register_bam_attention()
 
 
 def default_attn_implementation() -> str:
-    return "bam_triton" if TRITON_AVAILABLE and torch.cuda.is_available() else "bam_sdpa"
+    return "bam_triton" if TRITON_AVAILABLE and torch.cuda.is_available() else "sdpa"
+
+
+def bam_attention_name(requested: str) -> str:
+    """The name the config keeps for a requested implementation; a clear error for any that would drop the prior."""
+    name = ATTENTION_ALIASES.get(requested, requested)
+    if name not in BAM_ATTENTION_FUNCTIONS:
+        raise ValueError(
+            f"attn_implementation={requested!r} is not supported by BamLlama: other backends (flash, flex, paged, "
+            f"kernels from the Hub) would drop the positional prior. Choose one of {sorted(BAM_ATTENTION_FUNCTIONS)}."
+        )
+    return name
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -344,9 +388,7 @@ class BamAttention(nn.Module):
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, bam_eager_attention_forward
-        )
+        attention_interface: Callable = BAM_ATTENTION_FUNCTIONS[self._implementation_for_call(kwargs)]
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -362,6 +404,18 @@ class BamAttention(nn.Module):
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
+
+    def _implementation_for_call(self, kwargs: dict) -> str:
+        """The config's implementation, or "eager" when attention weights are requested: only eager computes them."""
+        implementation = bam_attention_name(self.config._attn_implementation)
+        if implementation != "eager" and kwargs.get("output_attentions", self.config.output_attentions):
+            logger.warning_once(
+                f"BamLlama's {implementation!r} attention computes no attention weights: with output_attentions=True "
+                "every layer runs BAM's 'eager' attention instead (same result, slower). Load the model with "
+                "attn_implementation='eager' to make this the default."
+            )
+            return "eager"
+        return implementation
 
 
 class BamDecoderLayer(GradientCheckpointingLayer):
@@ -381,9 +435,9 @@ class BamDecoderLayer(GradientCheckpointingLayer):
         shared_prior: BamPrior | None = None,
         document_ids: torch.Tensor | None = None,
         **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> torch.Tensor:
         residual = hidden_states
-        hidden_states, attn_weights = self.self_attn(
+        hidden_states, _ = self.self_attn(
             self.input_layernorm(hidden_states),
             query_positions=query_positions,
             attention_mask=attention_mask,
@@ -394,7 +448,7 @@ class BamDecoderLayer(GradientCheckpointingLayer):
         )
         hidden_states = residual + hidden_states
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
-        return hidden_states, attn_weights
+        return hidden_states
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -410,44 +464,61 @@ class BamLlamaPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["BamDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values"]
     _supports_sdpa = True
-    # Flash / flex / kernel backends would silently drop the prior.
+    # Flash / flex / paged / Hub-kernel backends would silently drop the prior: only BAM's own implementations can be
+    # selected (see `get_correct_attn_implementation`), so the model is safe as a backend and for padding-free batches.
     _supports_flash_attn = False
     _supports_flex_attn = False
-    _supports_attention_backend = False
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    _can_record_outputs = {
+        "hidden_states": BamDecoderLayer,
+        "attentions": BamAttention,
+    }
 
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
-        """Map Transformers' names onto BAM's: None -> the fastest available, eager/sdpa -> bam_eager/bam_sdpa."""
+        """None -> the fastest available; "eager", "sdpa", "bam_triton" (and the old "bam_eager" / "bam_sdpa", kept
+        as "eager" / "sdpa") select BAM's implementations; anything else is refused."""
         if requested_attention is None:
             return default_attn_implementation()
-        implementation = ATTENTION_ALIASES.get(requested_attention, requested_attention)
-        if implementation not in BAM_ATTENTION_FUNCTIONS:
-            raise ValueError(
-                f"attn_implementation={requested_attention!r} is not supported by BamLlama: other backends would drop "
-                f"the positional prior. Choose one of {sorted(BAM_ATTENTION_FUNCTIONS)} (or 'eager' / 'sdpa')."
-            )
+        implementation = bam_attention_name(requested_attention)
         if implementation == "bam_triton" and not TRITON_AVAILABLE:
             raise ValueError("attn_implementation='bam_triton' needs the `triton` package, which is not installed")
         return implementation
 
+    def _check_and_adjust_attn_implementation(
+        self, attn_implementation: str | None, is_init_check: bool = False, allow_all_kernels: bool = False
+    ) -> str:
+        """Refuse unsupported names before Transformers tries to fetch a kernel from the Hub or a flash fallback."""
+        return self.get_correct_attn_implementation(attn_implementation, is_init_check)
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """BamAttention dispatches on `config._attn_implementation` at every call, so switching is always possible."""
+        return True
+
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        model = super().from_pretrained(*args, **kwargs)
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, loading_info) with output_loading_info
         model.apply_prior_trainability()
-        return model
+        return loaded
 
     def apply_prior_trainability(self) -> None:
-        """Freeze or unfreeze the prior and SSMax parameters as the config says (loading resets requires_grad)."""
+        """Freeze or unfreeze the prior and SSMax parameters as the config says (loading resets requires_grad, and
+        so does PEFT's `modules_to_save`: call it after `get_peft_model`). PEFT's `original_module` copies stay
+        frozen."""
         flags = {
             "theta_alpha": self.config.train_theta_alpha,
             "theta_beta": self.config.train_theta_beta,
             "theta_mu": self.config.train_theta_mu,
         }
-        for module in self.modules():
+        for module_name, module in self.named_modules():
+            trained_copy = ".original_module" not in module_name
             if isinstance(module, BamPrior):
                 for name, trainable in flags.items():
-                    getattr(module, name).requires_grad_(trainable)
+                    getattr(module, name).requires_grad_(trainable and trained_copy)
             elif isinstance(module, BamScalableSoftmax):
-                module.scale.requires_grad_(self.config.train_ssmax_scale)
+                module.scale.requires_grad_(self.config.train_ssmax_scale and trained_copy)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save weights, config and the remote code, with an `auto_map` for AutoConfig/AutoModel/AutoModelForCausalLM."""
@@ -492,6 +563,8 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
+    @merge_with_config_defaults
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -500,17 +573,14 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        """`output_hidden_states` / `output_attentions` (kwargs or config) are collected by `capture_outputs`;
+        `use_cache` defaults to the config's (off under gradient checkpointing)."""
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if self.gradient_checkpointing and self.training:
-            use_cache = False
         kwargs.pop("cache_position", None)  # positions come from the cache length, read below
 
         # Absolute query positions, read from the cache BEFORE any layer updates it.
@@ -525,14 +595,13 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         )
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        if self.prior is not None:
+            # The global prior depends on j - i only: one (H, P + 1) table, computed once for all layers.
+            kwargs["prior_table"] = self.prior.table(int(query_positions[-1]))
 
         hidden_states = inputs_embeds
-        all_hidden_states = () if output_hidden_states else None
-        all_attentions = () if output_attentions else None
         for decoder_layer in self.layers:
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
-            hidden_states, attn_weights = decoder_layer(
+            hidden_states = decoder_layer(
                 hidden_states,
                 query_positions=query_positions,
                 attention_mask=causal_mask,
@@ -541,16 +610,10 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
                 document_ids=document_ids,
                 **kwargs,
             )
-            if output_attentions:
-                all_attentions += (attn_weights,)
         hidden_states = self.norm(hidden_states)
-        if output_hidden_states:
-            all_hidden_states += (hidden_states,)
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
             past_key_values=past_key_values if use_cache else None,
-            hidden_states=all_hidden_states,
-            attentions=all_attentions,
         )
 
     @staticmethod
@@ -567,10 +630,28 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
 _CAUSAL_MASK_PARAMETERS = inspect.signature(create_causal_mask).parameters
 
 
+class _MaskingConfig:
+    """The model's config as `create_causal_mask` sees it: every field is the config's, except the attention name,
+    which is the private name BAM's mask function is registered under (the global "eager" / "sdpa" mask
+    functions are Transformers' own and stay so)."""
+
+    def __init__(self, config: BamLlamaConfig):
+        self._config = config
+        self._attn_implementation = MASK_FUNCTION_NAMES[bam_attention_name(config._attn_implementation)]
+
+    def __getattr__(self, name: str):
+        return getattr(self._config, name)
+
+
 def _create_causal_mask(config, inputs_embeds, attention_mask, past_key_values, position_ids, query_positions):
-    """`create_causal_mask` across Transformers 5.x: early releases name the embeddings `input_embeds` and
-    take `cache_position`; later ones read the query offset from the cache."""
-    kwargs = dict(config=config, attention_mask=attention_mask, past_key_values=past_key_values, position_ids=position_ids)
+    """`create_causal_mask` with BAM's mask function, across Transformers 5.x: early releases name the embeddings
+    `input_embeds` and take `cache_position`; later ones read the query offset from the cache."""
+    kwargs = dict(
+        config=_MaskingConfig(config),
+        attention_mask=attention_mask,
+        past_key_values=past_key_values,
+        position_ids=position_ids,
+    )
     kwargs["inputs_embeds" if "inputs_embeds" in _CAUSAL_MASK_PARAMETERS else "input_embeds"] = inputs_embeds
     if "cache_position" in _CAUSAL_MASK_PARAMETERS:
         kwargs["cache_position"] = query_positions
@@ -599,6 +680,7 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -609,10 +691,9 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        """`return_dict=False` (kwarg or config) gives the tuple of the non-None fields, like any Transformers model."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -620,8 +701,7 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
+            return_dict=True,  # whatever config.return_dict says; `can_return_tuple` converts at the end
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state

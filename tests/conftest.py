@@ -29,6 +29,24 @@ _import_triton_for_the_interpreter()
 FIXTURES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "official-bam"
 
 
+def checkout_environment(**variables: str) -> dict[str, str]:
+    """os.environ for a subprocess that must import this checkout's bam_llama (first on PYTHONPATH)."""
+    repository = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [repository, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **variables}
+
+
+def require_reference_fixtures(folder: Path = FIXTURES_DIR) -> Path:
+    """The reference fixtures folder. Missing, the test is skipped, except under CI=true, where it fails: CI must
+    not go green without its only external ground truth."""
+    if not folder.exists():
+        message = f"reference fixtures not found at {folder} (CI puts ../shared beside the clone)"
+        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+            pytest.fail(f"{message}; CI=true requires them", pytrace=False)
+        pytest.skip(message)
+    return folder
+
+
 def tiny_config(**overrides):
     from bam_llama import BamLlamaConfig
 

@@ -248,3 +248,12 @@ def test_bad_input_raises_and_writes_nothing(model_dir, tmp_path, hub, capsys):
         write_model_card(model_dir)
     assert listing(model_dir) == before
     assert not hub.uploads and not hub.created
+
+
+def test_a_corrupt_safetensors_file_is_named(model_dir, capsys):
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(model_dir)])
+    assert exit_info.value.code == 2
+    assert f"bam-card: error: {weights} is not a readable safetensors file" in capsys.readouterr().err

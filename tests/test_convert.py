@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES_DIR
+from conftest import FIXTURES_DIR, checkout_environment, require_reference_fixtures
 from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
@@ -18,6 +18,7 @@ from bam_llama.convert_bam import (
     main,
     reference_key_table,
 )
+from bam_llama.io_bam import OutputError
 from bam_llama.tokenization_bam import build_byte_tokenizer
 
 
@@ -76,9 +77,7 @@ def folder_listing(folder: Path) -> list[str]:
 
 
 def fixture_run(variant: str) -> Path:
-    if not FIXTURES_DIR.exists():
-        pytest.skip(f"reference fixtures not found at {FIXTURES_DIR} (CI puts ../shared beside the clone)")
-    return FIXTURES_DIR / "logs" / "l6" / variant / "version_00"
+    return require_reference_fixtures() / "logs" / "l6" / variant / "version_00"
 
 
 def fixture_io(variant: str) -> dict:
@@ -356,7 +355,7 @@ def test_existing_output_needs_force(tmp_path):
     out = tmp_path / "bam"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(ConversionError, match="already exists; pass --force"):
+    with pytest.raises(OutputError, match="already exists; pass --force"):
         convert_reference_checkpoint(tmp_path / "run", out, verbose=False)
     assert folder_listing(out) == ["keep.txt"]
     convert_reference_checkpoint(tmp_path / "run", out, force=True, verbose=False)
@@ -366,7 +365,7 @@ def test_existing_output_needs_force(tmp_path):
 
 def test_output_may_not_replace_the_input(tmp_path):
     write_reference_run(tmp_path / "run")
-    with pytest.raises(ConversionError, match="would replace the input"):
+    with pytest.raises(OutputError, match="would replace the input"):
         convert_reference_checkpoint(tmp_path / "run", tmp_path, force=True, verbose=False)
     assert (tmp_path / "run" / "model.pt").is_file()
 
@@ -538,9 +537,95 @@ def test_command_line_converts_and_reports_errors(tmp_path, capsys):
     assert "variant bam_ssmax" in printed and "prior formula legacy" in printed
     assert BamLlamaConfig.from_pretrained(tmp_path / "bam").prior_formula == "legacy"
 
-    assert main(["reference", str(tmp_path / "run"), str(tmp_path / "bam")]) == 1
+    assert main(["reference", str(tmp_path / "run"), str(tmp_path / "bam")]) == 2
     assert "already exists; pass --force" in capsys.readouterr().err
-    assert main(["to-reference", str(tmp_path / "missing"), str(tmp_path / "back")]) == 1
+    assert main(["to-reference", str(tmp_path / "missing"), str(tmp_path / "back")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["to-reference", str(tmp_path / "bam"), str(tmp_path / "back"), "--prior-names", "theta"]) == 0
     assert "prior.theta_beta" in torch.load(tmp_path / "back" / "model.pt", weights_only=True)
+
+
+# ---------------------------------------------------------------------------------------------- interruptions, bad settings
+
+
+CONVERT_THEN_WAIT = """
+import sys, time
+from bam_llama import convert_bam, io_bam
+
+finish = io_bam.SafetensorsShardWriter.finish
+
+def finish_then_wait(self):
+    files = finish(self)
+    print("staged", flush=True)
+    time.sleep(60)
+    return files
+
+io_bam.SafetensorsShardWriter.finish = finish_then_wait
+sys.exit(convert_bam.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_bam_convert_leaves_no_partial_folder(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    write_reference_run(tmp_path / "run")
+    (tmp_path / "convert.py").write_text(CONVERT_THEN_WAIT)
+    process = subprocess.Popen(
+        [sys.executable, str(tmp_path / "convert.py"), "reference", str(tmp_path / "run"), str(tmp_path / "out" / "bam")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=checkout_environment(),
+    )
+    for line in process.stdout:
+        if line.strip() == "staged":
+            break
+    assert any(path.name.endswith(".partial") for path in (tmp_path / "out").iterdir())
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["convert.py", "run"]  # nor the parent it created
+
+
+def test_missing_ffn_dim_multiplier_points_at_args_json(tmp_path):
+    write_reference_run(tmp_path / "run", ffn_dim_multiplier=2)
+    args_path = tmp_path / "run" / "args.json"
+    run_args = json.loads(args_path.read_text())
+    del run_args["model_args"]["ffn_dim_multiplier"]
+    args_path.write_text(json.dumps(run_args))
+    message = assert_conversion_error(tmp_path, ["feed-forward width 64", "no ffn_dim_multiplier", "give 32", "args.json"])
+    assert "shape mismatches" not in message
+
+
+def test_a_nan_ssmax_scale_is_refused_before_writing(tiny_llama, tmp_path, capsys):
+    llama_dir, _ = tiny_llama
+    status = main(["llama", str(llama_dir), str(tmp_path / "bam"), "--ssmax", "--ssmax-scale-init", "nan"])
+    assert status == 2
+    error = capsys.readouterr().err.strip()
+    assert "ssmax_scale_init" in error and "finite" in error and len(error.splitlines()) == 1
+    assert not (tmp_path / "bam").exists()
+
+
+def test_an_unwritable_output_parent_is_one_line_and_status_2(tmp_path, monkeypatch, capsys):
+    from bam_llama import io_bam
+
+    write_reference_run(tmp_path / "run")
+
+    def refuse(*args, dir=None, **kwargs):
+        raise PermissionError(13, "Permission denied", str(dir))
+
+    monkeypatch.setattr(io_bam.tempfile, "mkdtemp", refuse)
+    assert main(["reference", str(tmp_path / "run"), str(tmp_path / "bam")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == f"bam-convert: error: cannot create {tmp_path / 'bam'}: no permission to write in {tmp_path}"
+
+
+def test_unknown_formula_and_prior_scope_are_one_line_errors(tiny_llama, tmp_path, capsys):
+    write_reference_run(tmp_path / "run")
+    assert main(["reference", str(tmp_path / "run"), str(tmp_path / "bam"), "--formula", "newest"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "bam-convert: error: unknown prior formula 'newest'; expected one of ('current', 'legacy')"
+    )
+    llama_dir, _ = tiny_llama
+    assert main(["llama", str(llama_dir), str(tmp_path / "bam"), "--prior-scope", "head"]) == 2
+    assert "unknown prior scope 'head'; expected one of ('global', 'layer')" in capsys.readouterr().err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]

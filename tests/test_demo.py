@@ -16,6 +16,7 @@ from bam_llama.demo import (
     DataConfig,
     ModelSize,
     build_model,
+    default_settings,
     main,
     run_demo,
     training_batch,
@@ -85,9 +86,50 @@ def test_console_script_help():
     assert completed.returncode == 0 and "--quick" in completed.stdout
 
 
-def test_main_reports_success_as_exit_status_zero(tmp_path):
-    assert main(["--quick", "--models", "bam", "--output-dir", str(tmp_path)]) == 0
+def test_main_reports_success_as_exit_status_zero_and_records_the_argv(tmp_path):
+    argv = ["--quick", "--models", "bam", "--output-dir", str(tmp_path), "--lengths", "64,80"]
+    assert main(argv) == 0
     assert (tmp_path / "results.md").is_file()
+    run = json.loads((tmp_path / "results.json").read_text())["run"]
+    assert run["argv"] == argv and run["settings"]["lengths"] == [64, 80]
+
+
+@pytest.mark.parametrize(
+    "argv, argument",
+    [
+        (["--lengths", "64,abc"], "--lengths"),
+        (["--lengths", "64,0"], "--lengths"),
+        (["--steps", "0"], "--steps"),
+        (["--train-length", "-8"], "--train-length"),
+        (["--lr", "nan"], "--lr"),
+        (["--device", "nonsense"], "--device"),
+    ],
+)
+def test_a_bad_argument_is_one_line_naming_it(argv, argument, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv + ["--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("bam-demo: error: argument " + argument)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_machine_without_it_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "argument --device: 'cuda': this PyTorch build" in capsys.readouterr().err
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "(default: bam-demo-output)" in usage and "(default: bam,rope)" in usage
+    settings = default_settings(quick=False)
+    assert f"(default: {settings.train.steps}; with --quick: 8)" in usage
+    assert "(default: " + ",".join(map(str, settings.lengths)) + "; with --quick: 64,128)" in usage
 
 
 def test_unknown_model_is_refused():

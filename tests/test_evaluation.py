@@ -418,3 +418,81 @@ def test_load_model_with_and_without_tokenizer(tmp_path, tokenizer, capsys):
     _, found = load_model_and_tokenizer(tmp_path / "with_tokenizer", device="cpu")
     assert "byte tokenizer" not in capsys.readouterr().err
     assert found.bos_token == "<s>"
+
+
+# ---------------------------------------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize(
+    "argv, argument",
+    [
+        (["perplexity", "{model}", "--data", "x.txt", "--max-sequences", "0"], "--max-sequences"),
+        (["perplexity", "{model}", "--data", "x.txt", "--window", "0"], "--window"),
+        (["perplexity", "{model}", "--data", "x.txt", "--lengths", "-5"], "--lengths"),
+        (["perplexity", "{model}", "--data", "x.txt", "--lengths", "0"], "--lengths"),
+        (["perplexity", "{model}", "--data", "x.txt", "--lengths", "64,abc"], "--lengths"),
+        (["passkey", "{model}", "--chunk-size", "0"], "--chunk-size"),
+        (["passkey", "{model}", "--digits", "0"], "--digits"),
+        (["passkey", "{model}", "--depths", "0"], "--depths"),
+        (["passkey", "{model}", "--lengths", "0"], "--lengths"),
+        (["passkey", "{model}", "--lengths", "512,-50"], "--lengths"),
+        (["passkey", "{model}", "--device", "nonsense"], "--device"),
+        (["prior", "{model}", "--max-distance", "-3"], "--max-distance"),
+        (["prior", "{model}", "--layer", "-1"], "--layer"),
+    ],
+)
+def test_a_bad_argument_is_named_before_any_weights_are_loaded(argv, argument, tmp_path, capsys):
+    missing_model = str(tmp_path / "no-such-model")  # loading it first would give "no model folder" instead
+    with pytest.raises(SystemExit) as exit_info:
+        main([arg.format(model=missing_model) for arg in argv])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("bam-eval") and f"argument {argument}" in error and "Traceback" not in error
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_machine_without_it_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["passkey", str(tmp_path / "no-such-model"), "--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "argument --device: 'cuda': this PyTorch build" in capsys.readouterr().err
+
+
+def test_help_shows_the_default_lengths_as_typed(capsys):
+    with pytest.raises(SystemExit):
+        main(["passkey", "--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "(default: 256,512,1024,2048,4096)" in usage and "['" not in usage
+
+
+def test_library_calls_refuse_nonpositive_settings(tokenizer):
+    model = tiny_bam()
+    with pytest.raises(ValueError, match="max_sequences must be positive"):
+        evaluation_bam.evaluate_perplexity(model, tokenizer, TEXT, [32], window=8, max_sequences=0, progress=False)
+    with pytest.raises(ValueError, match="window must be positive"):
+        evaluation_bam.evaluate_perplexity(model, tokenizer, TEXT, [32], window=0, progress=False)
+    with pytest.raises(ValueError, match="lengths must be positive"):
+        evaluation_bam.evaluate_passkey(model, tokenizer, [64, -50], num_depths=1, progress=False)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_corrupt_safetensors_file_is_named(damage, saved_model, capsys):
+    weights = saved_model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not safetensors at all")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["passkey", str(saved_model), "--lengths", "64", "--depths", "1", "--quiet"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error == error.splitlines()[0] and f"{weights} is not a readable safetensors file" in error
+
+
+def test_a_model_without_tokenizer_and_a_foreign_vocabulary_is_a_clear_error(tmp_path, capsys):
+    torch.manual_seed(0)
+    config = BamLlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    BamLlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["passkey", str(tmp_path / "model"), "--lengths", "64", "--depths", "1", "--quiet"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "no tokenizer found" in error and "vocab_size is 97" in error and "Traceback" not in error

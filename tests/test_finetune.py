@@ -12,14 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import checkout_environment, tiny_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from bam_llama.finetune_bam import (
-    BamTrainer,
     FinetuneArguments,
-    PackedRows,
     collate_packed_rows,
     finetune,
     load_documents,
@@ -27,9 +25,9 @@ from bam_llama.finetune_bam import (
     pack_documents,
     prepare_model,
     resolve_checkpoint,
-    training_arguments,
 )
 from bam_llama.tokenization_bam import build_byte_tokenizer
+from bam_llama.trainer_bam import BamTrainer, training_arguments
 
 
 TRAIN_LENGTH, TARGET_LENGTH = 32, 64
@@ -313,15 +311,21 @@ def test_merged_model_gets_a_bam_card_naming_its_base(lora_run, workspace):
     assert f"fine-tuned at {TARGET_LENGTH} tokens" in card.text
 
 
+def resume_from_step_6(lora_run, output_dir: Path, **overrides) -> FinetuneArguments:
+    """The LoRA run's arguments, resuming in a fresh `output_dir` from a copy of its checkpoint-6."""
+    args, _ = lora_run
+    output_dir.mkdir()
+    shutil.copytree(Path(args.output_dir) / "checkpoint-6", output_dir / "checkpoint-6")
+    return arguments(
+        Path(args.model), Path(args.data), output_dir, resume_from_checkpoint="latest", eval_rows=args.eval_rows,
+        **overrides,
+    )
+
+
 def test_resume_continues_from_the_saved_step(lora_run, tmp_path):
     args, _ = lora_run
     output_dir = tmp_path / "resumed"
-    output_dir.mkdir()
-    shutil.copytree(Path(args.output_dir) / "checkpoint-6", output_dir / "checkpoint-6")
-    resumed_args = arguments(
-        Path(args.model), Path(args.data), output_dir, resume_from_checkpoint="latest", eval_rows=args.eval_rows
-    )
-    summary = finetune(resumed_args)
+    summary = finetune(resume_from_step_6(lora_run, output_dir))
     assert summary.resumed_from_step == 6 and summary.steps == 12
     assert summary.tokens_seen == 12 * 4 * TARGET_LENGTH  # restored from the checkpoint, then 6 more steps
     uninterrupted = load_file(Path(args.output_dir) / "adapter" / "adapter_model.safetensors")
@@ -389,3 +393,121 @@ def test_ddp_on_two_cpu_processes(workspace, tmp_path):
     assert merged.config.train_context_length == TARGET_LENGTH
     with torch.no_grad():
         assert torch.isfinite(merged(torch.tensor([[1, 40, 41, 42]])).logits).all()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Interruptions, bad data, stale outputs
+# --------------------------------------------------------------------------------------------------------
+
+
+def write_checkpoint_state(folder: Path, step: int) -> None:
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+
+
+def test_resume_latest_skips_incomplete_checkpoints_and_says_so(tmp_path, caplog):
+    write_checkpoint_state(tmp_path / "checkpoint-6", 6)
+    write_checkpoint_state(tmp_path / "checkpoint-9", 9)
+    (tmp_path / "checkpoint-9" / "trainer_state.json").write_text('{"global_st')  # cut off while written
+    (tmp_path / "checkpoint-12").mkdir()  # interrupted before its trainer_state.json
+    args = FinetuneArguments(model="m", data="d", output_dir=str(tmp_path), context_length=64, resume_from_checkpoint="latest")
+    assert resolve_checkpoint(args) == str(tmp_path / "checkpoint-6")
+    assert "checkpoint-12: it is incomplete" in caplog.text and "checkpoint-9: it is incomplete" in caplog.text
+    shutil.rmtree(tmp_path / "checkpoint-6")
+    with pytest.raises(ValueError, match=r"only incomplete checkpoints \(checkpoint-12, checkpoint-9\)"):
+        resolve_checkpoint(args)
+    args.resume_from_checkpoint = str(tmp_path / "checkpoint-12")
+    with pytest.raises(ValueError, match="checkpoint-12 is incomplete"):
+        resolve_checkpoint(args)
+
+
+# Runs bam-finetune with the second checkpoint save stopped half-way (weights written, no trainer_state.json).
+FINETUNE_INTERRUPTED_WHILE_SAVING = """
+import sys, time
+from transformers import Trainer
+from bam_llama import finetune_bam
+
+save_rng_state, saves = Trainer._save_rng_state, []
+
+def save_rng_state_then_wait(self, output_dir):
+    saves.append(output_dir)
+    if len(saves) == 2:
+        print("saving", flush=True)
+        time.sleep(60)
+    return save_rng_state(self, output_dir)
+
+Trainer._save_rng_state = save_rng_state_then_wait
+sys.exit(finetune_bam.main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_while_saving_a_checkpoint_then_resume_latest(workspace, tmp_path):
+    import signal
+
+    output_dir = tmp_path / "out"
+    (tmp_path / "finetune.py").write_text(FINETUNE_INTERRUPTED_WHILE_SAVING)
+    command = [
+        sys.executable, str(tmp_path / "finetune.py"), "--model", str(workspace["base"]), "--data", str(workspace["data"]),
+        "--output-dir", str(output_dir), "--context-length", str(TARGET_LENGTH), "--max-steps", "6", "--save-steps", "2",
+        "--batch-size", "4", "--lora-rank", "4", "--eval-rows", "4", "--disable-progress-bars",
+    ]
+    environment = checkout_environment(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
+    for line in process.stdout:
+        if line.strip() == "saving":
+            break
+    process.send_signal(signal.SIGINT)
+    process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert (output_dir / "checkpoint-4").is_dir() and not (output_dir / "checkpoint-4" / "trainer_state.json").exists()
+
+    summary = finetune(arguments(workspace["base"], workspace["data"], output_dir, max_steps=6, save_steps=2,
+                                 resume_from_checkpoint="latest"))
+    assert summary.resumed_from_step == 2 and summary.steps == 6
+
+
+def test_a_resumed_run_whose_checkpoint_is_rotated_away_still_writes_its_summary(lora_run, tmp_path):
+    output_dir = tmp_path / "resumed"
+    summary = finetune(resume_from_step_6(lora_run, output_dir, save_total_limit=1))
+    assert not (output_dir / "checkpoint-6").exists()  # rotated away by checkpoint-12
+    assert summary.resumed_from_step == 6
+    assert json.loads((output_dir / "summary.json").read_text())["resumed_from_step"] == 6
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"text": "ok"', "is not valid JSON"),
+        ('{"text": null}', "field 'text' is null"),
+        ('{"text": 12345}', "field 'text' is int"),
+        ('{"text": ["a", "b"]}', "field 'text' is list"),
+    ],
+)
+def test_a_bad_jsonl_line_is_named_with_file_and_line(tmp_path, line, message):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"text": "first document"}\n\n' + line + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}:3") + ".*" + re.escape(message)):
+        load_documents(str(path))
+
+
+def test_a_non_text_dataset_value_is_named_with_its_row(tmp_path):
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps([{"text": "fine"}, {"text": 7}]))
+    with pytest.raises(ValueError, match=r"data.json row 1: field 'text' is int"):
+        load_documents(str(path))
+
+
+@pytest.mark.parametrize("data", ["./missing.txt", "missing.jsonl", "no/such/folder", "{tmp}/data.json"])
+def test_a_mistyped_local_data_path_is_named_without_asking_the_hub(workspace, tmp_path, capsys, data):
+    data = data.format(tmp=tmp_path)
+    argv = ["--model", str(workspace["base"]), "--data", data, "--output-dir", str(tmp_path / "out"), "--context-length", "64"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == f"bam-finetune: error: no training data at {data} (the file or folder does not exist)"
+
+
+def test_a_stale_merged_model_is_refused_before_training(workspace, tmp_path):
+    (tmp_path / "out" / "merged").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"merged holds a merged model from an earlier run.*--merge"):
+        finetune(arguments(workspace["base"], workspace["data"], tmp_path / "out"))
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["merged"]

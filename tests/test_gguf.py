@@ -186,14 +186,14 @@ def test_folder_with_gguf_file_option(tiny_gguf, converted, tmp_path):
 
 def test_bad_gguf_inputs_are_one_line_errors(tiny_gguf, tmp_path, capsys):
     path = tiny_gguf[0]
-    assert main(["llama", str(path.parent), str(tmp_path / "a"), "--gguf-file", "missing.gguf"]) == 1
-    assert main(["llama", str(path.parent), str(tmp_path / "b"), "--gguf-file", "."]) == 1
+    assert main(["llama", str(path.parent), str(tmp_path / "a"), "--gguf-file", "missing.gguf"]) == 2
+    assert main(["llama", str(path.parent), str(tmp_path / "b"), "--gguf-file", "."]) == 2
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("not a GGUF file")
-    assert main(["llama", str(not_gguf), str(tmp_path / "c")]) == 1
+    assert main(["llama", str(not_gguf), str(tmp_path / "c")]) == 2
     other = tmp_path / "other.gguf"
     write_tiny_gguf(other, random_weights(), architecture="gpt2")
-    assert main(["llama", str(other), str(tmp_path / "d")]) == 1
+    assert main(["llama", str(other), str(tmp_path / "d")]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 4 and all(line.startswith("bam-convert: error: ") for line in errors)
     assert "does not exist" in errors[0] and "--gguf-file" in errors[1]

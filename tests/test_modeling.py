@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import FIXTURES_DIR, tiny_config, tiny_model
+from conftest import FIXTURES_DIR, require_reference_fixtures, tiny_config, tiny_model
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCache, StaticCache
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM, BamLlamaModel
@@ -40,7 +40,6 @@ def logits(model, input_ids, **kwargs):
         (dict(theta_alpha_init="slopes"), "theta_alpha_init"),
         (dict(theta_beta_init=None), "theta_beta_init"),
         (dict(prior_eps=0.0), "prior_eps"),
-        (dict(max_position_embeddings=8, train_context_length=16), "max_position_embeddings"),
     ],
 )
 def test_invalid_config_raises_clear_error(overrides, message):
@@ -286,8 +285,7 @@ REFERENCE_TO_HF = [
 
 
 def load_reference_fixture(variant):
-    if not FIXTURES_DIR.exists():
-        pytest.skip(f"reference fixtures not found at {FIXTURES_DIR}")
+    require_reference_fixtures()
     run_dir = FIXTURES_DIR / "logs" / "l6" / variant / "version_00"
     model_args = json.loads((run_dir / "args.json").read_text())["model_args"]
     config = BamLlamaConfig(

@@ -1,0 +1,137 @@
+"""The training machinery of `bam-finetune`: `Trainer` with the prior's own learning rate, its arguments, the
+packed rows as a dataset, and the held-out loss. Kept apart from finetune_bam.py, which parses the command line
+without importing PyTorch or Transformers' Trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+from tqdm.auto import tqdm
+from transformers import Trainer, TrainingArguments
+
+from .finetune_bam import IGNORE_INDEX, FinetuneArguments, collate_packed_rows, is_prior_parameter
+
+
+class PackedRows(torch.utils.data.Dataset):
+    def __init__(self, rows: list[dict[str, list[int]]]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return self.rows[index]
+
+    def tokens(self) -> int:
+        return sum(sum(label != IGNORE_INDEX for label in row["labels"]) for row in self.rows)
+
+
+def optimizer_parameter_groups(model: torch.nn.Module, decay_names, weight_decay: float, prior_learning_rate: float):
+    """Decayed weights, undecayed weights, and the prior / SSMax parameters at their own rate without decay."""
+    decayed, undecayed, prior = [], [], []
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        if is_prior_parameter(name):
+            prior.append(parameter)
+        elif name in decay_names:
+            decayed.append(parameter)
+        else:
+            undecayed.append(parameter)
+    groups = [
+        {"params": decayed, "weight_decay": weight_decay},
+        {"params": undecayed, "weight_decay": 0.0},
+        {"params": prior, "weight_decay": 0.0, "lr": prior_learning_rate},
+    ]
+    return [group for group in groups if group["params"]]
+
+
+class BamTrainer(Trainer):
+    """`Trainer` whose optimizer gives the prior and SSMax parameters their own learning rate (and no decay)."""
+
+    def __init__(self, *args, prior_learning_rate: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prior_learning_rate = prior_learning_rate
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            model = self.model if model is None else model
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
+            groups = optimizer_parameter_groups(
+                model, set(self.get_decay_parameter_names(model)), self.args.weight_decay, self.prior_learning_rate
+            )
+            self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+        return self.optimizer
+
+
+def bf16_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def training_arguments(args: FinetuneArguments) -> TrainingArguments:
+    bf16 = bf16_available() if args.bf16 is None else args.bf16
+    return TrainingArguments(
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_steps=args.max_steps if args.max_steps > 0 else -1,
+        num_train_epochs=args.num_train_epochs,
+        learning_rate=args.resolved_learning_rate,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        lr_scheduler_type=args.lr_scheduler_type,
+        bf16=bf16,
+        **checkpointing_arguments(args.gradient_checkpointing),
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        save_total_limit=args.save_total_limit,
+        logging_steps=args.logging_steps,
+        logging_first_step=True,
+        report_to="none",
+        seed=args.seed,
+        remove_unused_columns=False,
+        label_names=["labels"],
+        include_num_input_tokens_seen="non_padding",
+        ddp_backend="gloo" if distributed_on_cpu() else None,
+        use_cpu=distributed_on_cpu(),  # else Accelerate sees several CPU processes but no distributed run
+        ddp_find_unused_parameters=False,
+        disable_tqdm=args.disable_progress_bars,
+        dataloader_pin_memory=torch.cuda.is_available(),
+    )
+
+
+def checkpointing_arguments(enabled: bool) -> dict:
+    """Gradient checkpointing under the name this Transformers release uses (newer ones call it activation_*)."""
+    if not enabled:
+        return {}
+    fields = {field.name for field in dataclasses.fields(TrainingArguments)}
+    prefix = "activation" if "activation_checkpointing" in fields else "gradient"
+    return {f"{prefix}_checkpointing": True, f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}}
+
+
+def distributed_on_cpu() -> bool:
+    """Launched by torchrun / accelerate with several processes and no GPU: DDP needs the gloo backend."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+
+
+@torch.no_grad()
+def mean_token_loss(model: torch.nn.Module, rows: list[dict], batch_size: int, device, bf16: bool, show_progress: bool) -> float:
+    """Mean next-token loss over the target tokens of `rows`."""
+    was_training = model.training
+    model.eval()
+    total_loss, total_tokens = 0.0, 0
+    for start in tqdm(range(0, len(rows), batch_size), desc="evaluating", unit="batch", disable=not show_progress):
+        batch = {key: value.to(device) for key, value in collate_packed_rows(rows[start : start + batch_size]).items()}
+        labels = batch.pop("labels")
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(**batch).logits.float()
+        targets = labels[:, 1:]
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        total_loss += loss.item()
+        total_tokens += int((targets != IGNORE_INDEX).sum())
+    model.train(was_training)
+    return total_loss / max(total_tokens, 1)

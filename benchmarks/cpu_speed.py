@@ -1,0 +1,277 @@
+"""CPU speed of BamLlama against Transformers' LlamaForCausalLM of the same sizes, in one run.
+
+Models: 4 layers, hidden 256, 8 heads (head size 32), 4 KV heads, intermediate 704, vocabulary 512, float32,
+batch 1, each model in its default attention implementation on CPU (Llama: sdpa; BamLlama: its default). Cases:
+
+    llama                 LlamaForCausalLM, sdpa
+    bam                   BamLlama, GGD prior on, no SSMax (the config default)
+    bam+ssmax             BamLlama, prior on, Scalable Softmax on
+    bam bias-off          BamLlama, prior vanishing (theta_alpha = -30: still computed, contributes ~0)
+    bam bias-off+ssmax    ... with Scalable Softmax
+
+Modes at every length L (tokens):
+    fwd       forward of L tokens without gradients (use_cache=False)
+    fwd+bwd   forward with labels, loss.backward()
+    decode    prefill L tokens (untimed), then 64 greedy steps against the KV cache (timed): tokens/s
+
+Timing: `--repeats` rounds; in every round each (case, mode) runs once, the cases interleaved, so a load spike
+hits all of them; the table gives the median and the min-max spread. Peak memory: a separate untimed pass per
+(case, mode, length) resets the process' peak RSS (`echo 5 > /proc/self/clear_refs`, Linux), runs once, and
+reports VmHWM minus the RSS before the run (the script re-executes itself with MALLOC_MMAP_THRESHOLD_=128K so
+that every tensor above 128 KiB is mmapped and returned to the system when freed: the increase is that run's own). A profile (`--profile L`) prints torch.profiler's top operators for the BAM forward.
+
+    python benchmarks/cpu_speed.py                          # 512..4096, writes benchmarks/results/cpu-speed.{md,json}
+    python benchmarks/cpu_speed.py --lengths 512 --repeats 1 --out /tmp/x    # quick look
+    python benchmarks/cpu_speed.py --profile 2048           # where the time goes
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import transformers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from bam_llama import BamLlamaConfig, BamLlamaForCausalLM  # noqa: E402
+
+
+SIZES = dict(
+    vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4,
+)
+CASES = {
+    "llama": None,
+    "bam": dict(ssmax=False),
+    "bam+ssmax": dict(ssmax=True),
+    "bam bias-off": dict(ssmax=False, theta_alpha_init=-30.0),
+    "bam bias-off+ssmax": dict(ssmax=True, theta_alpha_init=-30.0),
+}
+MODES = ("fwd", "fwd+bwd", "decode")
+DECODE_TOKENS = 64
+
+
+def build_model(case: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    overrides = CASES[case]
+    if overrides is None:
+        config = LlamaConfig(**SIZES, max_position_embeddings=1 << 16, attn_implementation="sdpa")
+        return LlamaForCausalLM(config)
+    config = BamLlamaConfig(**SIZES, theta_beta_init="linear", **{"theta_alpha_init": -2.0, **overrides})
+    return BamLlamaForCausalLM(config)
+
+
+def input_ids(length: int) -> torch.Tensor:
+    return torch.randint(3, SIZES["vocab_size"], (1, length), generator=torch.Generator().manual_seed(length))
+
+
+def run_forward(model, ids):
+    model.eval()
+    with torch.no_grad():
+        model(ids, use_cache=False)
+
+
+def run_forward_backward(model, ids):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    model.eval()
+
+
+def prefill(model, ids):
+    model.eval()
+    with torch.no_grad():
+        output = model(ids, use_cache=True)
+    return output.past_key_values, output.logits[:, -1:].argmax(-1)
+
+
+def run_decode(model, cache, next_token) -> float:
+    """64 greedy steps against the cache; returns the seconds they took."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(DECODE_TOKENS):
+            output = model(next_token, past_key_values=cache, use_cache=True)
+            cache, next_token = output.past_key_values, output.logits[:, -1:].argmax(-1)
+    return time.perf_counter() - start
+
+
+def timed(model, mode: str, ids) -> float:
+    if mode == "decode":
+        cache, next_token = prefill(model, ids)
+        return run_decode(model, cache, next_token)
+    step = run_forward if mode == "fwd" else run_forward_backward
+    start = time.perf_counter()
+    step(model, ids)
+    return time.perf_counter() - start
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_rss_increase_mib(model, mode: str, ids) -> float:
+    """Peak RSS during one run minus the RSS just before it (the decode mode includes its prefill)."""
+    import gc
+
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    before = _status_kib("VmRSS")
+    timed(model, mode, ids)
+    return (_status_kib("VmHWM") - before) / 1024
+
+
+def machine_info() -> dict:
+    model_name = "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                model_name = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": model_name,
+        "logical_cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def benchmark(lengths, repeats, cases) -> list[dict]:
+    models = {case: build_model(case) for case in cases}
+    rows = []
+    for length in lengths:
+        ids = input_ids(length)
+        for case, model in models.items():  # warm-up: first calls allocate and pick kernels
+            timed(model, "fwd", ids[:, :64])
+        times = {(case, mode): [] for case in cases for mode in MODES}
+        for _ in range(repeats):
+            for mode in MODES:
+                for case, model in models.items():
+                    times[case, mode].append(timed(model, mode, ids))
+        for case, model in models.items():
+            for mode in MODES:
+                seconds = times[case, mode]
+                rows.append({
+                    "case": case, "mode": mode, "length": length, "seconds": seconds,
+                    "median_s": statistics.median(seconds),
+                    "peak_rss_increase_mib": peak_rss_increase_mib(model, mode, ids),
+                })
+            print(f"L={length} {case}: " + ", ".join(
+                f"{r['mode']} {r['median_s']:.3f}s" for r in rows if r["case"] == case and r["length"] == length
+            ), flush=True)
+    return rows
+
+
+def markdown(rows, info, command, load) -> str:
+    llama = {(r["mode"], r["length"]): r["median_s"] for r in rows if r["case"] == "llama"}
+    lines = [
+        "# BamLlama against LlamaForCausalLM on CPU",
+        "",
+        f"Command: `{command}`  ",
+        f"Date: {info['date']}  ",
+        f"Machine: {info['cpu']}, {info['usable_cores']} usable cores of {info['logical_cores']}, "
+        f"torch threads {info['torch_threads']}; load average before / after: {load[0]} / {load[1]}  ",
+        f"Versions: python {info['python']}, torch {info['torch']}, transformers {info['transformers']}",
+        "",
+        "Sizes: 4 layers, hidden 256, 8 heads, 4 KV heads, intermediate 704, vocabulary 512, float32, batch 1. "
+        "Median of interleaved repeats (spread min-max in the JSON); ratio = time / Llama's time at the same "
+        f"mode and length. decode = {DECODE_TOKENS} greedy tokens after an L-token prompt, in tokens/s. "
+        "Peak memory = peak RSS increase of one run (MiB).",
+        "",
+        "| L | case | fwd ms | ratio | fwd+bwd ms | ratio | decode tok/s | ratio | peak MiB fwd / fwd+bwd / decode |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for length in sorted({r["length"] for r in rows}):
+        for case in dict.fromkeys(r["case"] for r in rows):
+            by_mode = {r["mode"]: r for r in rows if r["case"] == case and r["length"] == length}
+            cells = []
+            for mode in MODES:
+                median = by_mode[mode]["median_s"]
+                value = f"{DECODE_TOKENS / median:.0f}" if mode == "decode" else f"{median * 1000:.0f}"
+                spread = by_mode[mode]["seconds"]
+                value += f" ({min(spread) / median:.2f}-{max(spread) / median:.2f})" if len(spread) > 1 else ""
+                cells += [value, f"{median / llama[mode, length]:.2f}x" if llama else "-"]
+            peaks = " / ".join(f"{by_mode[m]['peak_rss_increase_mib']:.0f}" for m in MODES)
+            lines.append(f"| {length} | {case} | " + " | ".join(cells) + f" | {peaks} |")
+    lines += ["", "Spread in parentheses: min and max of the repeats divided by the median."]
+    return "\n".join(lines) + "\n"
+
+
+def write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
+        handle.write(text)
+    os.replace(handle.name, path)
+
+
+def profile(length: int, case: str) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    model, ids = build_model(case), input_ids(length)
+    for mode, step in [("fwd", run_forward), ("fwd+bwd", run_forward_backward)]:
+        step(model, ids)
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(model, ids)
+        print(f"== {case} {mode} L={length}")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def main(argv=None) -> int:
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ and argv is None:
+        # A fixed mmap threshold: every large tensor is mmapped and returned to the system when freed, so the
+        # RSS of one run is that run's own (glibc's dynamic threshold would keep freed tensors in the heap).
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "cpu-speed")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--profile", type=int, metavar="L", help="print a torch.profiler table instead")
+    parser.add_argument("--profile-case", choices=list(CASES), default="bam+ssmax")
+    args = parser.parse_args(argv)
+    if any(length < 2 for length in args.lengths) or args.repeats < 1:
+        parser.error("--lengths must be >= 2 and --repeats >= 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.profile is not None:
+        profile(args.profile, args.profile_case)
+        return 0
+    if "llama" not in args.cases:
+        args.cases.insert(0, "llama")
+    command = "python benchmarks/cpu_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    load_before = os.getloadavg()[0]
+    rows = benchmark(args.lengths, args.repeats, args.cases)
+    info = {**machine_info(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    load = (f"{load_before:.2f}", f"{os.getloadavg()[0]:.2f}")
+    report = {"command": command, "machine": info, "load_average": load, "sizes": SIZES, "rows": rows}
+    write_atomically(args.out.with_suffix(".json"), json.dumps(report, indent=1) + "\n")
+    write_atomically(args.out.with_suffix(".md"), markdown(rows, info, command, load))
+    print(args.out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

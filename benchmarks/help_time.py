@@ -1,0 +1,97 @@
+"""Time each command's --help: wall-clock and CPU seconds of `python -m bam_llama.<module> --help`, in fresh
+processes, for this checkout and optionally another one (e.g. the main branch) on the same machine.
+
+    python benchmarks/help_time.py                              # this checkout, 5 runs per command
+    python benchmarks/help_time.py --compare /path/to/other/checkout --out benchmarks/results/help-time.md
+
+CPU time (user + system, from the children's rusage) is what a loaded machine multiplies: the tests that run
+`bam-eval --help` used to time out at 60 s with several jobs sharing two cores.
+"""
+
+import argparse
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+COMMANDS = {
+    "bam-eval": "bam_llama.evaluation_bam",
+    "bam-demo": "bam_llama.demo",
+    "bam-finetune": "bam_llama.finetune_bam",
+    "bam-convert": "bam_llama.convert_bam",
+    "bam-card": "bam_llama.card_bam",
+}
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def time_help(checkout: Path, module: str) -> tuple[float, float]:
+    """Wall-clock and CPU seconds of one `--help` run with `checkout` first on the path."""
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    completed = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, env=env, cwd=checkout)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if completed.returncode != 0:
+        raise RuntimeError(f"{module} --help failed in {checkout}: {completed.stderr.decode()[-500:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu
+
+
+def measure(checkout: Path, runs: int) -> dict[str, tuple[float, float]]:
+    """Median wall and CPU seconds per command."""
+    medians = {}
+    for command, module in COMMANDS.items():
+        samples = [time_help(checkout, module) for _ in range(runs)]
+        medians[command] = (statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples))
+    return medians
+
+
+def versions() -> str:
+    import torch
+    import transformers
+
+    return f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+def report(results: dict[str, dict[str, tuple[float, float]]], runs: int) -> str:
+    names = list(results)
+    header = "| command | " + " | ".join(f"{name}: wall s | {name}: CPU s" for name in names) + " |"
+    lines = [
+        f"# `--help` time per command (median of {runs} fresh processes)",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}; load average while measuring "
+        f"{', '.join(f'{load:.1f}' for load in os.getloadavg())}.",
+        f"{versions()}.",
+        "",
+        header,
+        "|---|" + "---:|---:|" * len(names),
+    ]
+    for command in COMMANDS:
+        cells = [f"{results[name][command][0]:.2f} | {results[name][command][1]:.2f}" for name in names]
+        lines.append(f"| {command} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--compare", type=Path, help="another checkout to measure the same way")
+    parser.add_argument("--out", type=Path, help="write the Markdown table here too")
+    args = parser.parse_args()
+    results = {"this checkout": measure(REPOSITORY, args.runs)}
+    if args.compare:
+        results[f"{args.compare}"] = measure(args.compare.resolve(), args.runs)
+    table = report(results, args.runs)
+    print(table)
+    if args.out:
+        args.out.write_text(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The "sdpa" attention path (CPU default, GPU fallback) against an independent float64 reference written here.
+
+The reference evaluates the GGD-BAM definition element by element:
+    b_h(i, j) = -exp(alpha_h) * (|(j - p_i) - mu_h| + 1e-5) ** beta_h,   mu_h = 2 sinh(theta_mu_h)
+    score_ij = c_i * (q_i.k_j / sqrt(d) + b_h(i, j))   (SSMax, prior scaled)   c_i = s_h ln(n_i)
+over keys j <= p_i that are not padding and lie in query i's document; a row that sees no key gives zeros.
+"""
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_config, tiny_model
+
+from bam_llama.attention_bam import bam_attention_blocked, ggd_bias
+from bam_llama.modeling_bam import BamAttention, BamPrior, bam_sdpa_attention_forward
+
+
+HALF_TOLERANCE = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+def reference_attention(
+    query, key, value, positions, theta_alpha, theta_beta, theta_mu, ssmax_scale=None, ssmax_prior=True,
+    key_valid=None, document_ids=None,
+):
+    """float64 GGD-BAM attention; query (B, H, Lq, D), key/value (B, Hkv, Lk, D) -> (B, H, Lq, D).
+
+    The theta_* and ssmax_scale (H,) tensors may require gradients."""
+    query, key, value = query.double(), key.double(), value.double()
+    theta_alpha, theta_beta, theta_mu = theta_alpha.double(), theta_beta.double(), theta_mu.double()
+    batch, heads, q_len, head_dim = query.shape
+    k_len, group = key.shape[2], heads // key.shape[1]
+    key_index = torch.arange(k_len, dtype=torch.float64)
+    distance = key_index[None, :] - positions.double()[:, None]  # (Lq, Lk)
+    visible = (distance <= 0)[None].expand(batch, q_len, k_len).clone()
+    if key_valid is not None:
+        visible &= key_valid.bool()[:, None, :]
+    if document_ids is not None:
+        visible &= document_ids[:, positions][:, :, None] == document_ids[:, None, :]
+    outputs = []
+    for h in range(heads):
+        mu = torch.exp(theta_mu[h]) - torch.exp(-theta_mu[h])
+        prior = -torch.exp(theta_alpha[h]) * ((distance - mu).abs() + 1e-5) ** theta_beta[h]
+        scores = query[:, h] @ key[:, h // group].transpose(-1, -2) / math.sqrt(head_dim)  # (B, Lq, Lk)
+        if ssmax_scale is None:
+            scores = scores + prior
+        else:
+            factor = ssmax_scale[h].double() * visible.sum(-1, keepdim=True).clamp(min=1).double().log()
+            scores = (scores + prior) * factor if ssmax_prior else scores * factor + prior
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        probs = torch.where(visible.any(-1, keepdim=True), probs, torch.zeros_like(probs))
+        outputs.append(probs @ value[:, h // group])
+    return torch.stack(outputs, dim=1)
+
+
+def attention_module(theta_beta, ssmax=True, ssmax_prior=True, heads=4, kv_heads=2, head_dim=8):
+    config = tiny_config(
+        hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        ssmax=ssmax, ssmax_prior=ssmax_prior,
+    )
+    module = BamAttention(config, layer_idx=0)
+    prior = BamPrior(config)
+    with torch.no_grad():
+        prior.theta_alpha.copy_(torch.linspace(-1.0, 3.0, heads))
+        prior.theta_beta.copy_(torch.as_tensor(theta_beta, dtype=torch.float32).expand(heads))
+        prior.theta_mu.copy_(torch.linspace(-0.4, 0.3, heads) * (torch.arange(heads) % 2))  # mu = 0 in even heads
+        if ssmax:
+            module.ssmax.scale.copy_(torch.linspace(0.7, 1.3, heads))
+    return module, prior
+
+
+def run_sdpa_path(module, prior, query, key, value, positions, key_valid=None, document_ids=None):
+    output, _ = bam_sdpa_attention_forward(
+        module, query, key, value, key_valid, scaling=query.shape[-1] ** -0.5,
+        query_positions=positions, prior=prior, document_ids=document_ids,
+    )
+    return output.transpose(1, 2)  # (B, H, Lq, D)
+
+
+def reference_for(module, prior, query, key, value, positions, key_valid=None, document_ids=None):
+    ssmax = module.ssmax
+    return reference_attention(
+        query, key, value, positions, prior.theta_alpha, prior.theta_beta, prior.theta_mu,
+        None if ssmax is None else ssmax.scale, module.config.ssmax_prior, key_valid, document_ids,
+    )
+
+
+def random_qkv(batch, heads, kv_heads, q_len, k_len, head_dim, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(batch, heads, q_len, head_dim), (batch, kv_heads, k_len, head_dim), (batch, kv_heads, k_len, head_dim)]
+    return [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("theta_beta", [-3.0, -0.96, 0.0, 0.2, 1.5, 3.0])
+@pytest.mark.parametrize("ssmax", [True, False])
+def test_half_precision_matches_float64_reference(dtype, theta_beta, ssmax):
+    """Packed documents (every document's first token sees one key), 16-bit inputs."""
+    module, prior = attention_module(theta_beta, ssmax=ssmax)
+    query, key, value = random_qkv(2, 4, 2, 24, 24, 8, dtype)
+    positions = torch.arange(24)
+    document_ids = torch.tensor([[0] * 9 + [1] * 10 + [2] * 5, [0] * 24])
+    output = run_sdpa_path(module, prior, query, key, value, positions, document_ids=document_ids)
+    assert output.dtype == dtype
+    expected = reference_for(module, prior, query, key, value, positions, document_ids=document_ids)
+    torch.testing.assert_close(output.double(), expected, **HALF_TOLERANCE[dtype])
+    # the first token of every document sees only itself: its output is its own value vector
+    for row, start in [(0, 0), (0, 9), (0, 19), (1, 0)]:
+        torch.testing.assert_close(output[row, :, start].double(), value[row, [0, 0, 1, 1], start].double(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_left_padding_and_cache_offset(dtype):
+    """Queries at positions 20..23 of a 24-key cache, first keys padded, prior without SSMax scaling."""
+    module, prior = attention_module(-2.0, ssmax_prior=False)
+    query, key, value = random_qkv(2, 4, 2, 4, 24, 8, dtype, seed=1)
+    positions = torch.arange(20, 24)
+    key_valid = torch.ones(2, 24, dtype=torch.long)
+    key_valid[1, :19] = 0
+    output = run_sdpa_path(module, prior, query, key, value, positions, key_valid=key_valid)
+    expected = reference_for(module, prior, query, key, value, positions, key_valid=key_valid)
+    torch.testing.assert_close(output.double(), expected, **HALF_TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_model_matches_float32_eager(dtype):
+    """Whole model with strongly negative beta: 16-bit sdpa logits against float32 eager on the same weights."""
+    model = tiny_model("eager", ssmax=True)
+    with torch.no_grad():
+        model.model.prior.theta_beta.copy_(torch.tensor([-3.0, -1.5, -0.96, 2.0]))
+    model = model.to(dtype).float()  # weights representable in both precisions
+    input_ids = torch.randint(0, 97, (2, 20))
+    with torch.no_grad():
+        expected = model(input_ids, use_cache=False).logits
+        model.to(dtype).set_attn_implementation("sdpa")
+        actual = model(input_ids, use_cache=False).logits.float()
+    scale = expected.abs().max()
+    torch.testing.assert_close(actual, expected, atol=float(scale) * (4e-3 if dtype == torch.float16 else 3e-2), rtol=0)
+
+
+BLOCKED_CASES = {
+    "prior": dict(ssmax=False),
+    "ssmax": dict(ssmax=True),
+    "ssmax_unscaled_prior": dict(ssmax=True, ssmax_prior=False),
+    "left_padding": dict(ssmax=True, padded=True),
+    "packed_documents": dict(ssmax=True, packed=True),
+    "cache_offset": dict(ssmax=True, offset=7),
+    "frozen_prior": dict(ssmax=False, frozen=True),
+}
+
+
+@pytest.mark.parametrize("case", list(BLOCKED_CASES))
+@pytest.mark.parametrize("block_elements", [1, 40 * 8, 1 << 23])  # one query per block, a few, all at once
+def test_blocked_attention_and_gradients_match_float64_reference(case, block_elements):
+    """Blocks of queries against the keys they can see, outputs AND gradients (q, k, v, prior, SSMax scale)."""
+    options = BLOCKED_CASES[case]
+    ssmax, offset = options["ssmax"], options.get("offset", 0)
+    heads, kv_heads, q_len, head_dim = 4, 2, 13, 8
+    k_len = q_len + offset
+    query, key, value = random_qkv(2, heads, kv_heads, q_len, k_len, head_dim, torch.float64, seed=3)
+    for tensor in (query, key, value):
+        tensor.requires_grad_(True)
+    positions = torch.arange(offset, k_len)
+    parameters = {
+        "theta_alpha": torch.linspace(-1.0, 1.0, heads, dtype=torch.float64),
+        "theta_beta": torch.tensor([-2.0, -0.5, 0.7, 2.5], dtype=torch.float64),
+        "theta_mu": torch.tensor([0.0, 0.3, -0.2, 0.0], dtype=torch.float64),
+        "ssmax_scale": torch.tensor([0.8, 1.2, -0.5, 1.0], dtype=torch.float64),
+    }
+    for tensor in parameters.values():
+        tensor.requires_grad_(not options.get("frozen"))
+    key_valid = document_ids = None
+    if options.get("padded"):
+        key_valid = torch.ones(2, k_len, dtype=torch.long)
+        key_valid[1, :5] = 0  # queries 0..4 of row 1 are padding and see no key
+    if options.get("packed"):
+        document_ids = torch.tensor([[0] * 4 + [1] * 6 + [2] * 3, [0] * 13])
+    ssmax_scale = parameters["ssmax_scale"] if ssmax else None
+    table = ggd_bias(
+        torch.arange(-(k_len - 1), 1), parameters["theta_alpha"], parameters["theta_beta"], parameters["theta_mu"]
+    ).double()
+    actual = bam_attention_blocked(
+        query, key, value, positions, table, head_dim**-0.5, ssmax_scale=ssmax_scale,
+        ssmax_prior=options.get("ssmax_prior", True), key_valid=key_valid, document_ids=document_ids,
+        block_elements=block_elements,
+    )
+    expected = reference_attention(
+        query, key, value, positions, parameters["theta_alpha"], parameters["theta_beta"], parameters["theta_mu"],
+        ssmax_scale, options.get("ssmax_prior", True), key_valid, document_ids,
+    )
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)  # ggd_bias computes in float32
+    if key_valid is not None:
+        assert actual[1, :, :5].abs().max() == 0
+    inputs = [query, key, value] + [
+        t for name, t in parameters.items() if t.requires_grad and (ssmax or name != "ssmax_scale")
+    ]
+    weights = torch.randn(expected.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    actual_grads = torch.autograd.grad((actual * weights).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
+    for name, got, want in zip(["q", "k", "v", *parameters], actual_grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"gradient of {name}: {m}")
