@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .convert_bam import ConversionError, convert_llama_checkpoint, dtype_name, parse_dtype, quiet
-from .io_bam import check_output_dir
+from .io_bam import check_output_dir, leftover_prefix
 
 
 if TYPE_CHECKING:  # PyTorch and Transformers are imported where used, as in convert_bam
@@ -136,7 +136,7 @@ def convert_gguf_checkpoint(
     log(f"GGUF model {gguf_path} ({quantization or 'unknown file type'}): dequantizing to {dtype_name(weights_dtype)}")
 
     work_parent = out_dir.parent if out_dir.parent.is_dir() else None
-    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.", suffix=".gguf-work", dir=work_parent) as work:
+    with tempfile.TemporaryDirectory(prefix=leftover_prefix(out_dir), suffix=".work", dir=work_parent) as work:
         llama_dir = Path(work) / "llama"
         dequantize_to_llama_folder(gguf_path, llama_dir, weights_dtype)
         return convert_llama_checkpoint(

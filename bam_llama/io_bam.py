@@ -104,7 +104,8 @@ def leftover_prefix(out_dir: Path) -> str:
     return f".{out_dir.name}.{os.getpid()}."
 
 
-LEFTOVER_KINDS = ("partial", "old")
+LEFTOVER_KINDS = ("partial", "old", "work")  # staging, a replaced output, a conversion's scratch folder
+LEFTOVER_DESCRIPTIONS = {"partial": "incomplete output", "old": "previous output", "work": "scratch folder"}
 
 
 def recover_interrupted_output(out_dir: Path) -> None:
@@ -112,7 +113,8 @@ def recover_interrupted_output(out_dir: Path) -> None:
 
     `.OUT.<pid>.*.partial` of a process that no longer runs is an incomplete output: deleted. `.OUT.<pid>.*.old`
     is a complete previous output moved aside by a `--force` replace: put back when `out_dir` is missing (the
-    run died between the two renames), deleted otherwise. Leftovers of running processes are left alone, and
+    run died between the two renames), deleted otherwise. `.OUT.<pid>.*.work` is a conversion's scratch folder
+    (the dequantized GGUF): deleted. Leftovers of running processes are left alone, and
     ones without a process id (older versions) are only reported.
     """
     pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(?:(\d+)\.)?[^.]+\.({'|'.join(LEFTOVER_KINDS)})")
@@ -131,8 +133,7 @@ def recover_interrupted_output(out_dir: Path) -> None:
             note(f"restored {out_dir} from {path.name}: a run replacing it was interrupted")
         else:
             remove_path(path)
-            what = "incomplete output" if kind == "partial" else "previous output"
-            note(f"removed {path.name}, the {what} of a run that was interrupted while writing {out_dir}")
+            note(f"removed {path.name}, the {LEFTOVER_DESCRIPTIONS[kind]} of a run that was interrupted while writing {out_dir}")
 
 
 def process_is_running(pid: int) -> bool:

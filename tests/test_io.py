@@ -165,3 +165,15 @@ def test_an_unwritable_output_parent_is_one_clear_error(tmp_path, monkeypatch):
     with pytest.raises(OutputError, match=f"cannot create {tmp_path / 'out'}: no permission to write in"):
         with staged_output_dir(tmp_path / "out", force=False):
             pass
+
+
+def test_a_killed_conversions_scratch_folder_is_removed_by_the_next_run(tmp_path, capsys):
+    """bam-convert's GGUF path dequantizes into `.OUT.<pid>.<random>.work` beside OUT; SIGKILL leaves it behind."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    scratch = tmp_path / f".out.{int(dead.stdout)}.k3x9q.work"
+    (scratch / "llama").mkdir(parents=True)
+    (scratch / "llama" / "model.safetensors").write_bytes(b"0" * 64)
+
+    check_output_dir(tmp_path / "out", force=False)
+    assert not scratch.exists()
+    assert f"removed {scratch.name}, the scratch folder" in capsys.readouterr().err
