@@ -248,8 +248,8 @@ def _or(tensor: Optional[torch.Tensor], problem: _Problem) -> torch.Tensor:
     return problem.dummy() if tensor is None else tensor
 
 
-def _split_kv_forward(query, key, value, problem: _Problem, theta_alpha, theta_beta, theta_mu, formula, eps,
-                      num_splits: Optional[int], out, lse) -> None:
+def _split_kv_forward(query, key, value, problem: _Problem, prior_table: torch.Tensor, num_splits: Optional[int],
+                      out, lse) -> None:
     kernels = _activate_kernels()
     block_n = _decode_block_n(problem.block_d)
     rows_per_group = problem.group_size * problem.q_len
@@ -262,14 +262,13 @@ def _split_kv_forward(query, key, value, problem: _Problem, theta_alpha, theta_b
     launch = {} if _interpreting() else dict(num_warps=4, num_stages=3)
 
     kernels["_decode_split_kernel"][(num_splits, problem.batch * problem.kv_heads)](
-        query, key, value, out_partial, lse_partial, problem.positions, problem.qk_scale, problem.bias_scale,
-        theta_alpha.detach().float().contiguous(), theta_beta.detach().float().contiguous(),
-        theta_mu.detach().float().contiguous(), _or(problem.key_valid, problem), _or(problem.document_ids, problem),
+        query, key, value, out_partial, lse_partial, prior_table, problem.positions, problem.qk_scale,
+        problem.bias_scale, _or(problem.key_valid, problem), _or(problem.document_ids, problem),
         *query.stride(), *key.stride(), *value.stride(),
-        problem.heads, problem.group_size, problem.q_len, problem.k_len, keys_per_split, num_rows, eps,
+        problem.heads, problem.group_size, problem.q_len, problem.k_len, keys_per_split, num_rows,
         HEAD_DIM=problem.head_dim, BLOCK_M=max(16, _next_power_of_2(rows_per_group)), BLOCK_N=block_n,
         BLOCK_D=problem.block_d, HAS_KEY_VALID=problem.key_valid is not None,
-        HAS_DOCS=problem.document_ids is not None, LEGACY=formula == "legacy", **_dot_options(query), **launch,
+        HAS_DOCS=problem.document_ids is not None, **_dot_options(query), **launch,
     )
     kernels["_decode_combine_kernel"][(num_rows,)](
         out_partial, lse_partial, out, lse, *out.stride(),
@@ -294,11 +293,11 @@ def _attention_forward(query, key, value, theta_alpha, theta_beta, theta_mu, que
     lse = _new_output(query.new_empty(problem.batch, problem.heads, problem.q_len, dtype=torch.float32))
     if problem.q_len == 0:
         return out, lse
+    # the one prior definition of every path: the backward recomputes scores from this same table
+    prior_table = _prior_tables(theta_alpha, theta_beta, theta_mu, problem.k_len, formula, eps, False)
     if _use_split_kv(problem, num_splits):
-        _split_kv_forward(query, key, value, problem, theta_alpha, theta_beta, theta_mu, formula, eps, num_splits,
-                          out, lse)
+        _split_kv_forward(query, key, value, problem, prior_table, num_splits, out, lse)
     else:
-        prior_table = _prior_tables(theta_alpha, theta_beta, theta_mu, problem.k_len, formula, eps, False)
         _prefill_forward(query, key, value, problem, prior_table, out, lse)
     return out, lse
 

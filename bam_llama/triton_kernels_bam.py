@@ -21,8 +21,8 @@ Kernels (flash-attention style: online softmax in the log2 domain, fp32 accumula
   heads sharing a key/value head are packed into one tile, so each cache tile is read once per group; the
   per-split results are merged exactly with their log-sum-exp.
 
-Prefill and backward read the prior from a per-head table over distances t = p_i - j; the decode kernel computes
-it analytically (`_ggd_prior`).
+Every kernel reads the prior from the same per-head table over distances t = p_i - j, so the forward of any path
+and the backward (which recomputes the scores against the saved log-sum-exp) agree on it exactly.
 
 Assumptions: query_positions are strictly increasing and < Lk (as `cache_position` is), and documents are
 contiguous runs of equal ids. Both only bound the loops; the masks use the exact positions and ids.
@@ -53,10 +53,8 @@ TRITON_AVAILABLE = _triton_installed()
 triton = None
 tl = None
 
-# Constants the kernels read as globals (made `tl.constexpr` on import). MAX_EXP2_ARGUMENT bounds the exponent
-# of the analytic prior and PRIOR_LIMIT the prior tables, so |x| ** beta stays finite for any beta (a negative
-# beta at distance ~0 gives eps ** beta, large but finite).
-KERNEL_CONSTANTS = {"LOG2E": 1.4426950408889634, "MAX_EXP2_ARGUMENT": 100.0}
+# Constants the kernels read as globals (made `tl.constexpr` on import).
+KERNEL_CONSTANTS = {"LOG2E": 1.4426950408889634}
 
 
 def _interpreting() -> bool:
@@ -196,20 +194,6 @@ def _visible(query_pos, keys, key_valid, query_doc, key_doc, HAS_DOCS: tl.conste
 def _distance_index(query_pos, keys, table_len):
     """Index t = p_i - j into the prior tables, clamped into range (hidden entries read a valid slot)."""
     return tl.minimum(tl.maximum(query_pos - keys, 0), table_len - 1)
-
-
-@_triton_function
-def _ggd_prior(query_pos, keys, alpha_scale, beta, mu, eps, LEGACY: tl.constexpr):
-    """Analytic GGD prior (as `attention_bam.ggd_bias`); alpha_scale = exp(theta_alpha), mu = 2 sinh(theta_mu).
-
-    |x| ** beta = exp2(beta * log2(|x|)), the exponent clamped so that it stays finite for any beta.
-    """
-    shifted = (keys - query_pos).to(tl.float32) - mu
-    if LEGACY:
-        base = tl.abs(shifted * alpha_scale) + eps
-        return -tl.exp2(tl.minimum(beta * tl.log2(base), MAX_EXP2_ARGUMENT))
-    base = tl.abs(shifted) + eps
-    return -alpha_scale * tl.exp2(tl.minimum(beta * tl.log2(base), MAX_EXP2_ARGUMENT))
 
 
 @_triton_function
@@ -506,15 +490,13 @@ def _attention_backward_dq_kernel(
 
 @_triton_function
 def _decode_split_kernel(
-    Q, K, V, OutPartial, LsePartial, Positions, QkScale, BiasScale, ThetaAlpha, ThetaBeta, ThetaMu,
-    KeyValid, DocIds,
+    Q, K, V, OutPartial, LsePartial, PriorTable, Positions, QkScale, BiasScale, KeyValid, DocIds,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kb, stride_kh, stride_kl, stride_kd,
     stride_vb, stride_vh, stride_vl, stride_vd,
-    num_heads, group_size, q_len, k_len, keys_per_split, num_rows, eps,
+    num_heads, group_size, q_len, k_len, keys_per_split, num_rows,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_KEY_VALID: tl.constexpr, HAS_DOCS: tl.constexpr, LEGACY: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_KEY_VALID: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Attention of all queries of one GQA group over one split of the keys: normalized partial output and lse.
 
@@ -545,10 +527,7 @@ def _decode_split_kernel(
         Positions, QkScale, BiasScale, DocIds + key_row, row_index, queries, row_ok, k_len, HAS_DOCS)
     qk_scale = qk_scale * LOG2E
     bias_scale = bias_scale * LOG2E
-    alpha_scale = tl.exp(tl.load(ThetaAlpha + head, mask=row_ok, other=0.0))
-    beta = tl.load(ThetaBeta + head, mask=row_ok, other=0.0)
-    theta_mu = tl.load(ThetaMu + head, mask=row_ok, other=0.0)
-    mu = tl.exp(theta_mu) - tl.exp(-theta_mu)
+    table_rows = PriorTable + tl.cast(head, tl.int64) * k_len  # (BLOCK_M,) one table row per tile row
 
     key_start = split * keys_per_split
     key_end = tl.minimum(tl.minimum(key_start + keys_per_split, tl.max(query_pos, 0) + 1), k_len)
@@ -563,8 +542,7 @@ def _decode_split_kernel(
                                                HAS_DOCS)
 
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        prior = _ggd_prior(query_pos[:, None], keys[None, :], alpha_scale[:, None], beta[:, None], mu[:, None],
-                           eps, LEGACY)
+        prior = tl.load(table_rows[:, None] + _distance_index(query_pos[:, None], keys[None, :], k_len))
         scores = qk * qk_scale[:, None] + prior * bias_scale[:, None]
         visible = _visible(query_pos[:, None], keys[None, :], key_valid[None, :], query_doc[:, None],
                            key_doc[None, :], HAS_DOCS)
