@@ -81,27 +81,77 @@ KERNEL_NAMES = {
     "forward": "_attention_forward_kernel",
     "dkdv": "_attention_backward_dkdv_kernel",
     "dq": "_attention_backward_dq_kernel",
+    "decode_split": "_decode_split_kernel",
+    "decode_combine": "_decode_combine_kernel",
 }
+DECODE_LAUNCH = dict(num_warps=4, num_stages=3)
+COMBINE_LAUNCH = dict(num_warps=4, num_stages=1)
+# Largest head size whose every configuration compiles without spills into the shared memory of sm_80 and sm_90
+# (benchmarks/results/gpu-readiness.md): fp32 tiles take twice the registers and shared memory of 16-bit ones.
+MAX_HEAD_DIM = {torch.float16: 128, torch.bfloat16: 128, torch.float32: 64}
+MAX_SPLITS = 128  # the combine kernel holds (splits x head size) fp32 partials in registers
 _AUTOTUNED = {}
 
 
-def _attention_kernel(kind: str, grid_rows: int, grid_programs: int, block_rows: str):
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes (constexpr meta-parameters) and launch options of one compiled variant of a kernel."""
+
+    meta: tuple  # ((name, value), ...)
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        tiles = " ".join(f"{name}={value}" for name, value in self.meta)
+        return f"{tiles} warps={self.num_warps} stages={self.num_stages}"
+
+
+def cuda_launch_configs(kind: str, block_d: int, dtype: torch.dtype) -> list[LaunchConfig]:
+    """Every configuration the launcher can pick on CUDA for a kernel (`KERNEL_NAMES`), head size padded to block_d.
+
+    The autotuner chooses among the prefill lists; decode tiles follow the query rows of a GQA group (up to
+    DECODE_MAX_ROWS) and the combine kernel's split block the number of splits (up to MAX_SPLITS).
+    `benchmarks/gpu_readiness.py` compiles each of them ahead of time.
+    """
+    if kind in CUDA_CONFIGS:
+        return [LaunchConfig((("BLOCK_M", m), ("BLOCK_N", n)), warps, stages)
+                for m, n, warps, stages in CUDA_CONFIGS[kind]]
+    if kind == "decode_split":
+        block_n = _decode_block_n(block_d)
+        return [LaunchConfig((("BLOCK_M", rows), ("BLOCK_N", block_n)), **DECODE_LAUNCH)
+                for rows in _powers_of_2(16, DECODE_MAX_ROWS)]
+    if kind == "decode_combine":
+        return [LaunchConfig((("BLOCK_S", splits),), **COMBINE_LAUNCH) for splits in _powers_of_2(2, MAX_SPLITS)]
+    raise ValueError(f"unknown kernel {kind!r}; expected one of {list(KERNEL_NAMES)}")
+
+
+def head_dim_supported(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether every configuration of the kernels fits a GPU (sm_80, sm_90) for this head size and dtype."""
+    return head_dim <= MAX_HEAD_DIM.get(dtype, 0)
+
+
+def _powers_of_2(low: int, high: int) -> list[int]:
+    return [1 << exponent for exponent in range(low.bit_length() - 1, high.bit_length())]
+
+
+def _attention_kernel(kind: str, grid_rows: int, grid_programs: int, block_rows: str, block_d: int,
+                      dtype: torch.dtype):
     """(kernel, grid, fixed meta-parameters) for one of the prefill kernels.
 
-    Under the interpreter the tile sizes are fixed; on CUDA the autotuner picks them per length bucket.
+    Under the interpreter the tile sizes are fixed; on CUDA the autotuner picks them per length bucket among
+    `cuda_launch_configs`.
     """
     kernels = _activate_kernels()
     if _interpreting():
         meta = INTERPRETER_BLOCKS[kind]
         return kernels[KERNEL_NAMES[kind]], (_cdiv(grid_rows, meta[block_rows]), grid_programs), meta
-    if kind not in _AUTOTUNED:
+    if (kind, block_d, dtype) not in _AUTOTUNED:
         triton = _import_triton()
-        configs = [
-            triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
-            for m, n, warps, stages in CUDA_CONFIGS[kind]
-        ]
-        _AUTOTUNED[kind] = triton.autotune(configs=configs, key=AUTOTUNE_KEY)(kernels[KERNEL_NAMES[kind]])
-    return _AUTOTUNED[kind], lambda meta: (_cdiv(grid_rows, meta[block_rows]), grid_programs), {}
+        configs = [triton.Config(dict(config.meta), num_warps=config.num_warps, num_stages=config.num_stages)
+                   for config in cuda_launch_configs(kind, block_d, dtype)]
+        _AUTOTUNED[kind, block_d, dtype] = triton.autotune(configs=configs, key=AUTOTUNE_KEY)(
+            kernels[KERNEL_NAMES[kind]])
+    return _AUTOTUNED[kind, block_d, dtype], lambda meta: (_cdiv(grid_rows, meta[block_rows]), grid_programs), {}
 
 
 def _decode_block_n(block_d: int) -> int:
@@ -116,7 +166,7 @@ def _auto_num_splits(batch_kv_heads: int, k_len: int, block_n: int, device: torc
         return 1
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     wanted = _cdiv(2 * sm_count, batch_kv_heads)
-    return max(1, min(wanted, _cdiv(k_len, 4 * block_n), 256))
+    return max(1, min(wanted, _cdiv(k_len, 4 * block_n), MAX_SPLITS))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -232,7 +282,8 @@ def _dot_options(query: torch.Tensor) -> dict:
 
 
 def _prefill_forward(query, key, value, problem: _Problem, prior_table: torch.Tensor, out, lse) -> None:
-    kernel, grid, meta = _attention_kernel("forward", problem.q_len, problem.batch * problem.heads, "BLOCK_M")
+    kernel, grid, meta = _attention_kernel("forward", problem.q_len, problem.batch * problem.heads, "BLOCK_M",
+                                           problem.block_d, query.dtype)
     kernel[grid](
         query, key, value, out, lse, prior_table, problem.positions, problem.qk_scale, problem.bias_scale,
         _or(problem.key_valid, problem), _or(problem.document_ids, problem), _or(problem.document_start, problem),
@@ -259,7 +310,7 @@ def _split_kv_forward(query, key, value, problem: _Problem, prior_table: torch.T
     num_rows = problem.batch * problem.heads * problem.q_len
     out_partial = _new_output(query.new_empty(num_splits, num_rows, problem.head_dim, dtype=torch.float32))
     lse_partial = _new_output(query.new_empty(num_splits, num_rows, dtype=torch.float32))
-    launch = {} if _interpreting() else dict(num_warps=4, num_stages=3)
+    launch = {} if _interpreting() else DECODE_LAUNCH
 
     kernels["_decode_split_kernel"][(num_splits, problem.batch * problem.kv_heads)](
         query, key, value, out_partial, lse_partial, prior_table, problem.positions, problem.qk_scale,
@@ -274,6 +325,7 @@ def _split_kv_forward(query, key, value, problem: _Problem, prior_table: torch.T
         out_partial, lse_partial, out, lse, *out.stride(),
         num_splits, problem.heads, problem.q_len, num_rows,
         HEAD_DIM=problem.head_dim, BLOCK_S=max(2, _next_power_of_2(num_splits)), BLOCK_D=problem.block_d,
+        **({} if _interpreting() else COMBINE_LAUNCH),
     )
 
 
@@ -320,14 +372,16 @@ def _attention_backward(grad_out, query, key, value, out, lse, theta_alpha, thet
     side_inputs = (problem.positions, problem.qk_scale, problem.bias_scale, _or(problem.key_valid, problem),
                    _or(problem.document_ids, problem))
 
-    kernel, grid, meta = _attention_kernel("dkdv", problem.k_len, problem.batch * problem.kv_heads, "BLOCK_N")
+    kernel, grid, meta = _attention_kernel("dkdv", problem.k_len, problem.batch * problem.kv_heads, "BLOCK_N",
+                                           problem.block_d, query.dtype)
     kernel[grid](
         query, key, value, grad_out, grad_k, grad_v, lse, delta, tables, *side_inputs,
         _or(problem.document_end, problem),
         *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *grad_k.stride(), *grad_v.stride(),
         problem.heads, problem.group_size, problem.q_len, problem.k_len, problem.length_bucket, **flags, **meta,
     )
-    kernel, grid, meta = _attention_kernel("dq", problem.q_len, problem.batch * problem.heads, "BLOCK_M")
+    kernel, grid, meta = _attention_kernel("dq", problem.q_len, problem.batch * problem.heads, "BLOCK_M",
+                                           problem.block_d, query.dtype)
     kernel[grid](
         query, key, value, grad_out, grad_q, lse, delta, tables, *side_inputs,
         _or(problem.document_start, problem), row_grads,
@@ -508,7 +562,7 @@ def ggd_attention(
         (B, H, Lq, D) in the query dtype, differentiable w.r.t. query, key, value, the theta parameters and
         ssmax_scale.
     """
-    _check_inputs(query, key, value, theta_alpha, query_positions, formula)
+    _check_inputs(query, key, value, theta_alpha, query_positions, formula, num_splits)
     out, _ = _ggd_attention_forward_op(
         query, key, value, theta_alpha, theta_beta, theta_mu, query_positions, key_valid, document_ids,
         ssmax_scale, float(scaling), formula, float(eps), bool(ssmax_prior), num_splits,
@@ -516,7 +570,7 @@ def ggd_attention(
     return out
 
 
-def _check_inputs(query, key, value, theta_alpha, query_positions, formula) -> None:
+def _check_inputs(query, key, value, theta_alpha, query_positions, formula, num_splits=None) -> None:
     if not TRITON_AVAILABLE:
         raise RuntimeError("ggd_attention needs the `triton` package, which is not installed")
     if formula not in FORMULAS:
@@ -531,8 +585,14 @@ def _check_inputs(query, key, value, theta_alpha, query_positions, formula) -> N
             or value.dtype != query.dtype:
         raise ValueError(f"expected fp16/bf16/fp32 query, key and value of one dtype; got {query.dtype}, "
                          f"{key.dtype}, {value.dtype}")
-    if head_dim > 256:
-        raise ValueError(f"head size {head_dim} > 256 is not supported")
+    if not _interpreting() and not head_dim_supported(head_dim, query.dtype):  # the interpreter has no such limit
+        raise ValueError(f"head size {head_dim} is not supported for {query.dtype} inputs: the kernels' tiles "
+                         f"would not fit a GPU's registers and shared memory (up to {MAX_HEAD_DIM[query.dtype]})")
+    if num_splits is not None and num_splits > 0:
+        rows = heads // key.shape[1] * q_len
+        if rows > DECODE_MAX_ROWS or num_splits > MAX_SPLITS:
+            raise ValueError(f"split-KV decode takes at most {DECODE_MAX_ROWS} (query heads per kv head x queries) "
+                             f"rows and {MAX_SPLITS} splits; got {rows} rows and num_splits={num_splits}")
     if theta_alpha.shape != (heads,):
         raise ValueError(f"expected ({heads},) prior parameters, got {tuple(theta_alpha.shape)}")
     if query_positions.shape != (q_len,):

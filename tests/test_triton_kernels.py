@@ -378,6 +378,24 @@ def test_invalid_arguments_raise():
                                  torch.arange(4), scaling=1.0)
 
 
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 128), (torch.bfloat16, 256)])
+def test_head_sizes_that_do_not_fit_a_gpu_raise_before_launch(monkeypatch, dtype, head_dim):
+    """Compiled (not interpreted), fp32 above 64 and 16-bit above 128 would fail at launch with OutOfResources
+    (benchmarks/gpu_readiness.py): ggd_attention names the problem first."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    query, key, value = make_inputs(1, 2, 1, 4, 4, head_dim, dtype=dtype)
+    theta = torch.zeros(2)
+    with pytest.raises(ValueError, match=f"head size {head_dim} is not supported"):
+        triton_bam.ggd_attention(query, key, value, theta, theta, theta, torch.arange(4), scaling=1.0)
+
+
+def test_split_kv_beyond_one_tile_of_rows_raises():
+    query, key, value = make_inputs(1, 8, 1, 9, 9, 32)  # 8 heads x 9 queries = 72 rows > 64
+    theta = torch.zeros(8)
+    with pytest.raises(ValueError, match="split-KV decode takes at most 64"):
+        triton_bam.ggd_attention(query, key, value, theta, theta, theta, torch.arange(9), scaling=1.0, num_splits=2)
+
+
 def test_module_imports_without_triton():
     script = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
