@@ -72,9 +72,9 @@ INTERPRETER_DECODE_BLOCK_N = 32
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner on CUDA. For dk/dv, BLOCK_N is the key block
 # a program owns and BLOCK_M the query block it streams.
 CUDA_CONFIGS = {
-    "forward": [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
-    "dkdv": [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (16, 64, 4, 3)],
-    "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
+    "forward": [(128, 64, 8, 3), (64, 64, 8, 2), (64, 32, 4, 3)],
+    "dkdv": [(32, 64, 8, 2), (16, 64, 4, 2), (16, 32, 4, 2)],
+    "dq": [(64, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2)],
 }
 AUTOTUNE_KEY = ["HEAD_DIM", "length_bucket", "HAS_KEY_VALID", "HAS_DOCS", "UPCAST"]
 KERNEL_NAMES = {
@@ -84,7 +84,6 @@ KERNEL_NAMES = {
     "decode_split": "_decode_split_kernel",
     "decode_combine": "_decode_combine_kernel",
 }
-DECODE_LAUNCH = dict(num_warps=4, num_stages=3)
 COMBINE_LAUNCH = dict(num_warps=4, num_stages=1)
 # Largest head size whose every configuration compiles without spills into the shared memory of sm_80 and sm_90
 # (benchmarks/results/gpu-readiness.md): fp32 tiles take twice the registers and shared memory of 16-bit ones.
@@ -118,7 +117,7 @@ def cuda_launch_configs(kind: str, block_d: int, dtype: torch.dtype) -> list[Lau
                 for m, n, warps, stages in CUDA_CONFIGS[kind]]
     if kind == "decode_split":
         block_n = _decode_block_n(block_d)
-        return [LaunchConfig((("BLOCK_M", rows), ("BLOCK_N", block_n)), **DECODE_LAUNCH)
+        return [LaunchConfig((("BLOCK_M", rows), ("BLOCK_N", block_n)), **_decode_launch(rows))
                 for rows in _powers_of_2(16, DECODE_MAX_ROWS)]
     if kind == "decode_combine":
         return [LaunchConfig((("BLOCK_S", splits),), **COMBINE_LAUNCH) for splits in _powers_of_2(2, MAX_SPLITS)]
@@ -152,6 +151,11 @@ def _attention_kernel(kind: str, grid_rows: int, grid_programs: int, block_rows:
         _AUTOTUNED[kind, block_d, dtype] = triton.autotune(configs=configs, key=AUTOTUNE_KEY)(
             kernels[KERNEL_NAMES[kind]])
     return _AUTOTUNED[kind, block_d, dtype], lambda meta: (_cdiv(grid_rows, meta[block_rows]), grid_programs), {}
+
+
+def _decode_launch(block_m: int) -> dict:
+    """4 warps for a tile of up to 16 query rows, 8 above (the fp32 accumulator grows with the rows)."""
+    return dict(num_warps=4 if block_m <= 16 else 8, num_stages=3)
 
 
 def _decode_block_n(block_d: int) -> int:
@@ -192,6 +196,7 @@ class _Problem:
     document_ids: Optional[torch.Tensor]  # (B, Lk) int32
     document_start: Optional[torch.Tensor]  # (B, Lk) int32: first key of the document of each key
     document_end: Optional[torch.Tensor]  # (B, Lk) int32: one past its last key
+    padding_end: Optional[torch.Tensor]  # (B,) int32: one past the last padded key of each row (0 if none)
 
     @property
     def group_size(self) -> int:
@@ -240,15 +245,19 @@ def _prepare_problem(query, key, query_positions, key_valid, document_ids, ssmax
     qk_scale = (factor * scaling).expand(batch, heads, q_len).contiguous()
     bias_scale = (factor if ssmax_prior else torch.ones_like(factor)).expand(batch, heads, q_len).contiguous()
 
+    padding_end = None
     if key_valid is not None:
-        key_valid = key_valid.to(device=device, dtype=torch.bool).expand(batch, k_len).contiguous().view(torch.uint8)
+        key_valid = key_valid.to(device=device, dtype=torch.bool).expand(batch, k_len).contiguous()
+        key_index = torch.arange(1, k_len + 1, device=device, dtype=torch.int32)
+        padding_end = torch.where(key_valid, 0, key_index).amax(-1).to(torch.int32).contiguous()
+        key_valid = key_valid.view(torch.uint8)
     document_start = document_end = None
     if document_ids is not None:
         document_ids = document_ids.to(device=device, dtype=torch.int32).expand(batch, k_len).contiguous()
         document_start, document_end = _document_bounds(document_ids)
     return _Problem(
         batch, heads, kv_heads, q_len, k_len, head_dim, positions, qk_scale, bias_scale, counts,
-        key_valid, document_ids, document_start, document_end,
+        key_valid, document_ids, document_start, document_end, padding_end,
     )
 
 
@@ -287,7 +296,7 @@ def _prefill_forward(query, key, value, problem: _Problem, prior_table: torch.Te
     kernel[grid](
         query, key, value, out, lse, prior_table, problem.positions, problem.qk_scale, problem.bias_scale,
         _or(problem.key_valid, problem), _or(problem.document_ids, problem), _or(problem.document_start, problem),
-        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+        _or(problem.padding_end, problem), *query.stride(), *key.stride(), *value.stride(), *out.stride(),
         problem.heads, problem.group_size, problem.q_len, problem.k_len, problem.length_bucket,
         HEAD_DIM=problem.head_dim, BLOCK_D=problem.block_d,
         HAS_KEY_VALID=problem.key_valid is not None, HAS_DOCS=problem.document_ids is not None,
@@ -310,14 +319,15 @@ def _split_kv_forward(query, key, value, problem: _Problem, prior_table: torch.T
     num_rows = problem.batch * problem.heads * problem.q_len
     out_partial = _new_output(query.new_empty(num_splits, num_rows, problem.head_dim, dtype=torch.float32))
     lse_partial = _new_output(query.new_empty(num_splits, num_rows, dtype=torch.float32))
-    launch = {} if _interpreting() else DECODE_LAUNCH
+    block_m = max(16, _next_power_of_2(rows_per_group))
+    launch = {} if _interpreting() else _decode_launch(block_m)
 
     kernels["_decode_split_kernel"][(num_splits, problem.batch * problem.kv_heads)](
         query, key, value, out_partial, lse_partial, prior_table, problem.positions, problem.qk_scale,
         problem.bias_scale, _or(problem.key_valid, problem), _or(problem.document_ids, problem),
         *query.stride(), *key.stride(), *value.stride(),
         problem.heads, problem.group_size, problem.q_len, problem.k_len, keys_per_split, num_rows,
-        HEAD_DIM=problem.head_dim, BLOCK_M=max(16, _next_power_of_2(rows_per_group)), BLOCK_N=block_n,
+        HEAD_DIM=problem.head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=problem.block_d, HAS_KEY_VALID=problem.key_valid is not None,
         HAS_DOCS=problem.document_ids is not None, **_dot_options(query), **launch,
     )
@@ -384,7 +394,7 @@ def _attention_backward(grad_out, query, key, value, out, lse, theta_alpha, thet
                                            problem.block_d, query.dtype)
     kernel[grid](
         query, key, value, grad_out, grad_q, lse, delta, tables, *side_inputs,
-        _or(problem.document_start, problem), row_grads,
+        _or(problem.document_start, problem), _or(problem.padding_end, problem), row_grads,
         *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *grad_q.stride(),
         problem.heads, problem.group_size, problem.q_len, problem.k_len, num_rows, scaling, problem.length_bucket,
         PRIOR_GRADS=prior_grads, SSMAX_GRAD=ssmax_grad, SSMAX_PRIOR=ssmax_prior, **flags, **meta,

@@ -191,6 +191,41 @@ def _visible(query_pos, keys, key_valid, query_doc, key_doc, HAS_DOCS: tl.conste
 
 
 @_triton_function
+def _document_span(query_doc, row_ok, HAS_DOCS: tl.constexpr):
+    """Lowest and highest document of the valid queries of a block (0, 0 without documents)."""
+    if HAS_DOCS:
+        return (tl.min(tl.where(row_ok, query_doc, 2147483647), 0),
+                tl.max(tl.where(row_ok, query_doc, -2147483647), 0))
+    return 0, 0
+
+
+@_triton_function
+def _unmasked_key_tiles(Positions, start_m, query_doc, row_ok, doc_start_row, padding_end, key_start, key_end,
+                        BLOCK_N: tl.constexpr, HAS_KEY_VALID: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """[interior_start, causal_end): key tiles that every query of the block sees whole, so need no mask: at or
+    before the first query's position (positions increase), after the row's last padded key, and inside the
+    document of the block when all its queries share one. Both bounds are multiples of BLOCK_N."""
+    first_pos = tl.load(Positions + start_m).to(tl.int32)
+    causal_end = tl.maximum(tl.minimum(((first_pos + 1) // BLOCK_N) * BLOCK_N, key_end), key_start)
+    clean_start = key_start
+    if HAS_KEY_VALID:
+        clean_start = tl.maximum(clean_start, tl.load(padding_end))
+    if HAS_DOCS:
+        doc_low, doc_high = _document_span(query_doc, row_ok, HAS_DOCS)
+        doc_start = tl.load(doc_start_row + first_pos)
+        clean_start = tl.where(doc_low == doc_high, tl.maximum(clean_start, doc_start), causal_end)
+    interior_start = tl.minimum(tl.cdiv(clean_start, BLOCK_N) * BLOCK_N, causal_end)
+    return interior_start, causal_end
+
+
+@_triton_function
+def _masked_tile_start(tile, key_start, prefix_tiles, causal_end, BLOCK_N: tl.constexpr):
+    """Start of the tile-th key tile that needs a mask: the prefix tiles [key_start, interior_start), then the
+    diagonal ones from causal_end."""
+    return tl.where(tile < prefix_tiles, key_start + tile * BLOCK_N, causal_end + (tile - prefix_tiles) * BLOCK_N)
+
+
+@_triton_function
 def _distance_index(query_pos, keys, table_len):
     """Index t = p_i - j into the prior tables, clamped into range (hidden entries read a valid slot)."""
     return tl.minimum(tl.maximum(query_pos - keys, 0), table_len - 1)
@@ -255,7 +290,7 @@ def _query_range(Positions, doc_end_row, keys, start_n, q_len, k_len, BLOCK_M: t
 
 @_triton_function
 def _attention_forward_kernel(
-    Q, K, V, Out, Lse, PriorTable, Positions, QkScale, BiasScale, KeyValid, DocIds, DocStart,
+    Q, K, V, Out, Lse, PriorTable, Positions, QkScale, BiasScale, KeyValid, DocIds, DocStart, PaddingEnd,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kb, stride_kh, stride_kl, stride_kd,
     stride_vb, stride_vh, stride_vl, stride_vd,
@@ -263,8 +298,12 @@ def _attention_forward_kernel(
     num_heads, group_size, q_len, k_len, length_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_KEY_VALID: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_PRIOR: tl.constexpr = True,
 ):
-    """Output and log2-sum-exp2 of BLOCK_M queries of one (batch, head), streaming the keys they can see."""
+    """Output and log2-sum-exp2 of BLOCK_M queries of one (batch, head), streaming the keys they can see.
+
+    HAS_PRIOR=False (plain causal attention) exists only as the baseline of benchmarks/gpu_readiness.py.
+    """
     start_m = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1)
     batch = batch_head // num_heads
@@ -291,22 +330,37 @@ def _attention_forward_kernel(
     bias_scale = bias_scale * LOG2E
 
     key_start, key_end = _key_range(query_pos, row_ok, DocStart + key_row, k_len, BLOCK_N, HAS_DOCS)
+    interior_start, causal_end = _unmasked_key_tiles(Positions, start_m, query_doc, row_ok, DocStart + key_row,
+                                                     PaddingEnd + batch, key_start, key_end, BLOCK_N,
+                                                     HAS_KEY_VALID, HAS_DOCS)
+    prefix_tiles = tl.cdiv(interior_start - key_start, BLOCK_N)
+    masked_tiles = prefix_tiles + tl.cdiv(key_end - causal_end, BLOCK_N)
+    table_pos = tl.where(row_ok, query_pos, k_len - 1)  # rows past the end read a valid slot, then are dropped
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for start_n in range(key_start, key_end, BLOCK_N):
+    for tile in range(0, masked_tiles):  # padding, document boundaries, the diagonal
+        start_n = _masked_tile_start(tile, key_start, prefix_tiles, causal_end, BLOCK_N)
         keys = start_n + offs_n
         k = _load_tile(k_head, start_n, offs_n, stride_kl, offs_d, stride_kd, keys < k_len, dim_ok, UPCAST)
         v = _load_tile(v_head, start_n, offs_n, stride_vl, offs_d, stride_vd, keys < k_len, dim_ok, UPCAST)
         key_valid, key_doc = _load_key_columns(KeyValid + key_row, DocIds + key_row, keys, k_len, HAS_KEY_VALID,
                                                HAS_DOCS)
-
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        prior = tl.load(table_row + _distance_index(query_pos[:, None], keys[None, :], k_len))
-        scores = qk * qk_scale[:, None] + prior * bias_scale[:, None]
+        scores = qk * qk_scale[:, None]
+        if HAS_PRIOR:
+            scores += tl.load(table_row + _distance_index(query_pos[:, None], keys[None, :], k_len)) * bias_scale[:, None]
         visible = _visible(query_pos[:, None], keys[None, :], key_valid[None, :], query_doc[:, None],
                            key_doc[None, :], HAS_DOCS)
         scores = tl.where(visible, scores, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(scores, m_i, l_i, acc, v, DOT_PRECISION)
+    for start_n in range(interior_start, causal_end, BLOCK_N):  # every key visible to every query: no mask
+        offsets = start_n + offs_n
+        k = _load_tile(k_head, start_n, offs_n, stride_kl, offs_d, stride_kd, offsets < k_len, dim_ok, UPCAST)
+        v = _load_tile(v_head, start_n, offs_n, stride_vl, offs_d, stride_vd, offsets < k_len, dim_ok, UPCAST)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale[:, None]
+        if HAS_PRIOR:  # distances p_i - j >= 0 here: no clamp
+            scores += tl.load(table_row + (table_pos[:, None] - offsets[None, :])) * bias_scale[:, None]
         m_i, l_i, acc = _online_softmax_step(scores, m_i, l_i, acc, v, DOT_PRECISION)
 
     out, lse = _finish_softmax(m_i, l_i, acc)
@@ -396,7 +450,7 @@ def _attention_backward_dkdv_kernel(
 @_triton_function
 def _attention_backward_dq_kernel(
     Q, K, V, GradOut, GradQ, Lse, Delta, PriorTables, Positions, QkScale, BiasScale, KeyValid, DocIds, DocStart,
-    RowGrads,
+    PaddingEnd, RowGrads,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kb, stride_kh, stride_kl, stride_kd,
     stride_vb, stride_vh, stride_vl, stride_vd,
@@ -441,37 +495,40 @@ def _attention_backward_dq_kernel(
     delta = tl.load(Delta + row_index, mask=row_ok, other=0.0)
 
     key_start, key_end = _key_range(query_pos, row_ok, DocStart + key_row, k_len, BLOCK_N, HAS_DOCS)
+    interior_start, causal_end = _unmasked_key_tiles(Positions, start_m, query_doc, row_ok, DocStart + key_row,
+                                                     PaddingEnd + batch, key_start, key_end, BLOCK_N,
+                                                     HAS_KEY_VALID, HAS_DOCS)
+    prefix_tiles = tl.cdiv(interior_start - key_start, BLOCK_N)
+    masked_tiles = prefix_tiles + tl.cdiv(key_end - causal_end, BLOCK_N)
+    table_pos = tl.where(row_ok, query_pos, k_len - 1)  # rows past the end read a valid slot, then are dropped
+    qk_scale_log2 = qk_scale * LOG2E
+    bias_scale_log2 = bias_scale * LOG2E
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     grad_alpha = tl.zeros((BLOCK_M,), tl.float32)
     grad_beta = tl.zeros((BLOCK_M,), tl.float32)
     grad_mu = tl.zeros((BLOCK_M,), tl.float32)
     grad_factor = tl.zeros((BLOCK_M,), tl.float32)
-    for start_n in range(key_start, key_end, BLOCK_N):
+    for tile in range(0, masked_tiles):  # padding, document boundaries, the diagonal
+        start_n = _masked_tile_start(tile, key_start, prefix_tiles, causal_end, BLOCK_N)
         keys = start_n + offs_n
         k = _load_tile(k_head, start_n, offs_n, stride_kl, offs_d, stride_kd, keys < k_len, dim_ok, UPCAST)
         v = _load_tile(v_head, start_n, offs_n, stride_vl, offs_d, stride_vd, keys < k_len, dim_ok, UPCAST)
         key_valid, key_doc = _load_key_columns(KeyValid + key_row, DocIds + key_row, keys, k_len, HAS_KEY_VALID,
                                                HAS_DOCS)
-
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        distance = _distance_index(query_pos[:, None], keys[None, :], k_len)
-        prior = tl.load(table_row + distance)
-        scores = qk * (qk_scale * LOG2E)[:, None] + prior * (bias_scale * LOG2E)[:, None]
         visible = _visible(query_pos[:, None], keys[None, :], key_valid[None, :], query_doc[:, None],
                            key_doc[None, :], HAS_DOCS)
-        p = tl.where(visible, tl.exp2(tl.minimum(scores - lse[:, None], 0.0)), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])  # d loss / d score; exactly 0 where hidden, and the tables are finite
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-        if PRIOR_GRADS:
-            grad_alpha += tl.sum(ds * tl.load(table_row + table_stride + distance), 1)
-            grad_beta += tl.sum(ds * tl.load(table_row + 2 * table_stride + distance), 1)
-            grad_mu += tl.sum(ds * tl.load(table_row + 3 * table_stride + distance), 1)
-        if SSMAX_GRAD:
-            logits = qk * scaling
-            if SSMAX_PRIOR:
-                logits += prior
-            grad_factor += tl.sum(ds * logits, 1)
+        dq, grad_alpha, grad_beta, grad_mu, grad_factor = _dq_step(
+            q, do, k, v, table_row + _distance_index(query_pos[:, None], keys[None, :], k_len), table_stride,
+            visible, lse, delta, qk_scale_log2, bias_scale_log2, scaling, dq, grad_alpha, grad_beta, grad_mu, grad_factor,
+            True, PRIOR_GRADS, SSMAX_GRAD, SSMAX_PRIOR, DOT_PRECISION)
+    for start_n in range(interior_start, causal_end, BLOCK_N):  # every key visible to every query: no mask
+        offsets = start_n + offs_n
+        k = _load_tile(k_head, start_n, offs_n, stride_kl, offs_d, stride_kd, offsets < k_len, dim_ok, UPCAST)
+        v = _load_tile(v_head, start_n, offs_n, stride_vl, offs_d, stride_vd, offsets < k_len, dim_ok, UPCAST)
+        dq, grad_alpha, grad_beta, grad_mu, grad_factor = _dq_step(
+            q, do, k, v, table_row + (table_pos[:, None] - offsets[None, :]), table_stride,
+            lse, lse, delta, qk_scale_log2, bias_scale_log2, scaling, dq, grad_alpha, grad_beta, grad_mu, grad_factor,
+            False, PRIOR_GRADS, SSMAX_GRAD, SSMAX_PRIOR, DOT_PRECISION)
 
     _store_tile(_head_pointer(GradQ, batch, head, stride_dqb, stride_dqh), start_m, dq * qk_scale[:, None], offs_m,
                 stride_dql, offs_d, stride_dqd, row_ok, dim_ok)
@@ -481,6 +538,34 @@ def _attention_backward_dq_kernel(
         tl.store(RowGrads + 2 * tl.cast(num_rows, tl.int64) + row_index, grad_mu, mask=row_ok)
     if SSMAX_GRAD:
         tl.store(RowGrads + 3 * tl.cast(num_rows, tl.int64) + row_index, grad_factor, mask=row_ok)
+
+
+@_triton_function
+def _dq_step(q, do, k, v, prior_pointers, table_stride, visible, lse, delta, qk_scale, bias_scale, scaling,
+             dq, grad_alpha, grad_beta, grad_mu, grad_factor, MASKED: tl.constexpr, PRIOR_GRADS: tl.constexpr,
+             SSMAX_GRAD: tl.constexpr, SSMAX_PRIOR: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold one (BLOCK_M, BLOCK_N) key tile into dq and the per-row parameter-gradient sums. qk_scale and
+    bias_scale are in log2 units; prior_pointers address the prior table at each score's distance, the derivative
+    tables follow at multiples of table_stride; visible is read only when MASKED."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+    prior = tl.load(prior_pointers)
+    scores = qk * qk_scale[:, None] + prior * bias_scale[:, None]
+    p = tl.exp2(tl.minimum(scores - lse[:, None], 0.0))  # <= 1: a recomputed huge score cannot overflow
+    if MASKED:
+        p = tl.where(visible, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])  # d loss / d score; exactly 0 where hidden, and the tables are finite
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    if PRIOR_GRADS:
+        grad_alpha += tl.sum(ds * tl.load(prior_pointers + table_stride), 1)
+        grad_beta += tl.sum(ds * tl.load(prior_pointers + 2 * table_stride), 1)
+        grad_mu += tl.sum(ds * tl.load(prior_pointers + 3 * table_stride), 1)
+    if SSMAX_GRAD:
+        logits = qk * scaling
+        if SSMAX_PRIOR:
+            logits += prior
+        grad_factor += tl.sum(ds * logits, 1)
+    return dq, grad_alpha, grad_beta, grad_mu, grad_factor
 
 
 # ----------------------------------------------------------------------------------------------------------

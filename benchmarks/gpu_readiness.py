@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import io
 import json
 import os
@@ -47,12 +48,17 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HEAD_DIMS = (32, 48, 64, 80, 96, 128, 256)
 KERNELS = tuple(triton_bam.KERNEL_NAMES)
 FLAG_NAMES = ("HAS_KEY_VALID", "HAS_DOCS", "PRIOR_GRADS", "SSMAX_GRAD", "SSMAX_PRIOR")
-FLAG_SETS = {"all": {name: True for name in FLAG_NAMES}, "none": {name: False for name in FLAG_NAMES}}
+FLAG_SETS = {
+    "all": {name: True for name in FLAG_NAMES},
+    "none": {name: False for name in FLAG_NAMES},
+    "baseline": {**{name: False for name in FLAG_NAMES}, "HAS_PRIOR": False},  # plain causal attention
+}
 KEYS = ("kernel", "arch", "dtype", "head_dim", "config", "compiled", "n_regs", "n_spills", "shared_bytes",
         "shared_limit", "loop_instructions")
 
 # Element type of each pointer argument that is not a query/key/value-like tensor (those take the input dtype).
-POINTER_TYPES = {"Positions": "*i64", "KeyValid": "*u8", "DocIds": "*i32", "DocStart": "*i32", "DocEnd": "*i32"}
+POINTER_TYPES = {"Positions": "*i64", "KeyValid": "*u8", "DocIds": "*i32", "DocStart": "*i32", "DocEnd": "*i32",
+                 "PaddingEnd": "*i32"}
 INPUT_LIKE = {"Q", "K", "V", "Out", "GradOut", "GradQ", "GradK", "GradV"}
 FLOAT_SCALARS = {"scaling"}
 
@@ -85,7 +91,10 @@ def kernel_constants(kernel, kind: str, dtype_name: str, head_dim: int, flags: d
     fp32 = dtype_name == "fp32"
     values = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, UPCAST=fp32, DOT_PRECISION="ieee" if fp32 else "tf32",
                   **flags, **dict(config.meta))
-    return {name: value for name, value in values.items() if name in kernel.arg_names}
+    constants = {param.name: param.default for param in kernel.params  # constexpr defaults (HAS_PRIOR=True)
+                 if param.is_constexpr and param.default is not inspect.Parameter.empty}
+    constants.update({name: value for name, value in values.items() if name in kernel.arg_names})
+    return constants
 
 
 def compile_variant(triton, kernel, constants, dtype_name, arch, config):
@@ -141,9 +150,12 @@ def matrix(args):
                 for config in triton_bam.cuda_launch_configs(kind, block_d, DTYPES[dtype_name]):
                     for flag_name in args.flags:
                         kernel = kernels[triton_bam.KERNEL_NAMES[kind]]
+                        if flag_name == "baseline" and "HAS_PRIOR" not in kernel.arg_names:
+                            continue
                         constants = kernel_constants(kernel, kind, dtype_name, head_dim, FLAG_SETS[flag_name], config)
                         flags = [name for name in FLAG_NAMES if constants.get(name)]
-                        label = f"{config}" + (f" flags={','.join(flags) or 'none'}" if kind != "decode_combine" else "")
+                        flags = "no prior, no mask (baseline)" if flag_name == "baseline" else ",".join(flags) or "none"
+                        label = f"{config}" + (f" flags={flags}" if kind != "decode_combine" else "")
                         for arch in args.arch:
                             yield kind, kernel, dtype_name, head_dim, config, constants, label, arch
 
@@ -188,7 +200,7 @@ def parse_args(argv=None):
     parser.add_argument("--kernel", nargs="+", default=list(KERNELS), choices=KERNELS)
     parser.add_argument("--flags", nargs="+", default=["all"], choices=list(FLAG_SETS),
                         help="flag sets: 'all' turns on padding, documents and every gradient (the most registers), "
-                             "'none' turns them off")
+                             "'none' turns them off, 'baseline' also drops the prior (kernels that can)")
     parser.add_argument("--json", type=Path, help="write one JSON object per compiled variant to this file")
     return parser.parse_args(argv)
 
