@@ -219,6 +219,32 @@ def _unmasked_key_tiles(Positions, start_m, query_doc, row_ok, doc_start_row, pa
 
 
 @_triton_function
+def _unmasked_query_tiles(Positions, doc_end_row, key_valid, key_doc, keys, start_n, q_len, k_len, query_start,
+                          query_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KEY_VALID: tl.constexpr,
+                          HAS_DOCS: tl.constexpr):
+    """[interior_start, interior_end): query tiles that see the whole key block, so need no mask: at or after its
+    last key (p_i >= p_first + i), when no key of the block is padding and, with documents, all keys share one
+    document that every query of those tiles is in (p_i <= p_last - (q_len - 1 - i) < its end). Both bounds are
+    query_start plus multiples of BLOCK_M."""
+    first_pos = tl.load(Positions).to(tl.int32)
+    last_pos = tl.load(Positions + q_len - 1).to(tl.int32)
+    interior_start = tl.maximum(start_n + BLOCK_N - 1 - first_pos, query_start)
+    interior_start = tl.minimum(query_start + tl.cdiv(interior_start - query_start, BLOCK_M) * BLOCK_M, query_end)
+    interior_end = query_end
+    clean = start_n + BLOCK_N <= k_len
+    if HAS_KEY_VALID:
+        clean = clean & (tl.min(key_valid.to(tl.int32), 0) != 0)
+    if HAS_DOCS:
+        clean = clean & (tl.min(key_doc, 0) == tl.max(key_doc, 0))
+        doc_end = tl.max(tl.load(doc_end_row + keys, mask=keys < k_len, other=0), 0)
+        interior_end = tl.minimum(interior_end, doc_end - (last_pos - (q_len - 1)))
+    interior_end = tl.maximum(interior_start + (interior_end - interior_start) // BLOCK_M * BLOCK_M, interior_start)
+    interior_start = tl.where(clean, interior_start, query_end)
+    interior_end = tl.where(clean, interior_end, query_end)
+    return interior_start, interior_end
+
+
+@_triton_function
 def _masked_tile_start(tile, key_start, prefix_tiles, causal_end, BLOCK_N: tl.constexpr):
     """Start of the tile-th key tile that needs a mask: the prefix tiles [key_start, interior_start), then the
     diagonal ones from causal_end."""
@@ -410,6 +436,12 @@ def _attention_backward_dkdv_kernel(
     query_start, query_end = _query_range(Positions, DocEnd + key_row, keys, start_n, q_len, k_len, BLOCK_M,
                                           HAS_DOCS)
 
+    interior_start, interior_end = _unmasked_query_tiles(
+        Positions, DocEnd + key_row, key_valid, key_doc, keys, start_n, q_len, k_len, query_start, query_end,
+        BLOCK_M, BLOCK_N, HAS_KEY_VALID, HAS_DOCS)
+    prefix_tiles = tl.cdiv(interior_start - query_start, BLOCK_M)
+    masked_tiles = prefix_tiles + tl.cdiv(query_end - interior_end, BLOCK_M)
+
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     for group_index in range(group_size):
@@ -418,33 +450,57 @@ def _attention_backward_dkdv_kernel(
         q_head = _head_pointer(Q, batch, head, stride_qb, stride_qh)
         do_head = _head_pointer(GradOut, batch, head, stride_gb, stride_gh)
         table_row = PriorTable + tl.cast(head, tl.int64) * k_len
-        for start_m in range(query_start, query_end, BLOCK_M):
+        for tile in range(0, masked_tiles):  # the diagonal, padding, document boundaries
+            start_m = _masked_tile_start(tile, query_start, prefix_tiles, interior_end, BLOCK_M)
             queries = start_m + offs_m
             row_ok = queries < q_len
             row_index = tl.cast(batch_head, tl.int64) * q_len + queries
-            q = _load_tile(q_head, start_m, offs_m, stride_ql, offs_d, stride_qd, row_ok, dim_ok, UPCAST)
-            do = _load_tile(do_head, start_m, offs_m, stride_gl, offs_d, stride_gd, row_ok, dim_ok, UPCAST)
             query_pos, qk_scale, bias_scale, query_doc = _load_query_rows(
                 Positions, QkScale, BiasScale, DocIds + key_row, row_index, queries, row_ok, k_len, HAS_DOCS)
-            lse = tl.load(Lse + row_index, mask=row_ok, other=0.0)
-            delta = tl.load(Delta + row_index, mask=row_ok, other=0.0)
-
-            qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
-            prior_t = tl.load(table_row + _distance_index(query_pos[None, :], keys[:, None], k_len))
-            scores_t = qk_t * (qk_scale * LOG2E)[None, :] + prior_t * (bias_scale * LOG2E)[None, :]
             visible_t = _visible(query_pos[None, :], keys[:, None], key_valid[:, None], query_doc[None, :],
                                  key_doc[:, None], HAS_DOCS)
-            # probabilities are <= 1: the clamp keeps a recomputed huge score (negative beta) from overflowing
-            p_t = tl.where(visible_t, tl.exp2(tl.minimum(scores_t - lse[None, :], 0.0)), 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])  # d loss / d score
-            dk += tl.dot((ds_t * qk_scale[None, :]).to(q.dtype), q, input_precision=DOT_PRECISION)
+            dk, dv = _dkdv_step(
+                k, v, q_head, do_head, start_m, offs_m, stride_ql, stride_gl, offs_d, stride_qd, stride_gd, row_ok,
+                dim_ok, table_row + _distance_index(query_pos[None, :], keys[:, None], k_len), visible_t,
+                Lse + row_index, Delta + row_index, qk_scale, bias_scale, dk, dv, True, UPCAST, DOT_PRECISION)
+        for start_m in range(interior_start, interior_end, BLOCK_M):  # every query sees every key: no mask
+            queries = start_m + offs_m
+            row_index = tl.cast(batch_head, tl.int64) * q_len + queries
+            query_pos = tl.load(Positions + queries).to(tl.int32)
+            qk_scale = tl.load(QkScale + row_index)
+            bias_scale = tl.load(BiasScale + row_index)
+            dk, dv = _dkdv_step(
+                k, v, q_head, do_head, start_m, offs_m, stride_ql, stride_gl, offs_d, stride_qd, stride_gd,
+                queries < q_len, dim_ok, table_row + (query_pos[None, :] - keys[:, None]), qk_scale,
+                Lse + row_index, Delta + row_index, qk_scale, bias_scale, dk, dv, False, UPCAST, DOT_PRECISION)
 
     _store_tile(_head_pointer(GradK, batch, kv_head, stride_dkb, stride_dkh), start_n, dk, offs_n, stride_dkl,
                 offs_d, stride_dkd, key_ok, dim_ok)
     _store_tile(_head_pointer(GradV, batch, kv_head, stride_dvb, stride_dvh), start_n, dv, offs_n, stride_dvl,
                 offs_d, stride_dvd, key_ok, dim_ok)
+
+
+@_triton_function
+def _dkdv_step(k, v, q_head, do_head, start_m, offs_m, stride_ql, stride_gl, offs_d, stride_qd, stride_gd, row_ok,
+               dim_ok, prior_pointers, visible_t, lse_pointers, delta_pointers, qk_scale, bias_scale, dk, dv,
+               MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold one block of queries into dk, dv of the key block. Tiles are (keys, queries); prior_pointers address
+    the prior table at each distance; visible_t is read only when MASKED."""
+    q = _load_tile(q_head, start_m, offs_m, stride_ql, offs_d, stride_qd, row_ok, dim_ok, UPCAST)
+    do = _load_tile(do_head, start_m, offs_m, stride_gl, offs_d, stride_gd, row_ok, dim_ok, UPCAST)
+    lse = tl.load(lse_pointers, mask=row_ok, other=0.0)
+    delta = tl.load(delta_pointers, mask=row_ok, other=0.0)
+    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+    scores_t = qk_t * (qk_scale * LOG2E)[None, :] + tl.load(prior_pointers) * (bias_scale * LOG2E)[None, :]
+    # probabilities are <= 1: the clamp keeps a recomputed huge score (negative beta) from overflowing
+    p_t = tl.exp2(tl.minimum(scores_t - lse[None, :], 0.0))
+    if MASKED:
+        p_t = tl.where(visible_t, p_t, 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])  # d loss / d score
+    dk += tl.dot((ds_t * qk_scale[None, :]).to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
 
 
 @_triton_function
