@@ -69,12 +69,22 @@ INTERPRETER_BLOCKS = {
 }
 INTERPRETER_DECODE_BLOCK_N = 32
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner on CUDA. For dk/dv, BLOCK_N is the key block
-# a program owns and BLOCK_M the query block it streams.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner on CUDA, for "narrow" tiles (16-bit inputs, head
+# size padded to <= 64) and "wide" ones (16-bit at 128, or fp32: twice the bytes per element). For dk/dv, BLOCK_N
+# is the key block a program owns (its k, v, dk, dv stay in registers) and BLOCK_M the query block it streams.
+# Every entry compiles for sm_80 and sm_90 without register spills and within shared memory, with padding,
+# documents and every gradient on (benchmarks/gpu_readiness.py, benchmarks/results/gpu-readiness.md).
 CUDA_CONFIGS = {
-    "forward": [(128, 64, 8, 3), (64, 64, 8, 2), (64, 32, 4, 3)],
-    "dkdv": [(32, 64, 8, 2), (16, 64, 4, 2), (16, 32, 4, 2)],
-    "dq": [(64, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2)],
+    "narrow": {
+        "forward": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2)],
+        "dkdv": [(32, 32, 8, 2), (16, 64, 4, 1), (16, 32, 8, 2)],
+        "dq": [(32, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2)],
+    },
+    "wide": {
+        "forward": [(128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 8, 2)],
+        "dkdv": [(16, 64, 8, 2), (32, 32, 8, 2), (16, 32, 8, 2)],
+        "dq": [(32, 64, 8, 2), (32, 32, 4, 2)],
+    },
 }
 AUTOTUNE_KEY = ["HEAD_DIM", "length_bucket", "HAS_KEY_VALID", "HAS_DOCS", "UPCAST"]
 KERNEL_NAMES = {
@@ -112,9 +122,10 @@ def cuda_launch_configs(kind: str, block_d: int, dtype: torch.dtype) -> list[Lau
     DECODE_MAX_ROWS) and the combine kernel's split block the number of splits (up to MAX_SPLITS).
     `benchmarks/gpu_readiness.py` compiles each of them ahead of time.
     """
-    if kind in CUDA_CONFIGS:
+    if kind in ("forward", "dkdv", "dq"):
+        width = "narrow" if block_d <= 64 and dtype != torch.float32 else "wide"
         return [LaunchConfig((("BLOCK_M", m), ("BLOCK_N", n)), warps, stages)
-                for m, n, warps, stages in CUDA_CONFIGS[kind]]
+                for m, n, warps, stages in CUDA_CONFIGS[width][kind]]
     if kind == "decode_split":
         block_n = _decode_block_n(block_d)
         return [LaunchConfig((("BLOCK_M", rows), ("BLOCK_N", block_n)), **_decode_launch(rows))

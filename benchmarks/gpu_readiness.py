@@ -12,7 +12,9 @@ n_regs, n_spills, shared_bytes, shared_limit, loop_instructions) and a markdown 
   in 4-byte words. ptxas' spill stores are in the same place (any spill needs a stack frame).
 - shared_limit is the opt-in shared memory per block: 227 KiB on sm_90 (H100), 163 KiB on sm_80 (A100).
 - loop_instructions: SASS instructions in each innermost loop body (one iteration over a key or query tile),
-  from cuobjdump; "/"-separated when a kernel has several innermost loops.
+  from cuobjdump; "/"-separated in code order when a kernel has several innermost loops: for the prefill kernels
+  first the masked tiles (diagonal, padding, document boundaries), then the unmasked interior. The table also
+  shows them per score (times the threads of a program, over BLOCK_M x BLOCK_N).
 
     python benchmarks/gpu_readiness.py --arch 90 80 --json benchmarks/results/gpu-readiness.jsonl
     python benchmarks/gpu_readiness.py --dtype bf16 --head-dim 128 --kernel forward dq
@@ -176,18 +178,30 @@ def readiness_rows(args):
             row["error"] = str(error).strip().splitlines()[-1][:200] if str(error).strip() else type(error).__name__
         else:
             row.update(compiled=True, **resources(compiled, log))
-            row["loop_instructions"] = "/".join(str(n) for n in innermost_loop_sizes(compiled.asm["sass"])) or "-"
+            loops = innermost_loop_sizes(compiled.asm["sass"])
+            row["loop_instructions"] = "/".join(str(n) for n in loops) or "-"
+            row["per_score"] = per_score(loops, config)
         yield row
+
+
+def per_score(loops: list[int], config) -> str:
+    """Loop instructions per score of the (BLOCK_M, BLOCK_N) tile: each thread runs the loop body once per tile."""
+    meta = dict(config.meta)
+    if "BLOCK_N" not in meta or not loops:
+        return "-"
+    threads = 32 * config.num_warps
+    return "/".join(f"{n * threads / (meta['BLOCK_M'] * meta['BLOCK_N']):.1f}" for n in loops)
 
 
 def markdown(rows) -> str:
     header = ["kernel", "arch", "dtype", "d", "config", "compiled", "regs", "spills", "shared", "limit",
-              "loop insts"]
+              "loop insts", "insts/score"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         ok = "yes" if row["compiled"] else f"no ({row.get('error', '')})"
         cells = [row["kernel"], row["arch"], row["dtype"], row["head_dim"], row["config"], ok, row["n_regs"],
-                 row["n_spills"], row["shared_bytes"], row["shared_limit"], row["loop_instructions"]]
+                 row["n_spills"], row["shared_bytes"], row["shared_limit"], row["loop_instructions"],
+                 row.get("per_score")]
         lines.append("| " + " | ".join("-" if cell is None else str(cell) for cell in cells) + " |")
     return "\n".join(lines)
 
