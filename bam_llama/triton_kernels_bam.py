@@ -21,11 +21,16 @@ Kernels (flash-attention style: online softmax in the log2 domain, fp32 accumula
   heads sharing a key/value head are packed into one tile, so each cache tile is read once per group; the
   per-split results are merged exactly with their log-sum-exp.
 
+The prefill kernels visit their tiles in two loops: the tiles that need a mask (the diagonal, padded keys,
+document boundaries), then the interior ones every query sees whole, without mask or distance clamp
+(`_key_schedule`, `_unmasked_query_tiles`).
+
 Every kernel reads the prior from the same per-head table over distances t = p_i - j, so the forward of any path
 and the backward (which recomputes the scores against the saved log-sum-exp) agree on it exactly.
 
 Assumptions: query_positions are strictly increasing and < Lk (as `cache_position` is), and documents are
-contiguous runs of equal ids. Both only bound the loops; the masks use the exact positions and ids.
+contiguous runs of equal ids. They bound the loops and decide which tiles are interior (unmasked); the masks of
+the other tiles use the exact positions and ids.
 
 CPU testing: with TRITON_INTERPRET=1 the kernels run in Triton's interpreter. Triton fixes that choice when it
 is imported, so this module imports it on first use (`_import_triton`) and reads the variable at call time:
@@ -219,6 +224,20 @@ def _unmasked_key_tiles(Positions, start_m, query_doc, row_ok, doc_start_row, pa
 
 
 @_triton_function
+def _key_schedule(Positions, start_m, query_pos, query_doc, row_ok, doc_start_row, padding_end, k_len,
+                  BLOCK_N: tl.constexpr, HAS_KEY_VALID: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """The key tiles a block of queries visits: `masked_tiles` that need a mask (`_masked_tile_start`: the first
+    `prefix_tiles` from key_start, the rest from causal_end), then [interior_start, causal_end) without one."""
+    key_start, key_end = _key_range(query_pos, row_ok, doc_start_row, k_len, BLOCK_N, HAS_DOCS)
+    interior_start, causal_end = _unmasked_key_tiles(Positions, start_m, query_doc, row_ok, doc_start_row,
+                                                     padding_end, key_start, key_end, BLOCK_N, HAS_KEY_VALID,
+                                                     HAS_DOCS)
+    prefix_tiles = tl.cdiv(interior_start - key_start, BLOCK_N)
+    masked_tiles = prefix_tiles + tl.cdiv(key_end - causal_end, BLOCK_N)
+    return key_start, prefix_tiles, masked_tiles, interior_start, causal_end
+
+
+@_triton_function
 def _unmasked_query_tiles(Positions, doc_end_row, key_valid, key_doc, keys, start_n, q_len, k_len, query_start,
                           query_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KEY_VALID: tl.constexpr,
                           HAS_DOCS: tl.constexpr):
@@ -355,12 +374,9 @@ def _attention_forward_kernel(
     qk_scale = qk_scale * LOG2E
     bias_scale = bias_scale * LOG2E
 
-    key_start, key_end = _key_range(query_pos, row_ok, DocStart + key_row, k_len, BLOCK_N, HAS_DOCS)
-    interior_start, causal_end = _unmasked_key_tiles(Positions, start_m, query_doc, row_ok, DocStart + key_row,
-                                                     PaddingEnd + batch, key_start, key_end, BLOCK_N,
-                                                     HAS_KEY_VALID, HAS_DOCS)
-    prefix_tiles = tl.cdiv(interior_start - key_start, BLOCK_N)
-    masked_tiles = prefix_tiles + tl.cdiv(key_end - causal_end, BLOCK_N)
+    key_start, prefix_tiles, masked_tiles, interior_start, causal_end = _key_schedule(
+        Positions, start_m, query_pos, query_doc, row_ok, DocStart + key_row, PaddingEnd + batch, k_len, BLOCK_N,
+        HAS_KEY_VALID, HAS_DOCS)
     table_pos = tl.where(row_ok, query_pos, k_len - 1)  # rows past the end read a valid slot, then are dropped
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -550,12 +566,9 @@ def _attention_backward_dq_kernel(
     lse = tl.load(Lse + row_index, mask=row_ok, other=0.0)
     delta = tl.load(Delta + row_index, mask=row_ok, other=0.0)
 
-    key_start, key_end = _key_range(query_pos, row_ok, DocStart + key_row, k_len, BLOCK_N, HAS_DOCS)
-    interior_start, causal_end = _unmasked_key_tiles(Positions, start_m, query_doc, row_ok, DocStart + key_row,
-                                                     PaddingEnd + batch, key_start, key_end, BLOCK_N,
-                                                     HAS_KEY_VALID, HAS_DOCS)
-    prefix_tiles = tl.cdiv(interior_start - key_start, BLOCK_N)
-    masked_tiles = prefix_tiles + tl.cdiv(key_end - causal_end, BLOCK_N)
+    key_start, prefix_tiles, masked_tiles, interior_start, causal_end = _key_schedule(
+        Positions, start_m, query_pos, query_doc, row_ok, DocStart + key_row, PaddingEnd + batch, k_len, BLOCK_N,
+        HAS_KEY_VALID, HAS_DOCS)
     table_pos = tl.where(row_ok, query_pos, k_len - 1)  # rows past the end read a valid slot, then are dropped
     qk_scale_log2 = qk_scale * LOG2E
     bias_scale_log2 = bias_scale * LOG2E
