@@ -99,6 +99,7 @@ COMBINE_LAUNCH = dict(num_warps=4, num_stages=1)
 # (benchmarks/results/gpu-readiness.md): fp32 tiles take twice the registers and shared memory of 16-bit ones.
 MAX_HEAD_DIM = {torch.float16: 128, torch.bfloat16: 128, torch.float32: 64}
 MAX_SPLITS = 128  # the combine kernel holds (splits x head size) fp32 partials in registers
+COMBINE_BLOCKS = (8, 32, MAX_SPLITS)  # its split blocks: few compiled variants
 _AUTOTUNED = {}
 
 
@@ -131,7 +132,7 @@ def cuda_launch_configs(kind: str, block_d: int, dtype: torch.dtype) -> list[Lau
         return [LaunchConfig((("BLOCK_M", rows), ("BLOCK_N", block_n)), **_decode_launch(rows))
                 for rows in _powers_of_2(16, DECODE_MAX_ROWS)]
     if kind == "decode_combine":
-        return [LaunchConfig((("BLOCK_S", splits),), **COMBINE_LAUNCH) for splits in _powers_of_2(2, MAX_SPLITS)]
+        return [LaunchConfig((("BLOCK_S", splits),), **COMBINE_LAUNCH) for splits in COMBINE_BLOCKS]
     raise ValueError(f"unknown kernel {kind!r}; expected one of {list(KERNEL_NAMES)}")
 
 
@@ -162,6 +163,10 @@ def _attention_kernel(kind: str, grid_rows: int, grid_programs: int, block_rows:
         _AUTOTUNED[kind, block_d, dtype] = triton.autotune(configs=configs, key=AUTOTUNE_KEY)(
             kernels[KERNEL_NAMES[kind]])
     return _AUTOTUNED[kind, block_d, dtype], lambda meta: (_cdiv(grid_rows, meta[block_rows]), grid_programs), {}
+
+
+def _combine_block(num_splits: int) -> int:
+    return next(block for block in COMBINE_BLOCKS if num_splits <= block)
 
 
 def _decode_launch(block_m: int) -> dict:
@@ -345,7 +350,7 @@ def _split_kv_forward(query, key, value, problem: _Problem, prior_table: torch.T
     kernels["_decode_combine_kernel"][(num_rows,)](
         out_partial, lse_partial, out, lse, *out.stride(),
         num_splits, problem.heads, problem.q_len, num_rows,
-        HEAD_DIM=problem.head_dim, BLOCK_S=max(2, _next_power_of_2(num_splits)), BLOCK_D=problem.block_d,
+        HEAD_DIM=problem.head_dim, BLOCK_S=_combine_block(num_splits), BLOCK_D=problem.block_d,
         **({} if _interpreting() else COMBINE_LAUNCH),
     )
 
