@@ -76,9 +76,9 @@ INTERPRETER_DECODE_BLOCK_N = 32
 # documents and every gradient on (benchmarks/gpu_readiness.py, benchmarks/results/gpu-readiness.md).
 CUDA_CONFIGS = {
     "narrow": {
-        "forward": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2)],
-        "dkdv": [(32, 32, 8, 2), (16, 64, 4, 1), (16, 32, 8, 2)],
-        "dq": [(32, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2)],
+        "forward": [(128, 64, 8, 3), (128, 32, 8, 2), (64, 32, 4, 3)],
+        "dkdv": [(16, 32, 8, 2), (16, 32, 4, 2)],
+        "dq": [(32, 32, 8, 2), (16, 64, 4, 2), (32, 32, 4, 2)],
     },
     "wide": {
         "forward": [(128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 8, 2)],
@@ -128,8 +128,7 @@ def cuda_launch_configs(kind: str, block_d: int, dtype: torch.dtype) -> list[Lau
         return [LaunchConfig((("BLOCK_M", m), ("BLOCK_N", n)), warps, stages)
                 for m, n, warps, stages in CUDA_CONFIGS[width][kind]]
     if kind == "decode_split":
-        block_n = _decode_block_n(block_d)
-        return [LaunchConfig((("BLOCK_M", rows), ("BLOCK_N", block_n)), **_decode_launch(rows))
+        return [LaunchConfig((("BLOCK_M", rows), ("BLOCK_N", _decode_block_n(rows))), **_decode_launch(rows))
                 for rows in _powers_of_2(16, DECODE_MAX_ROWS)]
     if kind == "decode_combine":
         return [LaunchConfig((("BLOCK_S", splits),), **COMBINE_LAUNCH) for splits in COMBINE_BLOCKS]
@@ -174,10 +173,11 @@ def _decode_launch(block_m: int) -> dict:
     return dict(num_warps=4 if block_m <= 16 else 8, num_stages=3)
 
 
-def _decode_block_n(block_d: int) -> int:
+def _decode_block_n(block_m: int) -> int:
+    """Keys per tile of the split-KV kernel: 64 for up to 16 query rows, 32 above (registers)."""
     if _interpreting():
         return INTERPRETER_DECODE_BLOCK_N
-    return 64 if block_d >= 128 else 128
+    return 64 if block_m <= 16 else 32
 
 
 def _auto_num_splits(batch_kv_heads: int, k_len: int, block_n: int, device: torch.device) -> int:
@@ -327,15 +327,15 @@ def _or(tensor: Optional[torch.Tensor], problem: _Problem) -> torch.Tensor:
 def _split_kv_forward(query, key, value, problem: _Problem, prior_table: torch.Tensor, num_splits: Optional[int],
                       out, lse) -> None:
     kernels = _activate_kernels()
-    block_n = _decode_block_n(problem.block_d)
     rows_per_group = problem.group_size * problem.q_len
+    block_m = max(16, _next_power_of_2(rows_per_group))
+    block_n = _decode_block_n(block_m)
     if num_splits is None:
         num_splits = _auto_num_splits(problem.batch * problem.kv_heads, problem.k_len, block_n, query.device)
     keys_per_split = _cdiv(_cdiv(problem.k_len, num_splits), block_n) * block_n
     num_rows = problem.batch * problem.heads * problem.q_len
     out_partial = _new_output(query.new_empty(num_splits, num_rows, problem.head_dim, dtype=torch.float32))
     lse_partial = _new_output(query.new_empty(num_splits, num_rows, dtype=torch.float32))
-    block_m = max(16, _next_power_of_2(rows_per_group))
     launch = {} if _interpreting() else _decode_launch(block_m)
 
     kernels["_decode_split_kernel"][(num_splits, problem.batch * problem.kv_heads)](

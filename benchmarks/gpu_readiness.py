@@ -234,6 +234,9 @@ def main(argv=None) -> int:
         with tempfile.NamedTemporaryFile("w", dir=args.json.parent, delete=False, suffix=".tmp") as handle:
             for row in rows:
                 handle.write(json.dumps({key: row[key] for key in KEYS}) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(handle.name, 0o666 & ~umask)  # a temporary file is private (0600); the result is not
         os.replace(handle.name, args.json)
     print(markdown(rows))
     print(f"\n{len(rows)} variants compiled in {elapsed:.0f} s; triton {__import__('triton').__version__}")
