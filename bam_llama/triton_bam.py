@@ -1,4 +1,5 @@
-"""Fused Triton kernels for GGD-BAM attention: the L x L prior is never materialized.
+"""Launcher and autograd of the fused GGD-BAM attention kernels (`triton_kernels_bam.py`): the L x L prior is never
+materialized.
 
 `ggd_attention` computes, per query head h, query i at absolute position p_i and key j (stored from 0):
 
@@ -11,65 +12,31 @@
 with c_i = ssmax_scale_h * ln(max(n_i, 1)), n_i the number of keys query i sees, and j visible to i when
 j <= p_i, key_valid[b, j] and document_ids[b, j] == document_ids[b, p_i].
 
-Kernels (flash-attention style: online softmax in the log2 domain, fp32 accumulation and fp32 prior math):
-- `_attention_forward_kernel`: one program per (BLOCK_M queries, batch, head), streams the visible key tiles.
-- `_attention_backward_dkdv_kernel` / `_attention_backward_dq_kernel`: dk/dv per key block (looping over the
-  query heads of its GQA group, so no reduction over heads is needed) and dq per query block. The dq kernel
-  also writes per-row partial sums for the prior and SSMax gradients, summed afterwards in torch:
-  deterministic, no float atomics.
-- `_decode_split_kernel` + `_decode_combine_kernel`: split-KV for a few queries against a long cache. The query
-  heads sharing a key/value head are packed into one tile, so each cache tile is read once per group; the
-  per-split results are merged exactly with their log-sum-exp.
+Prior: every kernel (prefill, split-KV decode, backward) looks it up in one per-head 1-D table over distances
+t = p_i - j (0 <= t < Lk), built here by `attention_bam.ggd_bias` itself: O(H * Lk) work, negligible next to
+the O(Lq * Lk) attention. A per-element analytic prior costs a log2 and an exp2 on the special-function unit,
+about as much as the tensor-core work of a tile at head size 128 and twice it at 64. The backward uses three
+more tables, the derivatives of the prior w.r.t. theta_alpha, theta_beta and theta_mu (forward-mode AD of the
+same `ggd_bias`), so the parameter gradients need no special functions either. One table for every path means
+the backward recomputes exactly the scores whose log-sum-exp the forward saved.
 
-Prior: prefill and backward look it up in a per-head 1-D table over distances t = p_i - j (0 <= t < Lk), built
-in torch by `attention_bam.ggd_bias` itself: O(H * Lk) work, negligible next to the O(Lq * Lk) attention. A
-per-element analytic prior costs a log2 and an exp2 on the special-function unit, about as much as the
-tensor-core work of a tile at head size 128 and twice it at 64; a table entry is a load from L1 (distances
-along a tile row are consecutive, so the loads coalesce). The backward uses three more tables, the derivatives
-of the prior w.r.t. theta_alpha, theta_beta and theta_mu (forward-mode AD of the same `ggd_bias`), so the
-parameter gradients need no special functions either. Decode is memory-bound, so its kernel computes the prior
-analytically (exp2/log2 with a clamped exponent) instead of building an O(H * Lk) table for every new token.
-
-Assumptions: query_positions are strictly increasing and < Lk (as `cache_position` is), and documents are
-contiguous runs of equal ids. Both only bound the loops; the masks use the exact positions and ids.
-
-CPU testing: with TRITON_INTERPRET=1 the kernels run in Triton's interpreter. Triton fixes that choice when it
-is imported, so this module imports it on first use (`_import_triton`) and reads the variable at call time:
-it may be set after this module was imported, as long as nothing else imported triton before.
+This module holds the host side: problem preparation (counts, SSMax factors, document bounds), the prior tables,
+launch configurations (autotune lists on CUDA, fixed tiles under TRITON_INTERPRET=1), the custom ops that make
+the kernels opaque to torch.compile, and autograd.
 """
 
-from __future__ import annotations  # kernel signatures say `tl.constexpr` before triton is imported
+from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .attention_bam import ggd_bias, ssmax_factor, visible_key_counts
+from .triton_kernels_bam import TRITON_AVAILABLE, _activate_kernels, _import_triton, _interpreting
 
 
-def _triton_installed() -> bool:
-    try:
-        return importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):  # e.g. sys.modules["triton"] = None
-        return False
-
-
-TRITON_AVAILABLE = _triton_installed()
-# `triton` and `triton.language as tl` are imported on first use (`_import_triton`), not here: Triton decides
-# between its interpreter and its compiler when it is imported, so importing this module (with the package)
-# must not fix that choice before a test sets TRITON_INTERPRET=1.
-triton = None
-tl = None
-
-# Constants the kernels read as globals (made `tl.constexpr` on import). MAX_EXP2_ARGUMENT bounds the exponent
-# of the analytic prior and PRIOR_LIMIT the prior tables, so |x| ** beta stays finite for any beta (a negative
-# beta at distance ~0 gives eps ** beta, large but finite).
-KERNEL_CONSTANTS = {"LOG2E": 1.4426950408889634, "MAX_EXP2_ARGUMENT": 100.0}
-PRIOR_LIMIT = 2.0**100
+PRIOR_LIMIT = 2.0**100  # bound of the prior tables: |x| ** beta stays finite for any beta
 
 FORMULAS = ("current", "legacy")
 DECODE_MAX_QUERIES = 16  # automatic split-KV decode for at most this many queries...
@@ -89,558 +56,6 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Lazy triton.jit
-# ----------------------------------------------------------------------------------------------------------
-
-_TRITON_FUNCTIONS = {}  # name -> undecorated kernel or device function
-_JITTED = {}  # interpret (bool) -> {name: triton.jit(function)}
-_ACTIVE_MODE = [None]
-
-
-def _triton_function(function):
-    """Register a kernel or device function; it is wrapped by `triton.jit` on first use."""
-    _TRITON_FUNCTIONS[function.__name__] = function
-    return function
-
-
-def _activate_kernels() -> dict:
-    """The kernels wrapped by `triton.jit` for the TRITON_INTERPRET setting of this call.
-
-    `triton.jit` decides between interpreter and compiler when it wraps a function, and a kernel finds the
-    device functions it calls among this module's globals. Wrapping lazily, and swapping the globals when the
-    setting changes, lets a process import this module before it sets TRITON_INTERPRET=1.
-    """
-    _import_triton()
-    interpret = _interpreting()
-    if interpret and not _interpreter_ready():
-        raise RuntimeError(
-            "TRITON_INTERPRET=1 was set after triton was imported: triton.language's own reductions (tl.max, "
-            "tl.sum) were then wrapped for the compiler and the interpreter cannot run them. Set it before the "
-            "first `import triton` in the process."
-        )
-    if interpret not in _JITTED:
-        _JITTED[interpret] = {name: triton.jit(fn) for name, fn in _TRITON_FUNCTIONS.items()}
-    if _ACTIVE_MODE[0] != interpret:  # kernels find their device functions among this module's globals
-        globals().update(_JITTED[interpret])
-        _ACTIVE_MODE[0] = interpret
-    return _JITTED[interpret]
-
-
-def _import_triton() -> None:
-    global triton, tl
-    if triton is None:
-        if not TRITON_AVAILABLE:
-            raise RuntimeError("the fused GGD-BAM kernels need the `triton` package, which is not installed")
-        import triton
-        import triton.language as tl
-
-        globals().update({name: tl.constexpr(value) for name, value in KERNEL_CONSTANTS.items()})
-
-
-def _interpreter_ready() -> bool:
-    """Whether triton is (or will be) imported in interpreter mode: TRITON_INTERPRET=1 must be set before the
-    first `import triton`, since triton.language's own reductions (tl.max, tl.sum) are wrapped on import."""
-    if "triton.language" not in sys.modules:
-        return _interpreting()
-    import triton.language
-    import triton.runtime
-
-    return not isinstance(triton.language.max, triton.runtime.JITFunction)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Device functions
-# ----------------------------------------------------------------------------------------------------------
-# Pointer arithmetic on batch, head and sequence offsets is int64 (512K tokens x 32 heads x 128 dims overflow
-# int32). Few, coarse device functions: the interpreter re-patches triton.language on every call.
-
-
-@_triton_function
-def _head_pointer(base, batch, head, stride_b, stride_h):
-    """Pointer to the first row of (batch, head) in a (B, H, L, D) tensor."""
-    return base + tl.cast(batch, tl.int64) * stride_b + tl.cast(head, tl.int64) * stride_h
-
-
-@_triton_function
-def _load_tile(head, start, offsets, stride_l, dims, stride_d, row_ok, dim_ok, UPCAST: tl.constexpr):
-    """Rows start + offsets of a head: (len(offsets), BLOCK_D), zero past the end and past the head size
-    (head sizes are padded to a power of two)."""
-    pointers = head + tl.cast(start, tl.int64) * stride_l + offsets[:, None] * stride_l + dims[None, :] * stride_d
-    tile = tl.load(pointers, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    if UPCAST:  # fp32 inputs, or the interpreter (whose bf16 arithmetic is wrong)
-        tile = tile.to(tl.float32)
-    return tile
-
-
-@_triton_function
-def _store_tile(head, start, tile, offsets, stride_l, dims, stride_d, row_ok, dim_ok):
-    pointers = head + tl.cast(start, tl.int64) * stride_l + offsets[:, None] * stride_l + dims[None, :] * stride_d
-    tl.store(pointers, tile.to(head.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-
-
-@_triton_function
-def _load_query_rows(Positions, QkScale, BiasScale, doc_row, row_index, queries, row_ok, k_len,
-                     HAS_DOCS: tl.constexpr):
-    """Per-query data: position (-1 past the end, so it sees nothing), natural-unit logit scales, document.
-
-    QkScale = c_i * scaling multiplies q.k; BiasScale = c_i (ssmax_prior) or 1 multiplies the prior.
-    """
-    query_pos = tl.load(Positions + queries, mask=row_ok, other=-1).to(tl.int32)
-    qk_scale = tl.load(QkScale + row_index, mask=row_ok, other=0.0)
-    bias_scale = tl.load(BiasScale + row_index, mask=row_ok, other=0.0)
-    query_doc = query_pos
-    if HAS_DOCS:  # queries take the document of the key slot at their own position
-        query_doc = tl.load(doc_row + tl.minimum(tl.maximum(query_pos, 0), k_len - 1), mask=row_ok, other=-1)
-    return query_pos, qk_scale, bias_scale, query_doc
-
-
-@_triton_function
-def _load_key_columns(key_valid_row, doc_row, keys, k_len, HAS_KEY_VALID: tl.constexpr, HAS_DOCS: tl.constexpr):
-    """Per-key data: whether the key exists and is not padding, and its document."""
-    key_valid = keys < k_len
-    key_doc = keys
-    if HAS_KEY_VALID:
-        key_valid = key_valid & (tl.load(key_valid_row + keys, mask=keys < k_len, other=0) != 0)
-    if HAS_DOCS:
-        key_doc = tl.load(doc_row + keys, mask=keys < k_len, other=-2)
-    return key_valid, key_doc
-
-
-@_triton_function
-def _visible(query_pos, keys, key_valid, query_doc, key_doc, HAS_DOCS: tl.constexpr):
-    """Causal & valid & same document; operands broadcast to a (queries, keys) or (keys, queries) tile."""
-    visible = (keys <= query_pos) & key_valid
-    if HAS_DOCS:
-        visible = visible & (key_doc == query_doc)
-    return visible
-
-
-@_triton_function
-def _distance_index(query_pos, keys, table_len):
-    """Index t = p_i - j into the prior tables, clamped into range (hidden entries read a valid slot)."""
-    return tl.minimum(tl.maximum(query_pos - keys, 0), table_len - 1)
-
-
-@_triton_function
-def _ggd_prior(query_pos, keys, alpha_scale, beta, mu, eps, LEGACY: tl.constexpr):
-    """Analytic GGD prior (as `attention_bam.ggd_bias`); alpha_scale = exp(theta_alpha), mu = 2 sinh(theta_mu).
-
-    |x| ** beta = exp2(beta * log2(|x|)), the exponent clamped so that it stays finite for any beta.
-    """
-    shifted = (keys - query_pos).to(tl.float32) - mu
-    if LEGACY:
-        base = tl.abs(shifted * alpha_scale) + eps
-        return -tl.exp2(tl.minimum(beta * tl.log2(base), MAX_EXP2_ARGUMENT))
-    base = tl.abs(shifted) + eps
-    return -alpha_scale * tl.exp2(tl.minimum(beta * tl.log2(base), MAX_EXP2_ARGUMENT))
-
-
-@_triton_function
-def _online_softmax_step(scores, m_i, l_i, acc, v, DOT_PRECISION: tl.constexpr):
-    """Fold a (BLOCK_M, BLOCK_N) tile of log2-domain scores (-inf where hidden) into the running softmax."""
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: avoid -inf - -inf
-    p = tl.exp2(scores - m_safe[:, None])
-    rescale = tl.exp2(m_i - m_safe)
-    l_i = l_i * rescale + tl.sum(p, 1)
-    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@_triton_function
-def _finish_softmax(m_i, l_i, acc):
-    """Normalized output and log2-sum-exp2 per row; rows that saw no key give 0 and -inf."""
-    has_keys = l_i > 0.0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
-    return acc / l_safe[:, None], lse
-
-
-@_triton_function
-def _key_range(query_pos, row_ok, doc_start_row, k_len, BLOCK_N: tl.constexpr, HAS_DOCS: tl.constexpr):
-    """[start, end) of the keys a block of queries can see: causal end, start of the earliest document."""
-    key_end = tl.minimum(tl.max(query_pos, 0) + 1, k_len)
-    key_start = key_end * 0
-    if HAS_DOCS:
-        slot = tl.minimum(tl.maximum(query_pos, 0), k_len - 1)
-        starts = tl.load(doc_start_row + slot, mask=row_ok, other=k_len)
-        key_start = (tl.min(starts, 0) // BLOCK_N) * BLOCK_N
-    return key_start, key_end
-
-
-@_triton_function
-def _query_range(Positions, doc_end_row, keys, start_n, q_len, k_len, BLOCK_M: tl.constexpr,
-                 HAS_DOCS: tl.constexpr):
-    """[start, end) of the queries that can see a block of keys, for strictly increasing positions.
-
-    p_i <= p_last - (q_len - 1 - i) bounds the first query at or after the block; p_i >= p_first + i bounds
-    the last one inside the documents of the block.
-    """
-    first_pos = tl.load(Positions).to(tl.int32)
-    last_pos = tl.load(Positions + q_len - 1).to(tl.int32)
-    query_start = tl.maximum(start_n - (last_pos - (q_len - 1)), 0)
-    query_start = (query_start // BLOCK_M) * BLOCK_M
-    query_end = query_start * 0 + q_len
-    if HAS_DOCS:
-        ends = tl.load(doc_end_row + keys, mask=keys < k_len, other=0)
-        query_end = tl.minimum(query_end, tl.max(ends, 0) - first_pos)
-    return query_start, query_end
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Prefill forward
-# ----------------------------------------------------------------------------------------------------------
-
-
-@_triton_function
-def _attention_forward_kernel(
-    Q, K, V, Out, Lse, PriorTable, Positions, QkScale, BiasScale, KeyValid, DocIds, DocStart,
-    stride_qb, stride_qh, stride_ql, stride_qd,
-    stride_kb, stride_kh, stride_kl, stride_kd,
-    stride_vb, stride_vh, stride_vl, stride_vd,
-    stride_ob, stride_oh, stride_ol, stride_od,
-    num_heads, group_size, q_len, k_len, length_bucket,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_KEY_VALID: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Output and log2-sum-exp2 of BLOCK_M queries of one (batch, head), streaming the keys they can see."""
-    start_m = tl.program_id(0) * BLOCK_M
-    batch_head = tl.program_id(1)
-    batch = batch_head // num_heads
-    head = batch_head % num_heads
-    kv_head = head // group_size
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    queries = start_m + offs_m
-    row_ok = queries < q_len
-    dim_ok = offs_d < HEAD_DIM
-    row_index = tl.cast(batch_head, tl.int64) * q_len + queries
-    key_row = tl.cast(batch, tl.int64) * k_len  # offset of this batch row in the (B, Lk) side inputs
-    k_head = _head_pointer(K, batch, kv_head, stride_kb, stride_kh)
-    v_head = _head_pointer(V, batch, kv_head, stride_vb, stride_vh)
-    table_row = PriorTable + tl.cast(head, tl.int64) * k_len
-
-    q = _load_tile(_head_pointer(Q, batch, head, stride_qb, stride_qh), start_m, offs_m, stride_ql, offs_d,
-                   stride_qd, row_ok, dim_ok, UPCAST)  # (BLOCK_M, BLOCK_D)
-    query_pos, qk_scale, bias_scale, query_doc = _load_query_rows(
-        Positions, QkScale, BiasScale, DocIds + key_row, row_index, queries, row_ok, k_len, HAS_DOCS)
-    qk_scale = qk_scale * LOG2E
-    bias_scale = bias_scale * LOG2E
-
-    key_start, key_end = _key_range(query_pos, row_ok, DocStart + key_row, k_len, BLOCK_N, HAS_DOCS)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for start_n in range(key_start, key_end, BLOCK_N):
-        keys = start_n + offs_n
-        k = _load_tile(k_head, start_n, offs_n, stride_kl, offs_d, stride_kd, keys < k_len, dim_ok, UPCAST)
-        v = _load_tile(v_head, start_n, offs_n, stride_vl, offs_d, stride_vd, keys < k_len, dim_ok, UPCAST)
-        key_valid, key_doc = _load_key_columns(KeyValid + key_row, DocIds + key_row, keys, k_len, HAS_KEY_VALID,
-                                               HAS_DOCS)
-
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        prior = tl.load(table_row + _distance_index(query_pos[:, None], keys[None, :], k_len))
-        scores = qk * qk_scale[:, None] + prior * bias_scale[:, None]
-        visible = _visible(query_pos[:, None], keys[None, :], key_valid[None, :], query_doc[:, None],
-                           key_doc[None, :], HAS_DOCS)
-        scores = tl.where(visible, scores, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(scores, m_i, l_i, acc, v, DOT_PRECISION)
-
-    out, lse = _finish_softmax(m_i, l_i, acc)
-    _store_tile(_head_pointer(Out, batch, head, stride_ob, stride_oh), start_m, out, offs_m, stride_ol, offs_d,
-                stride_od, row_ok, dim_ok)
-    tl.store(Lse + row_index, lse, mask=row_ok)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Backward
-# ----------------------------------------------------------------------------------------------------------
-
-
-@_triton_function
-def _attention_backward_dkdv_kernel(
-    Q, K, V, GradOut, GradK, GradV, Lse, Delta, PriorTable, Positions, QkScale, BiasScale, KeyValid, DocIds, DocEnd,
-    stride_qb, stride_qh, stride_ql, stride_qd,
-    stride_kb, stride_kh, stride_kl, stride_kd,
-    stride_vb, stride_vh, stride_vl, stride_vd,
-    stride_gb, stride_gh, stride_gl, stride_gd,
-    stride_dkb, stride_dkh, stride_dkl, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvl, stride_dvd,
-    num_heads, group_size, q_len, k_len, length_bucket,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_KEY_VALID: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """dk, dv of BLOCK_N keys of one kv head, summed over the query heads of its group. Tiles are (keys, queries)."""
-    start_n = tl.program_id(0) * BLOCK_N
-    num_kv_heads = num_heads // group_size
-    batch = tl.program_id(1) // num_kv_heads
-    kv_head = tl.program_id(1) % num_kv_heads
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    keys = start_n + offs_n
-    key_ok = keys < k_len
-    dim_ok = offs_d < HEAD_DIM
-    key_row = tl.cast(batch, tl.int64) * k_len
-
-    k = _load_tile(_head_pointer(K, batch, kv_head, stride_kb, stride_kh), start_n, offs_n, stride_kl, offs_d,
-                   stride_kd, key_ok, dim_ok, UPCAST)  # (BLOCK_N, BLOCK_D)
-    v = _load_tile(_head_pointer(V, batch, kv_head, stride_vb, stride_vh), start_n, offs_n, stride_vl, offs_d,
-                   stride_vd, key_ok, dim_ok, UPCAST)
-    key_valid, key_doc = _load_key_columns(KeyValid + key_row, DocIds + key_row, keys, k_len, HAS_KEY_VALID,
-                                           HAS_DOCS)
-    query_start, query_end = _query_range(Positions, DocEnd + key_row, keys, start_n, q_len, k_len, BLOCK_M,
-                                          HAS_DOCS)
-
-    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    for group_index in range(group_size):
-        head = kv_head * group_size + group_index
-        batch_head = batch * num_heads + head
-        q_head = _head_pointer(Q, batch, head, stride_qb, stride_qh)
-        do_head = _head_pointer(GradOut, batch, head, stride_gb, stride_gh)
-        table_row = PriorTable + tl.cast(head, tl.int64) * k_len
-        for start_m in range(query_start, query_end, BLOCK_M):
-            queries = start_m + offs_m
-            row_ok = queries < q_len
-            row_index = tl.cast(batch_head, tl.int64) * q_len + queries
-            q = _load_tile(q_head, start_m, offs_m, stride_ql, offs_d, stride_qd, row_ok, dim_ok, UPCAST)
-            do = _load_tile(do_head, start_m, offs_m, stride_gl, offs_d, stride_gd, row_ok, dim_ok, UPCAST)
-            query_pos, qk_scale, bias_scale, query_doc = _load_query_rows(
-                Positions, QkScale, BiasScale, DocIds + key_row, row_index, queries, row_ok, k_len, HAS_DOCS)
-            lse = tl.load(Lse + row_index, mask=row_ok, other=0.0)
-            delta = tl.load(Delta + row_index, mask=row_ok, other=0.0)
-
-            qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
-            prior_t = tl.load(table_row + _distance_index(query_pos[None, :], keys[:, None], k_len))
-            scores_t = qk_t * (qk_scale * LOG2E)[None, :] + prior_t * (bias_scale * LOG2E)[None, :]
-            visible_t = _visible(query_pos[None, :], keys[:, None], key_valid[:, None], query_doc[None, :],
-                                 key_doc[:, None], HAS_DOCS)
-            # probabilities are <= 1: the clamp keeps a recomputed huge score (negative beta) from overflowing
-            p_t = tl.where(visible_t, tl.exp2(tl.minimum(scores_t - lse[None, :], 0.0)), 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])  # d loss / d score
-            dk += tl.dot((ds_t * qk_scale[None, :]).to(q.dtype), q, input_precision=DOT_PRECISION)
-
-    _store_tile(_head_pointer(GradK, batch, kv_head, stride_dkb, stride_dkh), start_n, dk, offs_n, stride_dkl,
-                offs_d, stride_dkd, key_ok, dim_ok)
-    _store_tile(_head_pointer(GradV, batch, kv_head, stride_dvb, stride_dvh), start_n, dv, offs_n, stride_dvl,
-                offs_d, stride_dvd, key_ok, dim_ok)
-
-
-@_triton_function
-def _attention_backward_dq_kernel(
-    Q, K, V, GradOut, GradQ, Lse, Delta, PriorTables, Positions, QkScale, BiasScale, KeyValid, DocIds, DocStart,
-    RowGrads,
-    stride_qb, stride_qh, stride_ql, stride_qd,
-    stride_kb, stride_kh, stride_kl, stride_kd,
-    stride_vb, stride_vh, stride_vl, stride_vd,
-    stride_gb, stride_gh, stride_gl, stride_gd,
-    stride_dqb, stride_dqh, stride_dql, stride_dqd,
-    num_heads, group_size, q_len, k_len, num_rows, scaling, length_bucket,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_KEY_VALID: tl.constexpr, HAS_DOCS: tl.constexpr, PRIOR_GRADS: tl.constexpr, SSMAX_GRAD: tl.constexpr,
-    SSMAX_PRIOR: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """dq of BLOCK_M queries, plus per-row partial sums for the parameter gradients (RowGrads, (4, num_rows)):
-
-    [0..2] sum_j dS_ij * d b_ij / d theta_{alpha, beta, mu}  (PriorTables[1..3]; weighted by c_i afterwards)
-    [3]    sum_j dS_ij * (q.k * scaling [+ b_ij])              (d loss / d c_i; times ln n_i gives d s_h)
-    """
-    start_m = tl.program_id(0) * BLOCK_M
-    batch_head = tl.program_id(1)
-    batch = batch_head // num_heads
-    head = batch_head % num_heads
-    kv_head = head // group_size
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    queries = start_m + offs_m
-    row_ok = queries < q_len
-    dim_ok = offs_d < HEAD_DIM
-    row_index = tl.cast(batch_head, tl.int64) * q_len + queries
-    key_row = tl.cast(batch, tl.int64) * k_len
-    k_head = _head_pointer(K, batch, kv_head, stride_kb, stride_kh)
-    v_head = _head_pointer(V, batch, kv_head, stride_vb, stride_vh)
-    table_row = PriorTables + tl.cast(head, tl.int64) * k_len
-    table_stride = tl.cast(num_heads, tl.int64) * k_len  # from the prior table to each derivative table
-
-    q = _load_tile(_head_pointer(Q, batch, head, stride_qb, stride_qh), start_m, offs_m, stride_ql, offs_d,
-                   stride_qd, row_ok, dim_ok, UPCAST)  # (BLOCK_M, BLOCK_D)
-    do = _load_tile(_head_pointer(GradOut, batch, head, stride_gb, stride_gh), start_m, offs_m, stride_gl, offs_d,
-                    stride_gd, row_ok, dim_ok, UPCAST)
-    query_pos, qk_scale, bias_scale, query_doc = _load_query_rows(
-        Positions, QkScale, BiasScale, DocIds + key_row, row_index, queries, row_ok, k_len, HAS_DOCS)
-    lse = tl.load(Lse + row_index, mask=row_ok, other=0.0)
-    delta = tl.load(Delta + row_index, mask=row_ok, other=0.0)
-
-    key_start, key_end = _key_range(query_pos, row_ok, DocStart + key_row, k_len, BLOCK_N, HAS_DOCS)
-    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    grad_alpha = tl.zeros((BLOCK_M,), tl.float32)
-    grad_beta = tl.zeros((BLOCK_M,), tl.float32)
-    grad_mu = tl.zeros((BLOCK_M,), tl.float32)
-    grad_factor = tl.zeros((BLOCK_M,), tl.float32)
-    for start_n in range(key_start, key_end, BLOCK_N):
-        keys = start_n + offs_n
-        k = _load_tile(k_head, start_n, offs_n, stride_kl, offs_d, stride_kd, keys < k_len, dim_ok, UPCAST)
-        v = _load_tile(v_head, start_n, offs_n, stride_vl, offs_d, stride_vd, keys < k_len, dim_ok, UPCAST)
-        key_valid, key_doc = _load_key_columns(KeyValid + key_row, DocIds + key_row, keys, k_len, HAS_KEY_VALID,
-                                               HAS_DOCS)
-
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        distance = _distance_index(query_pos[:, None], keys[None, :], k_len)
-        prior = tl.load(table_row + distance)
-        scores = qk * (qk_scale * LOG2E)[:, None] + prior * (bias_scale * LOG2E)[:, None]
-        visible = _visible(query_pos[:, None], keys[None, :], key_valid[None, :], query_doc[:, None],
-                           key_doc[None, :], HAS_DOCS)
-        p = tl.where(visible, tl.exp2(tl.minimum(scores - lse[:, None], 0.0)), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])  # d loss / d score; exactly 0 where hidden, and the tables are finite
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-        if PRIOR_GRADS:
-            grad_alpha += tl.sum(ds * tl.load(table_row + table_stride + distance), 1)
-            grad_beta += tl.sum(ds * tl.load(table_row + 2 * table_stride + distance), 1)
-            grad_mu += tl.sum(ds * tl.load(table_row + 3 * table_stride + distance), 1)
-        if SSMAX_GRAD:
-            logits = qk * scaling
-            if SSMAX_PRIOR:
-                logits += prior
-            grad_factor += tl.sum(ds * logits, 1)
-
-    _store_tile(_head_pointer(GradQ, batch, head, stride_dqb, stride_dqh), start_m, dq * qk_scale[:, None], offs_m,
-                stride_dql, offs_d, stride_dqd, row_ok, dim_ok)
-    if PRIOR_GRADS:
-        tl.store(RowGrads + row_index, grad_alpha, mask=row_ok)
-        tl.store(RowGrads + num_rows + row_index, grad_beta, mask=row_ok)
-        tl.store(RowGrads + 2 * tl.cast(num_rows, tl.int64) + row_index, grad_mu, mask=row_ok)
-    if SSMAX_GRAD:
-        tl.store(RowGrads + 3 * tl.cast(num_rows, tl.int64) + row_index, grad_factor, mask=row_ok)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Split-KV decode
-# ----------------------------------------------------------------------------------------------------------
-
-
-@_triton_function
-def _decode_split_kernel(
-    Q, K, V, OutPartial, LsePartial, Positions, QkScale, BiasScale, ThetaAlpha, ThetaBeta, ThetaMu,
-    KeyValid, DocIds,
-    stride_qb, stride_qh, stride_ql, stride_qd,
-    stride_kb, stride_kh, stride_kl, stride_kd,
-    stride_vb, stride_vh, stride_vl, stride_vd,
-    num_heads, group_size, q_len, k_len, keys_per_split, num_rows, eps,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_KEY_VALID: tl.constexpr, HAS_DOCS: tl.constexpr, LEGACY: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Attention of all queries of one GQA group over one split of the keys: normalized partial output and lse.
-
-    Tile rows are (query head in the group, query) pairs, so each key/value tile is loaded once per group.
-    """
-    split = tl.program_id(0)
-    num_kv_heads = num_heads // group_size
-    batch = tl.program_id(1) // num_kv_heads
-    kv_head = tl.program_id(1) % num_kv_heads
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < group_size * q_len
-    dim_ok = offs_d < HEAD_DIM
-    queries = offs_m % q_len
-    head = kv_head * group_size + offs_m // q_len  # (BLOCK_M,)
-    row_index = (tl.cast(batch, tl.int64) * num_heads + head) * q_len + queries
-    key_row = tl.cast(batch, tl.int64) * k_len
-    k_head = _head_pointer(K, batch, kv_head, stride_kb, stride_kh)
-    v_head = _head_pointer(V, batch, kv_head, stride_vb, stride_vh)
-
-    q_rows = _head_pointer(Q, batch, head, stride_qb, stride_qh) + tl.cast(queries, tl.int64) * stride_ql
-    q = tl.load(q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)  # (BLOCK_M, BLOCK_D)
-    query_pos, qk_scale, bias_scale, query_doc = _load_query_rows(
-        Positions, QkScale, BiasScale, DocIds + key_row, row_index, queries, row_ok, k_len, HAS_DOCS)
-    qk_scale = qk_scale * LOG2E
-    bias_scale = bias_scale * LOG2E
-    alpha_scale = tl.exp(tl.load(ThetaAlpha + head, mask=row_ok, other=0.0))
-    beta = tl.load(ThetaBeta + head, mask=row_ok, other=0.0)
-    theta_mu = tl.load(ThetaMu + head, mask=row_ok, other=0.0)
-    mu = tl.exp(theta_mu) - tl.exp(-theta_mu)
-
-    key_start = split * keys_per_split
-    key_end = tl.minimum(tl.minimum(key_start + keys_per_split, tl.max(query_pos, 0) + 1), k_len)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for start_n in range(key_start, key_end, BLOCK_N):
-        keys = start_n + offs_n
-        k = _load_tile(k_head, start_n, offs_n, stride_kl, offs_d, stride_kd, keys < k_len, dim_ok, UPCAST)
-        v = _load_tile(v_head, start_n, offs_n, stride_vl, offs_d, stride_vd, keys < k_len, dim_ok, UPCAST)
-        key_valid, key_doc = _load_key_columns(KeyValid + key_row, DocIds + key_row, keys, k_len, HAS_KEY_VALID,
-                                               HAS_DOCS)
-
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        prior = _ggd_prior(query_pos[:, None], keys[None, :], alpha_scale[:, None], beta[:, None], mu[:, None],
-                           eps, LEGACY)
-        scores = qk * qk_scale[:, None] + prior * bias_scale[:, None]
-        visible = _visible(query_pos[:, None], keys[None, :], key_valid[None, :], query_doc[:, None],
-                           key_doc[None, :], HAS_DOCS)
-        scores = tl.where(visible, scores, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(scores, m_i, l_i, acc, v, DOT_PRECISION)
-
-    out, lse = _finish_softmax(m_i, l_i, acc)  # an empty or fully hidden split gives 0 and -inf
-    partial_row = tl.cast(split, tl.int64) * num_rows + row_index
-    tl.store(OutPartial + partial_row[:, None] * HEAD_DIM + offs_d[None, :], out,
-             mask=row_ok[:, None] & dim_ok[None, :])
-    tl.store(LsePartial + partial_row, lse, mask=row_ok)
-
-
-@_triton_function
-def _decode_combine_kernel(
-    OutPartial, LsePartial, Out, Lse,
-    stride_ob, stride_oh, stride_ol, stride_od,
-    num_splits, num_heads, q_len, num_rows,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """out = sum_s w_s out_s with w_s = 2^(lse_s - lse), lse = log2 sum_s 2^lse_s: exactly the unsplit softmax."""
-    row = tl.program_id(0)
-    batch = row // (num_heads * q_len)
-    head = (row // q_len) % num_heads
-    query = row % q_len
-
-    splits = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    split_ok = splits < num_splits
-    dim_ok = offs_d < HEAD_DIM
-    partial_row = tl.cast(splits, tl.int64) * num_rows + row
-
-    lse_parts = tl.load(LsePartial + partial_row, mask=split_ok, other=float("-inf"))  # (BLOCK_S,)
-    lse_max = tl.max(lse_parts, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weights = tl.exp2(lse_parts - lse_max)  # 0 for empty splits
-    total = tl.sum(weights, 0)
-    out_parts = tl.load(OutPartial + partial_row[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=split_ok[:, None] & dim_ok[None, :], other=0.0)  # (BLOCK_S, BLOCK_D)
-    total_safe = tl.where(total > 0.0, total, 1.0)
-    out = tl.sum(weights[:, None] * out_parts, 0) / total_safe
-    lse = tl.where(total > 0.0, lse_max + tl.log2(total_safe), float("-inf"))
-
-    out_row = _head_pointer(Out, batch, head, stride_ob, stride_oh) + tl.cast(query, tl.int64) * stride_ol
-    tl.store(out_row + offs_d * stride_od, out.to(Out.dtype.element_ty), mask=dim_ok)
-    tl.store(Lse + row, lse)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Launch configuration
 # ----------------------------------------------------------------------------------------------------------
@@ -654,44 +69,115 @@ INTERPRETER_BLOCKS = {
 }
 INTERPRETER_DECODE_BLOCK_N = 32
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner on CUDA. For dk/dv, BLOCK_N is the key block
-# a program owns and BLOCK_M the query block it streams.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner on CUDA, for "narrow" tiles (16-bit inputs, head
+# size padded to <= 64) and "wide" ones (16-bit at 128, or fp32: twice the bytes per element). For dk/dv, BLOCK_N
+# is the key block a program owns (its k, v, dk, dv stay in registers) and BLOCK_M the query block it streams.
+# Every entry compiles for sm_80 and sm_90 without register spills and within shared memory, with padding,
+# documents and every gradient on (benchmarks/gpu_readiness.py, benchmarks/results/gpu-readiness.md).
 CUDA_CONFIGS = {
-    "forward": [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
-    "dkdv": [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (16, 64, 4, 3)],
-    "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
+    "narrow": {
+        "forward": [(128, 64, 8, 3), (128, 32, 8, 2), (64, 32, 4, 3)],
+        "dkdv": [(16, 32, 8, 2), (16, 32, 4, 2)],
+        "dq": [(32, 32, 8, 2), (16, 64, 4, 2), (32, 32, 4, 2)],
+    },
+    "wide": {
+        "forward": [(128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 8, 2)],
+        "dkdv": [(16, 64, 8, 2), (32, 32, 8, 2), (16, 32, 8, 2)],
+        "dq": [(32, 64, 8, 2), (32, 32, 4, 2)],
+    },
 }
 AUTOTUNE_KEY = ["HEAD_DIM", "length_bucket", "HAS_KEY_VALID", "HAS_DOCS", "UPCAST"]
 KERNEL_NAMES = {
     "forward": "_attention_forward_kernel",
     "dkdv": "_attention_backward_dkdv_kernel",
     "dq": "_attention_backward_dq_kernel",
+    "decode_split": "_decode_split_kernel",
+    "decode_combine": "_decode_combine_kernel",
 }
+COMBINE_LAUNCH = dict(num_warps=4, num_stages=1)
+# Largest head size whose every configuration compiles without spills into the shared memory of sm_80 and sm_90
+# (benchmarks/results/gpu-readiness.md): fp32 tiles take twice the registers and shared memory of 16-bit ones.
+MAX_HEAD_DIM = {torch.float16: 128, torch.bfloat16: 128, torch.float32: 64}
+MAX_SPLITS = 128  # the combine kernel holds (splits x head size) fp32 partials in registers
+COMBINE_BLOCKS = (8, 32, MAX_SPLITS)  # its split blocks: few compiled variants
 _AUTOTUNED = {}
 
 
-def _attention_kernel(kind: str, grid_rows: int, grid_programs: int, block_rows: str):
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes (constexpr meta-parameters) and launch options of one compiled variant of a kernel."""
+
+    meta: tuple  # ((name, value), ...)
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        tiles = " ".join(f"{name}={value}" for name, value in self.meta)
+        return f"{tiles} warps={self.num_warps} stages={self.num_stages}"
+
+
+def cuda_launch_configs(kind: str, block_d: int, dtype: torch.dtype) -> list[LaunchConfig]:
+    """Every configuration the launcher can pick on CUDA for a kernel (`KERNEL_NAMES`), head size padded to block_d.
+
+    The autotuner chooses among the prefill lists; decode tiles follow the query rows of a GQA group (up to
+    DECODE_MAX_ROWS) and the combine kernel's split block the number of splits (up to MAX_SPLITS).
+    `benchmarks/gpu_readiness.py` compiles each of them ahead of time.
+    """
+    if kind in ("forward", "dkdv", "dq"):
+        width = "narrow" if block_d <= 64 and dtype != torch.float32 else "wide"
+        return [LaunchConfig((("BLOCK_M", m), ("BLOCK_N", n)), warps, stages)
+                for m, n, warps, stages in CUDA_CONFIGS[width][kind]]
+    if kind == "decode_split":
+        return [LaunchConfig((("BLOCK_M", rows), ("BLOCK_N", _decode_block_n(rows))), **_decode_launch(rows))
+                for rows in _powers_of_2(16, DECODE_MAX_ROWS)]
+    if kind == "decode_combine":
+        return [LaunchConfig((("BLOCK_S", splits),), **COMBINE_LAUNCH) for splits in COMBINE_BLOCKS]
+    raise ValueError(f"unknown kernel {kind!r}; expected one of {list(KERNEL_NAMES)}")
+
+
+def head_dim_supported(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether every configuration of the kernels fits a GPU (sm_80, sm_90) for this head size and dtype."""
+    return head_dim <= MAX_HEAD_DIM.get(dtype, 0)
+
+
+def _powers_of_2(low: int, high: int) -> list[int]:
+    return [1 << exponent for exponent in range(low.bit_length() - 1, high.bit_length())]
+
+
+def _attention_kernel(kind: str, grid_rows: int, grid_programs: int, block_rows: str, block_d: int,
+                      dtype: torch.dtype):
     """(kernel, grid, fixed meta-parameters) for one of the prefill kernels.
 
-    Under the interpreter the tile sizes are fixed; on CUDA the autotuner picks them per length bucket.
+    Under the interpreter the tile sizes are fixed; on CUDA the autotuner picks them per length bucket among
+    `cuda_launch_configs`.
     """
     kernels = _activate_kernels()
     if _interpreting():
         meta = INTERPRETER_BLOCKS[kind]
         return kernels[KERNEL_NAMES[kind]], (_cdiv(grid_rows, meta[block_rows]), grid_programs), meta
-    if kind not in _AUTOTUNED:
-        configs = [
-            triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
-            for m, n, warps, stages in CUDA_CONFIGS[kind]
-        ]
-        _AUTOTUNED[kind] = triton.autotune(configs=configs, key=AUTOTUNE_KEY)(kernels[KERNEL_NAMES[kind]])
-    return _AUTOTUNED[kind], lambda meta: (_cdiv(grid_rows, meta[block_rows]), grid_programs), {}
+    if (kind, block_d, dtype) not in _AUTOTUNED:
+        triton = _import_triton()
+        configs = [triton.Config(dict(config.meta), num_warps=config.num_warps, num_stages=config.num_stages)
+                   for config in cuda_launch_configs(kind, block_d, dtype)]
+        _AUTOTUNED[kind, block_d, dtype] = triton.autotune(configs=configs, key=AUTOTUNE_KEY)(
+            kernels[KERNEL_NAMES[kind]])
+    return _AUTOTUNED[kind, block_d, dtype], lambda meta: (_cdiv(grid_rows, meta[block_rows]), grid_programs), {}
 
 
-def _decode_block_n(block_d: int) -> int:
+def _combine_block(num_splits: int) -> int:
+    return next(block for block in COMBINE_BLOCKS if num_splits <= block)
+
+
+def _decode_launch(block_m: int) -> dict:
+    """4 warps for a tile of up to 16 query rows, 8 above (the fp32 accumulator grows with the rows)."""
+    return dict(num_warps=4 if block_m <= 16 else 8, num_stages=3)
+
+
+def _decode_block_n(block_m: int) -> int:
+    """Keys per tile of the split-KV kernel: 64 for up to 16 query rows, 32 above (registers)."""
     if _interpreting():
         return INTERPRETER_DECODE_BLOCK_N
-    return 64 if block_d >= 128 else 128
+    return 64 if block_m <= 16 else 32
 
 
 def _auto_num_splits(batch_kv_heads: int, k_len: int, block_n: int, device: torch.device) -> int:
@@ -700,7 +186,7 @@ def _auto_num_splits(batch_kv_heads: int, k_len: int, block_n: int, device: torc
         return 1
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     wanted = _cdiv(2 * sm_count, batch_kv_heads)
-    return max(1, min(wanted, _cdiv(k_len, 4 * block_n), 256))
+    return max(1, min(wanted, _cdiv(k_len, 4 * block_n), MAX_SPLITS))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -726,6 +212,7 @@ class _Problem:
     document_ids: Optional[torch.Tensor]  # (B, Lk) int32
     document_start: Optional[torch.Tensor]  # (B, Lk) int32: first key of the document of each key
     document_end: Optional[torch.Tensor]  # (B, Lk) int32: one past its last key
+    padding_end: Optional[torch.Tensor]  # (B,) int32: one past the last padded key of each row (0 if none)
 
     @property
     def group_size(self) -> int:
@@ -774,15 +261,19 @@ def _prepare_problem(query, key, query_positions, key_valid, document_ids, ssmax
     qk_scale = (factor * scaling).expand(batch, heads, q_len).contiguous()
     bias_scale = (factor if ssmax_prior else torch.ones_like(factor)).expand(batch, heads, q_len).contiguous()
 
+    padding_end = None
     if key_valid is not None:
-        key_valid = key_valid.to(device=device, dtype=torch.bool).expand(batch, k_len).contiguous().view(torch.uint8)
+        key_valid = key_valid.to(device=device, dtype=torch.bool).expand(batch, k_len).contiguous()
+        key_index = torch.arange(1, k_len + 1, device=device, dtype=torch.int32)
+        padding_end = torch.where(key_valid, 0, key_index).amax(-1).to(torch.int32).contiguous()
+        key_valid = key_valid.view(torch.uint8)
     document_start = document_end = None
     if document_ids is not None:
         document_ids = document_ids.to(device=device, dtype=torch.int32).expand(batch, k_len).contiguous()
         document_start, document_end = _document_bounds(document_ids)
     return _Problem(
         batch, heads, kv_heads, q_len, k_len, head_dim, positions, qk_scale, bias_scale, counts,
-        key_valid, document_ids, document_start, document_end,
+        key_valid, document_ids, document_start, document_end, padding_end,
     )
 
 
@@ -816,11 +307,12 @@ def _dot_options(query: torch.Tensor) -> dict:
 
 
 def _prefill_forward(query, key, value, problem: _Problem, prior_table: torch.Tensor, out, lse) -> None:
-    kernel, grid, meta = _attention_kernel("forward", problem.q_len, problem.batch * problem.heads, "BLOCK_M")
+    kernel, grid, meta = _attention_kernel("forward", problem.q_len, problem.batch * problem.heads, "BLOCK_M",
+                                           problem.block_d, query.dtype)
     kernel[grid](
         query, key, value, out, lse, prior_table, problem.positions, problem.qk_scale, problem.bias_scale,
         _or(problem.key_valid, problem), _or(problem.document_ids, problem), _or(problem.document_start, problem),
-        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+        _or(problem.padding_end, problem), *query.stride(), *key.stride(), *value.stride(), *out.stride(),
         problem.heads, problem.group_size, problem.q_len, problem.k_len, problem.length_bucket,
         HEAD_DIM=problem.head_dim, BLOCK_D=problem.block_d,
         HAS_KEY_VALID=problem.key_valid is not None, HAS_DOCS=problem.document_ids is not None,
@@ -832,33 +324,34 @@ def _or(tensor: Optional[torch.Tensor], problem: _Problem) -> torch.Tensor:
     return problem.dummy() if tensor is None else tensor
 
 
-def _split_kv_forward(query, key, value, problem: _Problem, theta_alpha, theta_beta, theta_mu, formula, eps,
-                      num_splits: Optional[int], out, lse) -> None:
+def _split_kv_forward(query, key, value, problem: _Problem, prior_table: torch.Tensor, num_splits: Optional[int],
+                      out, lse) -> None:
     kernels = _activate_kernels()
-    block_n = _decode_block_n(problem.block_d)
     rows_per_group = problem.group_size * problem.q_len
+    block_m = max(16, _next_power_of_2(rows_per_group))
+    block_n = _decode_block_n(block_m)
     if num_splits is None:
         num_splits = _auto_num_splits(problem.batch * problem.kv_heads, problem.k_len, block_n, query.device)
     keys_per_split = _cdiv(_cdiv(problem.k_len, num_splits), block_n) * block_n
     num_rows = problem.batch * problem.heads * problem.q_len
     out_partial = _new_output(query.new_empty(num_splits, num_rows, problem.head_dim, dtype=torch.float32))
     lse_partial = _new_output(query.new_empty(num_splits, num_rows, dtype=torch.float32))
-    launch = {} if _interpreting() else dict(num_warps=4, num_stages=3)
+    launch = {} if _interpreting() else _decode_launch(block_m)
 
     kernels["_decode_split_kernel"][(num_splits, problem.batch * problem.kv_heads)](
-        query, key, value, out_partial, lse_partial, problem.positions, problem.qk_scale, problem.bias_scale,
-        theta_alpha.detach().float().contiguous(), theta_beta.detach().float().contiguous(),
-        theta_mu.detach().float().contiguous(), _or(problem.key_valid, problem), _or(problem.document_ids, problem),
+        query, key, value, out_partial, lse_partial, prior_table, problem.positions, problem.qk_scale,
+        problem.bias_scale, _or(problem.key_valid, problem), _or(problem.document_ids, problem),
         *query.stride(), *key.stride(), *value.stride(),
-        problem.heads, problem.group_size, problem.q_len, problem.k_len, keys_per_split, num_rows, eps,
-        HEAD_DIM=problem.head_dim, BLOCK_M=max(16, _next_power_of_2(rows_per_group)), BLOCK_N=block_n,
+        problem.heads, problem.group_size, problem.q_len, problem.k_len, keys_per_split, num_rows,
+        HEAD_DIM=problem.head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=problem.block_d, HAS_KEY_VALID=problem.key_valid is not None,
-        HAS_DOCS=problem.document_ids is not None, LEGACY=formula == "legacy", **_dot_options(query), **launch,
+        HAS_DOCS=problem.document_ids is not None, **_dot_options(query), **launch,
     )
     kernels["_decode_combine_kernel"][(num_rows,)](
         out_partial, lse_partial, out, lse, *out.stride(),
         num_splits, problem.heads, problem.q_len, num_rows,
-        HEAD_DIM=problem.head_dim, BLOCK_S=max(2, _next_power_of_2(num_splits)), BLOCK_D=problem.block_d,
+        HEAD_DIM=problem.head_dim, BLOCK_S=_combine_block(num_splits), BLOCK_D=problem.block_d,
+        **({} if _interpreting() else COMBINE_LAUNCH),
     )
 
 
@@ -878,11 +371,11 @@ def _attention_forward(query, key, value, theta_alpha, theta_beta, theta_mu, que
     lse = _new_output(query.new_empty(problem.batch, problem.heads, problem.q_len, dtype=torch.float32))
     if problem.q_len == 0:
         return out, lse
+    # the one prior definition of every path: the backward recomputes scores from this same table
+    prior_table = _prior_tables(theta_alpha, theta_beta, theta_mu, problem.k_len, formula, eps, False)
     if _use_split_kv(problem, num_splits):
-        _split_kv_forward(query, key, value, problem, theta_alpha, theta_beta, theta_mu, formula, eps, num_splits,
-                          out, lse)
+        _split_kv_forward(query, key, value, problem, prior_table, num_splits, out, lse)
     else:
-        prior_table = _prior_tables(theta_alpha, theta_beta, theta_mu, problem.k_len, formula, eps, False)
         _prefill_forward(query, key, value, problem, prior_table, out, lse)
     return out, lse
 
@@ -905,17 +398,19 @@ def _attention_backward(grad_out, query, key, value, out, lse, theta_alpha, thet
     side_inputs = (problem.positions, problem.qk_scale, problem.bias_scale, _or(problem.key_valid, problem),
                    _or(problem.document_ids, problem))
 
-    kernel, grid, meta = _attention_kernel("dkdv", problem.k_len, problem.batch * problem.kv_heads, "BLOCK_N")
+    kernel, grid, meta = _attention_kernel("dkdv", problem.k_len, problem.batch * problem.kv_heads, "BLOCK_N",
+                                           problem.block_d, query.dtype)
     kernel[grid](
         query, key, value, grad_out, grad_k, grad_v, lse, delta, tables, *side_inputs,
         _or(problem.document_end, problem),
         *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *grad_k.stride(), *grad_v.stride(),
         problem.heads, problem.group_size, problem.q_len, problem.k_len, problem.length_bucket, **flags, **meta,
     )
-    kernel, grid, meta = _attention_kernel("dq", problem.q_len, problem.batch * problem.heads, "BLOCK_M")
+    kernel, grid, meta = _attention_kernel("dq", problem.q_len, problem.batch * problem.heads, "BLOCK_M",
+                                           problem.block_d, query.dtype)
     kernel[grid](
         query, key, value, grad_out, grad_q, lse, delta, tables, *side_inputs,
-        _or(problem.document_start, problem), row_grads,
+        _or(problem.document_start, problem), _or(problem.padding_end, problem), row_grads,
         *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *grad_q.stride(),
         problem.heads, problem.group_size, problem.q_len, problem.k_len, num_rows, scaling, problem.length_bucket,
         PRIOR_GRADS=prior_grads, SSMAX_GRAD=ssmax_grad, SSMAX_PRIOR=ssmax_prior, **flags, **meta,
@@ -1093,7 +588,7 @@ def ggd_attention(
         (B, H, Lq, D) in the query dtype, differentiable w.r.t. query, key, value, the theta parameters and
         ssmax_scale.
     """
-    _check_inputs(query, key, value, theta_alpha, query_positions, formula)
+    _check_inputs(query, key, value, theta_alpha, query_positions, formula, num_splits)
     out, _ = _ggd_attention_forward_op(
         query, key, value, theta_alpha, theta_beta, theta_mu, query_positions, key_valid, document_ids,
         ssmax_scale, float(scaling), formula, float(eps), bool(ssmax_prior), num_splits,
@@ -1101,7 +596,7 @@ def ggd_attention(
     return out
 
 
-def _check_inputs(query, key, value, theta_alpha, query_positions, formula) -> None:
+def _check_inputs(query, key, value, theta_alpha, query_positions, formula, num_splits=None) -> None:
     if not TRITON_AVAILABLE:
         raise RuntimeError("ggd_attention needs the `triton` package, which is not installed")
     if formula not in FORMULAS:
@@ -1116,8 +611,14 @@ def _check_inputs(query, key, value, theta_alpha, query_positions, formula) -> N
             or value.dtype != query.dtype:
         raise ValueError(f"expected fp16/bf16/fp32 query, key and value of one dtype; got {query.dtype}, "
                          f"{key.dtype}, {value.dtype}")
-    if head_dim > 256:
-        raise ValueError(f"head size {head_dim} > 256 is not supported")
+    if not _interpreting() and not head_dim_supported(head_dim, query.dtype):  # the interpreter has no such limit
+        raise ValueError(f"head size {head_dim} is not supported for {query.dtype} inputs: the kernels' tiles "
+                         f"would not fit a GPU's registers and shared memory (up to {MAX_HEAD_DIM[query.dtype]})")
+    if num_splits is not None and num_splits > 0:
+        rows = heads // key.shape[1] * q_len
+        if rows > DECODE_MAX_ROWS or num_splits > MAX_SPLITS:
+            raise ValueError(f"split-KV decode takes at most {DECODE_MAX_ROWS} (query heads per kv head x queries) "
+                             f"rows and {MAX_SPLITS} splits; got {rows} rows and num_splits={num_splits}")
     if theta_alpha.shape != (heads,):
         raise ValueError(f"expected ({heads},) prior parameters, got {tuple(theta_alpha.shape)}")
     if query_positions.shape != (q_len,):
@@ -1125,3 +626,4 @@ def _check_inputs(query, key, value, theta_alpha, query_positions, formula) -> N
 
 
 __all__ = ["TRITON_AVAILABLE", "ggd_attention", "triton_usable"]
+

@@ -20,7 +20,7 @@ from bam_llama import attention_bam, triton_bam  # noqa: E402
 
 
 DEVICE = torch.device("cuda")
-HEAD_SIZES = (32, 48, 64, 80, 96, 128)
+HEAD_SIZES = (32, 48, 64, 80, 96, 128)  # fp32 inputs are supported up to 64 (triton_bam.MAX_HEAD_DIM)
 
 
 def random_attention_inputs(batch, heads, kv_heads, q_len, k_len, head_dim, dtype, seed=0):
@@ -66,6 +66,8 @@ def relative_error(actual, expected):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("head_dim", HEAD_SIZES)
 def test_prefill_forward_and_backward_match_the_reference(head_dim, dtype):
+    if not triton_bam.head_dim_supported(head_dim, dtype):
+        pytest.skip(f"{dtype} at head size {head_dim} does not fit a GPU: ggd_attention raises")
     batch, heads, kv_heads, length = 2, 8, 2, 1029  # not a multiple of any block size
     inputs, params = random_attention_inputs(batch, heads, kv_heads, length, length, head_dim, dtype)
     positions = torch.arange(length, device=DEVICE)
@@ -102,6 +104,37 @@ def test_decode_against_a_long_cache_equals_prefill(num_splits):
         single_pass = triton_bam.ggd_attention(query, key, value, *params[:3], positions, num_splits=0, **common)
         split = triton_bam.ggd_attention(query, key, value, *params[:3], positions, num_splits=num_splits, **common)
     assert relative_error(split.float(), single_pass.float()) < 1e-2
+
+
+@pytest.mark.parametrize("q_len, num_splits", [(1, 8), (11, None), (16, 3)])
+def test_gradients_through_split_kv_decode(q_len, num_splits):
+    """A training call with <= 16 queries takes split-KV: its backward must recompute the forward's exact scores
+    (same prior table), for negative beta without SSMax in particular."""
+    batch, heads, kv_heads, k_len, head_dim = 2, 8, 2, 3000, 128
+    inputs, params = random_attention_inputs(batch, heads, kv_heads, q_len, k_len, head_dim, torch.bfloat16)
+    with torch.no_grad():
+        params[2][0] = 0.0  # mu = 0 with beta = -2: a huge prior at distance 0
+    positions = torch.arange(k_len - q_len, k_len, device=DEVICE)
+    scaling = head_dim**-0.5
+    grad_output = torch.randn(batch, heads, q_len, head_dim, device=DEVICE)
+
+    def fused(query, key, value, *params):
+        return triton_bam.ggd_attention(query, key, value, *params[:3], positions, scaling=scaling,
+                                        num_splits=num_splits)
+
+    def plain(query, key, value, *params):
+        k_len = key.shape[2]
+        visible = attention_bam.visibility_from_positions(positions, k_len, None, None)
+        bias = attention_bam.ggd_bias(attention_bam.relative_distance(positions, k_len), *params[:3], "current")
+        return attention_bam.bam_attention_reference(query, key, value, visible, bias, scaling)[0]
+
+    expected, expected_grads = with_gradients(plain, [t.float() for t in inputs] + params[:3], grad_output)
+    actual, actual_grads = with_gradients(fused, inputs + params[:3], grad_output)
+    assert relative_error(actual, expected) < 2e-2
+    for name, got, want in zip(["dq", "dk", "dv", "d theta_alpha", "d theta_beta", "d theta_mu"], actual_grads,
+                               expected_grads):
+        assert torch.isfinite(got).all(), name
+        assert relative_error(got, want) < 5e-2, name
 
 
 def test_parameter_gradients_are_bitwise_deterministic():
