@@ -44,8 +44,13 @@ DECODE_MAX_ROWS = 64  # ...when (query heads per kv head) x queries fits one til
 
 
 def triton_usable(tensor: torch.Tensor) -> bool:
-    """Whether the fused kernels can run on `tensor`: triton is installed and it is on a GPU or interpreted."""
-    return TRITON_AVAILABLE and (tensor.is_cuda or _interpreting())
+    """Whether the fused kernels can run on `tensor` (B, H, L, D): triton is installed and it is interpreted, or on
+    a GPU with a head size and dtype whose tiles fit (see MAX_HEAD_DIM; e.g. fp32 above 64 does not)."""
+    if not TRITON_AVAILABLE:
+        return False
+    if _interpreting():
+        return True
+    return tensor.is_cuda and head_dim_supported(tensor.shape[-1], tensor.dtype)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -420,3 +420,23 @@ def test_benchmark_smoke():
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "triton (bias on + SSMax)" in result.stdout
+
+
+def test_triton_usable_refuses_gpu_inputs_whose_tiles_do_not_fit(monkeypatch):
+    """On a GPU the model must fall back to SDPA instead of reaching the kernels' ValueError: fp32 fits up to
+    head size 64, fp16/bf16 up to 128 (the limits of the ahead-of-time readiness table)."""
+    monkeypatch.setattr(triton_bam, "_interpreting", lambda: False)
+
+    class GpuTensor:
+        is_cuda = True
+
+        def __init__(self, head_dim, dtype):
+            self.shape, self.dtype = (1, 2, 3, head_dim), dtype
+
+    assert triton_bam.triton_usable(GpuTensor(64, torch.float32))
+    assert not triton_bam.triton_usable(GpuTensor(65, torch.float32))
+    assert not triton_bam.triton_usable(GpuTensor(128, torch.float32))
+    assert triton_bam.triton_usable(GpuTensor(128, torch.bfloat16))
+    assert triton_bam.triton_usable(GpuTensor(128, torch.float16))
+    assert not triton_bam.triton_usable(GpuTensor(256, torch.bfloat16))
+    assert not triton_bam.triton_usable(torch.zeros(1, 2, 3, 64))  # a CPU tensor without the interpreter
