@@ -707,7 +707,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--add-bos", action="store_true", help="start every sequence with the tokenizer's BOS")
     parser.add_argument("--device", type=device_name, help="e.g. cuda, cuda:1, cpu (default: CUDA if available)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype")
-    parser.add_argument("--attn-implementation", help="e.g. bam_sdpa, bam_triton, sdpa (default: the model's)")
+    parser.add_argument("--attn-implementation", help="sdpa, eager or bam_triton (default: the model's)")
     parser.add_argument("--out", help="folder for the table (.md), results (.json) and plot (.png)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 

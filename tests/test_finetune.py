@@ -370,6 +370,28 @@ def test_cli_reports_bad_input_without_a_traceback(workspace, tmp_path, capsys):
     assert f"below the length the model was trained at (train_context_length={TRAIN_LENGTH})" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--context-length", "0"), ("--context-length", "-128"), ("--lora-rank", "0"), ("--lora-alpha", "-1"),
+        ("--lora-dropout", "1.5"), ("--learning-rate", "0"), ("--prior-learning-rate", "nan"),
+        ("--weight-decay", "-0.1"), ("--warmup-steps", "-1"), ("--batch-size", "0"), ("--num-train-epochs", "0"),
+        ("--gradient-accumulation-steps", "0"), ("--save-steps", "0"), ("--save-total-limit", "0"),
+        ("--logging-steps", "x"), ("--eval-rows", "0"),
+    ],
+)
+def test_a_bad_number_is_one_line_naming_the_option_before_anything_loads(tmp_path, capsys, option, value):
+    """The model path does not exist: the argument check must come first."""
+    argv = ["--model", str(tmp_path / "missing"), "--data", str(tmp_path / "missing.txt"),
+            "--output-dir", str(tmp_path / "out"), "--context-length", "64", option, value]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert option in error and "Traceback" not in error
+    assert not (tmp_path / "out").exists()
+
+
 def test_ddp_on_two_cpu_processes(workspace, tmp_path):
     output_dir = tmp_path / "ddp"
     command = [
