@@ -398,23 +398,11 @@ def prepare_model(model: BamLlamaForCausalLM, args: FinetuneArguments):
             task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, lora_config)
+        model.get_base_model().apply_prior_trainability()  # modules_to_save unfreezes every copied parameter
     else:
         model.requires_grad_(True)
-    apply_prior_flags(model, config)
+        model.apply_prior_trainability()
     return model
-
-
-def apply_prior_flags(model: torch.nn.Module, config: BamLlamaConfig) -> None:
-    """requires_grad of every prior / SSMax parameter from the config; PEFT's frozen originals stay frozen."""
-    flags = {
-        "theta_alpha": config.train_theta_alpha,
-        "theta_beta": config.train_theta_beta,
-        "theta_mu": config.train_theta_mu,
-        "scale": config.train_ssmax_scale,
-    }
-    for name, parameter in model.named_parameters():
-        if is_prior_parameter(name):
-            parameter.requires_grad_(flags[name.rsplit(".", 1)[1]] and ".original_module." not in name)
 
 
 def prior_values(model: torch.nn.Module) -> dict[str, dict[str, list[float]]]:
