@@ -239,12 +239,13 @@ def bam_triton_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Fused Triton kernels; falls back to SDPA off-GPU, with dropout, or with a custom 4D mask."""
     custom_mask = attention_mask is not None and attention_mask.dim() == 4
-    if query.is_cuda and not triton_usable(query):
+    usable = triton_usable(query)
+    if query.is_cuda and not usable:
         logger.warning_once(
             f"bam_triton: the fused kernels do not fit head size {query.shape[-1]} in {query.dtype} on a GPU; "
             "attention runs on SDPA (use fp16/bf16 for the kernels)"
         )
-    if custom_mask or dropout > 0.0 or not triton_usable(query):
+    if custom_mask or dropout > 0.0 or not usable:
         return bam_sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling, dropout,
             query_positions=query_positions, prior=prior, document_ids=document_ids,
