@@ -222,7 +222,7 @@ def bam_attention_blocked(
     key_valid: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
     dropout: float = 0.0,
-    block_elements: int = 1 << 23,
+    block_elements: int = 1 << 20,
 ) -> torch.Tensor:
     """Same result as `bam_attention_reference` without any (Lq x Lk) tensor: SDPA over blocks of queries.
 
@@ -252,14 +252,15 @@ def bam_attention_blocked(
         counts = visible_key_counts(query_positions, key.shape[2], key_valid, document_ids)  # (B, Lq)
     row_factor = None if ssmax_scale is None else ssmax_factor(counts, ssmax_scale)
     block = max(1, min(q_len, block_elements // (batch * heads * (last + 1))))
+    backward_block = min(block, 64)  # it keeps several (rows x keys) tensors: small blocks stay in cache (CPU)
     scale_prior = row_factor is not None and ssmax_prior
     # table[m] = prior at distance m - P; entries past P are future keys: -inf, or 0 when the row factor
     # multiplies the prior (c = 0 or c < 0 would turn -inf into NaN / +inf; those are masked separately).
     table = F.pad(prior_table.to(compute_dtype), (0, block - 1), value=0.0 if scale_prior else float("-inf"))
 
     reverse = torch.arange(q_len - 1, -1, -1, device=query.device)
-    if q_len > 1:
-        query = _reverse_rows(query, reverse)
+    query = query.flip(2).contiguous() if q_len > 1 else query.contiguous()
+    key, value = key.contiguous(), value.contiguous()  # SDPA's CPU kernel is much slower on (B, L, H, D) layouts
     if row_factor is not None:
         row_factor = (row_factor.flip(2) if q_len > 1 else row_factor).to(compute_dtype)
         query = query * row_factor
@@ -268,33 +269,41 @@ def bam_attention_blocked(
         key_mask = key_mask.masked_fill(~key_valid.bool(), HIDDEN)[:, None, None, :]
     query_documents = None if document_ids is None else document_ids[:, query_positions.flip(0)]
 
-    # Training a prior: SDPA has no gradient for its mask on the fused kernel, so each block runs without
-    # autograd (fused) and is recomputed in the backward pass; no block's scores are kept, memory stays O(L).
-    # A frozen prior (only q, k, v need gradients) keeps SDPA's own fused backward.
+    # Training a prior: SDPA has no gradient for its mask, so the blocks run without autograd (fused kernel) and
+    # a flash-style backward recomputes each block's probabilities once for every gradient; no block's scores
+    # are kept, memory stays O(L). With dropout, each block is replayed under autograd instead. A frozen prior
+    # (only q, k, v need gradients) keeps SDPA's own fused backward.
     prior_factor = row_factor if scale_prior else None
     tensors = (query, key, value, table, prior_factor, key_mask, query_documents, document_ids)
-    recompute = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (table, prior_factor))
-    outputs = []
-    for start in range(0, q_len, block):  # start = reversed row index: the block's last query is at P - start
-        rows, keys = min(block, q_len - start), last - start + 1
-        if recompute:
-            outputs.append(_RecomputedBlock.apply(start, rows, keys, scaling, dropout, *tensors))
-        else:
-            outputs.append(_attend_block(*tensors, start, rows, keys, scaling, dropout))
-    output = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+    prior_trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (table, prior_factor))
+    if prior_trains and dropout == 0.0:
+        output = _PriorGradientAttention.apply((block, backward_block), last, scaling, *tensors)
+    else:
+        outputs = []
+        for start, rows, keys in _blocks(q_len, block, last):
+            if prior_trains:
+                outputs.append(_RecomputedBlock.apply(start, rows, keys, scaling, dropout, *tensors))
+            else:
+                outputs.append(_attend_block(*tensors, start, rows, keys, scaling, dropout))
+        output = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
     output = output.index_select(1, reverse) if q_len > 1 else output  # (B, Lq, H, D), natural order
     if key_valid is not None:  # rows that see no key (queries on padding) give zeros
         output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
     return output.to(input_dtype).transpose(1, 2)
 
 
-def _attend_block(
-    query, key, value, table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys, scaling, dropout
-) -> torch.Tensor:
-    """Reversed query rows start..start+rows against keys 0..keys-1: (B, rows, H, D).
+def _blocks(q_len: int, block: int, last: int):
+    """(start, rows, keys) of every block: reversed rows start..start+rows, whose last query sits at position
+    last - start, against keys 0..keys-1."""
+    for start in range(0, q_len, block):
+        yield start, min(block, q_len - start), last - start + 1
+
+
+def _block_mask(table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys) -> torch.Tensor:
+    """Float mask of reversed rows start..start+rows against keys 0..keys-1: (1 or B, H, rows, keys).
 
     prior_factor: the SSMax factor (B, H, Lq, 1) where it scales the prior (the table's future padding is then 0)."""
-    mask = table[:, start : start + rows + keys - 1].unfold(-1, keys, 1)[None]  # (1, H, rows, keys) view
+    mask = _table_windows(table, start, rows, keys)[None]  # (1, H, rows, keys) view
     if prior_factor is not None:  # into a row-major tensor: `view * factor` would be laid out column-major
         factor = prior_factor[:, :, start : start + rows]
         scaled = torch.empty(factor.shape[0], *mask.shape[1:], dtype=mask.dtype, device=mask.device)
@@ -306,8 +315,25 @@ def _attend_block(
     if key_mask is not None:
         mask = mask + key_mask[..., :keys]
     if query_documents is not None:
-        other = query_documents[:, start : start + rows, None] != document_ids[:, None, :keys]
-        mask = mask.masked_fill(other[:, None], HIDDEN)
+        mask = mask.masked_fill(_other_documents(query_documents, document_ids, start, rows, keys), HIDDEN)
+    return mask
+
+
+def _table_windows(table: torch.Tensor, start: int, rows: int, keys: int) -> torch.Tensor:
+    """(H, rows, keys) view: row r is table[:, start + r : start + r + keys]."""
+    return table[:, start : start + rows + keys - 1].unfold(-1, keys, 1)
+
+
+def _other_documents(query_documents, document_ids, start, rows, keys) -> torch.Tensor:
+    """(B, 1, rows, keys) bool, True where the key belongs to another document than the query."""
+    return (query_documents[:, start : start + rows, None] != document_ids[:, None, :keys])[:, None]
+
+
+def _attend_block(
+    query, key, value, table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys, scaling, dropout
+) -> torch.Tensor:
+    """Reversed query rows start..start+rows against keys 0..keys-1: (B, rows, H, D)."""
+    mask = _block_mask(table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys)
     output = F.scaled_dot_product_attention(
         query[:, :, start : start + rows], key[:, :, :keys], value[:, :, :keys], attn_mask=mask,
         dropout_p=dropout, scale=scaling, enable_gqa=True,
@@ -315,50 +341,107 @@ def _attend_block(
     return output.transpose(1, 2)
 
 
-class _RecomputedBlock(torch.autograd.Function):
-    """`_attend_block` that keeps only its inputs: the backward pass recomputes the block with autograd on,
-    replaying the random state for dropout. Gradients come from `torch.autograd.grad`, so `.grad()` works."""
+class _PriorGradientAttention(torch.autograd.Function):
+    """All blocks of `bam_attention_blocked` when the prior trains (no dropout), with a flash-style backward.
+
+    Forward: each block through SDPA's fused kernel; only the inputs are kept (O(L) memory).
+    Backward, block by block: P = softmax(S) recomputed once, then dV = P^T dO, dS = P * (dP - rowsum(P * dP))
+    with dP = dO V^T (the softmax backward: a row that sees one key gets dS = 0 exactly, which matters because
+    the prior's gradient at distance 0 is huge for a negative beta), dQ = dS K, dK = dS^T Q (scaled), and the
+    mask's gradient dS goes to the prior table along the diagonals (row r of a block's mask is a window of the
+    table, see `_table_windows`) and, where SSMax scales the prior, to the row factor. Key/value heads are shared
+    by groups of query heads: (B, H, R, .) is viewed as (B, Hkv, group * R, .), so the matmuls sum over a group.
+    """
 
     @staticmethod
-    def forward(ctx, start, rows, keys, scaling, dropout, *tensors):
-        ctx.block = (start, rows, keys, scaling, dropout)
-        ctx.device = tensors[0].device
-        ctx.rng_state = _rng_state(ctx.device) if dropout > 0.0 else None
-        ctx.save_for_backward(*tensors)
+    def forward(ctx, blocks, last, scaling, query, key, value, table, prior_factor, key_mask, query_documents, document_ids):
+        tensors = (query, key, value, table, prior_factor, key_mask, query_documents, document_ids)
         detached = [t.detach() if t is not None else None for t in tensors]  # else SDPA avoids its fused kernel
-        return _attend_block(*detached, *ctx.block)
+        outputs = [_attend_block(*detached, *rows, scaling, 0.0) for rows in _blocks(query.shape[2], blocks[0], last)]
+        ctx.block = (blocks[1], last, scaling)
+        ctx.save_for_backward(*tensors)
+        return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]  # (B, Lq, H, D), reversed rows
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        needs_grad = ctx.needs_input_grad[5:]
-        tensors = [
-            t.detach().requires_grad_(wanted) if t is not None else None
-            for t, wanted in zip(ctx.saved_tensors, needs_grad)
-        ]
-        with torch.enable_grad(), torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
-            if ctx.rng_state is not None:
-                _set_rng_state(ctx.device, ctx.rng_state)
-            output = _attend_block(*tensors, *ctx.block)
-        wanted = [t for t, flag in zip(tensors, needs_grad) if flag]
-        grads = iter(torch.autograd.grad(output, wanted, grad_output))
-        return (None,) * 5 + tuple(next(grads) if flag else None for flag in needs_grad)
+        block, last, scaling = ctx.block
+        query, key, value, table, prior_factor, key_mask, query_documents, document_ids = ctx.saved_tensors
+        masking = (table, prior_factor, key_mask, query_documents, document_ids)
+        batch, heads, q_len, head_dim = query.shape
+        kv_heads = key.shape[1]
+        grad_output = grad_output.transpose(1, 2)  # (B, H, Lq, D)
+        scaled_query, scaled_key = query * scaling, key * scaling
+        grad_query, grad_key, grad_value = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        grad_table = torch.zeros_like(table) if ctx.needs_input_grad[6] else None
+        grad_factor = torch.zeros_like(prior_factor) if ctx.needs_input_grad[7] else None
+        for start, rows, keys in _blocks(q_len, block, last):
+            rows_slice = slice(start, start + rows)
+            block_query = _group_heads(scaled_query[:, :, rows_slice], kv_heads)  # (B, Hkv, group * rows, D)
+            block_grad = _group_heads(grad_output[:, :, rows_slice], kv_heads)
+            scores = torch.matmul(block_query, key[:, :, :keys].transpose(2, 3)).view(batch, heads, rows, keys)
+            probs = torch.softmax(_add_block_mask(scores, *masking, start, rows, keys), dim=-1)
+            _accumulate(grad_value, keys, _group_heads(probs, kv_heads).transpose(2, 3), block_grad)
+            grad_probs = torch.matmul(block_grad, value[:, :, :keys].transpose(2, 3)).view(batch, heads, rows, keys)
+            row_dot = torch.linalg.vecdot(probs, grad_probs).unsqueeze(-1)
+            # dS (the mask's gradient), stored with `rows` zero columns after every row for `_diagonal_sums`
+            padded = torch.empty(batch, heads, rows, keys + rows, dtype=probs.dtype, device=probs.device)
+            padded[..., keys:].zero_()
+            grad_scores = torch.mul(grad_probs.sub_(row_dot), probs, out=padded[..., :keys])
+            grouped_grad_scores = _group_heads(grad_scores, kv_heads)
+            block_grad_query = torch.matmul(grouped_grad_scores, scaled_key[:, :, :keys])
+            grad_query[:, :, rows_slice] = block_grad_query.view(batch, heads, rows, head_dim)
+            _accumulate(grad_key, keys, grouped_grad_scores.transpose(2, 3), block_query)
+            factor = None if prior_factor is None else prior_factor[:, :, rows_slice]
+            if grad_table is not None:
+                grad_table[:, start : start + rows + keys - 1] += _diagonal_sums(padded, factor)
+            if grad_factor is not None:
+                windows = _table_windows(table, start, rows, keys)
+                row_sums = torch.linalg.vecdot(grad_scores, windows).unsqueeze(-1)  # (B, H, rows, 1)
+                grad_factor[:, :, rows_slice] = row_sums.sum(0, keepdim=True) if grad_factor.shape[0] == 1 else row_sums
+        return None, None, None, grad_query, grad_key, grad_value, grad_table, grad_factor, None, None, None
 
 
-def _rng_state(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+def _add_block_mask(scores, table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys):
+    """scores += `_block_mask(...)` in place, without materializing an SSMax-scaled mask."""
+    if prior_factor is None:
+        return scores.add_(_block_mask(table, None, key_mask, query_documents, document_ids, start, rows, keys))
+    scores.addcmul_(_table_windows(table, start, rows, keys)[None], prior_factor[:, :, start : start + rows])
+    scores[..., keys - rows :].masked_fill_(_future(rows, rows, scores.device), float("-inf"))
+    if key_mask is not None:
+        scores.add_(key_mask[..., :keys])
+    if query_documents is not None:
+        scores.masked_fill_(_other_documents(query_documents, document_ids, start, rows, keys), HIDDEN)
+    return scores
 
 
-def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
+def _accumulate(grad: torch.Tensor, keys: int, left: torch.Tensor, right: torch.Tensor) -> None:
+    """grad[:, :, :keys] += left @ right, in place through the matmul (grad (B, Hkv, Lk, D) contiguous)."""
+    batch, kv_heads, length, width = grad.shape
+    target = grad.view(batch * kv_heads, length, width)[:, :keys]
+    target.baddbmm_(left.reshape(batch * kv_heads, *left.shape[2:]), right.reshape(batch * kv_heads, *right.shape[2:]))
 
 
-def _reverse_rows(tensor: torch.Tensor, reverse: torch.Tensor) -> torch.Tensor:
-    """(B, H, L, D) -> the same rows in reverse order, copied in the (B, L, H, D) layout (fast to reorder)."""
-    return tensor.transpose(1, 2).index_select(1, reverse).transpose(1, 2)
+def _group_heads(tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, H, R, X) -> (B, Hkv, H / Hkv * R, X): the rows of the query heads that share a key/value head."""
+    batch, heads, rows, width = tensor.shape
+    return tensor.reshape(batch, kv_heads, heads // kv_heads * rows, width)
+
+
+def _diagonal_sums(padded: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:
+    """Transpose of `_table_windows`, summed over the batch: (B, H, R, K + R) -> (H, R + K - 1) with
+    out[:, m] = sum over b, r of w[b, :, r] * values[b, :, r, m - r], where values = padded[..., :K] and the R
+    columns after them are zeros. Read with a row stride one shorter, row r starts r elements later, so a column
+    collects one diagonal; the weighted sum over rows is a matmul. row_weights: (B, H, R, 1), or None for ones."""
+    batch, heads, rows, width = padded.shape
+    out = padded.new_zeros(heads, 1, width - 1)
+    for b in range(batch):
+        diagonals = padded[b].as_strided((heads, rows, width - 1), (rows * width, width - 1, 1))
+        if row_weights is None:
+            out[:, 0] += diagonals.sum(1)
+        else:
+            out.baddbmm_(row_weights[b if row_weights.shape[0] > 1 else 0].transpose(1, 2), diagonals)
+    return out[:, 0]
 
 
 def _future(rows: int, keys: int, device) -> torch.Tensor:
