@@ -200,3 +200,26 @@ def test_blocked_attention_and_gradients_match_float64_reference(case, block_ele
     expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
     for name, got, want in zip(["q", "k", "v", *parameters], actual_grads, expected_grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"gradient of {name}: {m}")
+
+
+@pytest.mark.parametrize("ssmax", [True, False])
+def test_float32_prior_gradient_with_single_key_rows_and_negative_beta(ssmax):
+    """float32, beta = -3: the prior at distance 0 is ~-1e15 and its beta-gradient ~1e16, so a row that sees only
+    its own key (every document's first token) must contribute exactly zero, as the softmax backward gives.
+    Gradients of the prior and SSMax scale against the float64 reference, per head."""
+    module, prior = attention_module(-3.0, ssmax=ssmax)
+    query, key, value = random_qkv(2, 4, 2, 24, 24, 8, torch.float32, seed=5)
+    positions = torch.arange(24)
+    document_ids = torch.tensor([[0] * 9 + [1] * 10 + [2] * 5, [0] * 3 + [1] * 21])
+    parameters = [prior.theta_alpha, prior.theta_beta] + ([module.ssmax.scale] if ssmax else [])
+    weights = torch.randn(2, 4, 24, 8, generator=torch.Generator().manual_seed(6))
+    actual = run_sdpa_path(module, prior, query, key, value, positions, document_ids=document_ids)
+    actual_grads = torch.autograd.grad((actual * weights).sum(), parameters)
+    expected = reference_for(module, prior, query, key, value, positions, document_ids=document_ids)
+    expected_grads = torch.autograd.grad((expected * weights.double()).sum(), parameters)
+    for name, got, want in zip(["theta_alpha", "theta_beta", "ssmax_scale"], actual_grads, expected_grads):
+        for head in range(4):
+            torch.testing.assert_close(
+                got[head].double(), want[head].double(), atol=1e-4 * float(want.abs().max()) + 1e-6, rtol=1e-3,
+                msg=lambda m: f"gradient of {name}, head {head}: {m}",
+            )
