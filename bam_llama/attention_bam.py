@@ -444,6 +444,47 @@ def _diagonal_sums(padded: torch.Tensor, row_weights: torch.Tensor | None) -> to
     return out[:, 0]
 
 
+class _RecomputedBlock(torch.autograd.Function):
+    """`_attend_block` that keeps only its inputs: the backward pass recomputes the block with autograd on,
+    replaying the random state for dropout. Gradients come from `torch.autograd.grad`, so `.grad()` works."""
+
+    @staticmethod
+    def forward(ctx, start, rows, keys, scaling, dropout, *tensors):
+        ctx.block = (start, rows, keys, scaling, dropout)
+        ctx.device = tensors[0].device
+        ctx.rng_state = _rng_state(ctx.device) if dropout > 0.0 else None
+        ctx.save_for_backward(*tensors)
+        detached = [t.detach() if t is not None else None for t in tensors]  # else SDPA avoids its fused kernel
+        return _attend_block(*detached, *ctx.block)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        needs_grad = ctx.needs_input_grad[5:]
+        tensors = [
+            t.detach().requires_grad_(wanted) if t is not None else None
+            for t, wanted in zip(ctx.saved_tensors, needs_grad)
+        ]
+        with torch.enable_grad(), torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+            if ctx.rng_state is not None:
+                _set_rng_state(ctx.device, ctx.rng_state)
+            output = _attend_block(*tensors, *ctx.block)
+        wanted = [t for t, flag in zip(tensors, needs_grad) if flag]
+        grads = iter(torch.autograd.grad(output, wanted, grad_output))
+        return (None,) * 5 + tuple(next(grads) if flag else None for flag in needs_grad)
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
 def _future(rows: int, keys: int, device) -> torch.Tensor:
     """(rows, keys) bool, True where key j lies after the query of reversed row r (position P_block - r)."""
     return torch.arange(keys, device=device)[None, :] + torch.arange(rows, device=device)[:, None] >= keys

@@ -223,3 +223,42 @@ def test_float32_prior_gradient_with_single_key_rows_and_negative_beta(ssmax):
                 got[head].double(), want[head].double(), atol=1e-4 * float(want.abs().max()) + 1e-6, rtol=1e-3,
                 msg=lambda m: f"gradient of {name}, head {head}: {m}",
             )
+
+
+def test_blocked_attention_with_dropout_has_the_gradient_of_its_own_random_masks():
+    """Attention dropout with a trained prior: each block is replayed in the backward pass with the forward's
+    random state. Checked by central differences in float64, re-seeding before every evaluation so that every
+    forward draws the same dropout masks: a backward with other masks (or none) gives another gradient."""
+    heads, kv_heads, length, head_dim = 4, 2, 11, 8
+    query, key, value = random_qkv(2, heads, kv_heads, length, length, head_dim, torch.float64, seed=7)
+    theta_beta = torch.tensor([-1.5, -0.5, 0.8, 2.0], dtype=torch.float64, requires_grad=True)
+    ssmax_scale = torch.tensor([0.9, 1.1, 0.7, 1.3], dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(2, heads, length, head_dim, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+
+    def loss(beta, scale, q, seed=123):
+        torch.manual_seed(seed)
+        table = ggd_bias(torch.arange(-(length - 1), 1), torch.zeros(heads, dtype=torch.float64), beta, torch.zeros(heads))
+        output = bam_attention_blocked(
+            q, key, value, torch.arange(length), table.double(), head_dim**-0.5, ssmax_scale=scale, dropout=0.3,
+            block_elements=3 * 2 * heads * length,  # blocks of 3 queries
+        )
+        return (output * weights).sum()
+
+    query.requires_grad_(True)
+    grads = torch.autograd.grad(loss(theta_beta, ssmax_scale, query), [theta_beta, ssmax_scale, query])
+    with torch.no_grad():  # dropout is on: another seed drops other probabilities
+        assert abs(float(loss(theta_beta, ssmax_scale, query) - loss(theta_beta, ssmax_scale, query, seed=124))) > 1e-3
+    with torch.no_grad():
+        for name, index, grad in [("theta_beta", 0, grads[0]), ("ssmax_scale", 1, grads[1])]:
+            for head in range(heads):
+                step = torch.zeros(heads, dtype=torch.float64)
+                step[head] = 1e-4
+                args_plus = [theta_beta, ssmax_scale, query]
+                args_minus = [theta_beta, ssmax_scale, query]
+                args_plus[index] = args_plus[index] + step
+                args_minus[index] = args_minus[index] - step
+                numeric = (loss(*args_plus) - loss(*args_minus)) / 2e-4
+                assert abs(float(grad[head]) - float(numeric)) < 2e-3 * (1 + abs(float(numeric))), (name, head)
+        direction = torch.randn(query.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+        numeric = (loss(theta_beta, ssmax_scale, query + 1e-5 * direction) - loss(theta_beta, ssmax_scale, query - 1e-5 * direction)) / 2e-5
+        torch.testing.assert_close((grads[2] * direction).sum(), numeric, atol=1e-5, rtol=1e-5)
