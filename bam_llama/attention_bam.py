@@ -258,7 +258,6 @@ def bam_attention_blocked(
     # multiplies the prior (c = 0 or c < 0 would turn -inf into NaN / +inf; those are masked separately).
     table = F.pad(prior_table.to(compute_dtype), (0, block - 1), value=0.0 if scale_prior else float("-inf"))
 
-    reverse = torch.arange(q_len - 1, -1, -1, device=query.device)
     query = query.flip(2).contiguous() if q_len > 1 else query.contiguous()
     key, value = key.contiguous(), value.contiguous()  # SDPA's CPU kernel is much slower on (B, L, H, D) layouts
     if row_factor is not None:
@@ -286,7 +285,7 @@ def bam_attention_blocked(
             else:
                 outputs.append(_attend_block(*tensors, start, rows, keys, scaling, dropout))
         output = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
-    output = output.index_select(1, reverse) if q_len > 1 else output  # (B, Lq, H, D), natural order
+    output = output.flip(1) if q_len > 1 else output  # (B, Lq, H, D), natural order
     if key_valid is not None:  # rows that see no key (queries on padding) give zeros
         output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
     return output.to(input_dtype).transpose(1, 2)
@@ -311,7 +310,8 @@ def _block_mask(table, prior_factor, key_mask, query_documents, document_ids, st
             mask = scaled.copy_(mask).mul_(factor)  # out= has no autograd
         else:
             mask = torch.mul(mask, factor, out=scaled)
-        mask[..., keys - rows :].masked_fill_(_future(rows, rows, mask.device), float("-inf"))
+        if rows > 1:  # a single query sees every key of its block
+            mask[..., keys - rows :].masked_fill_(_future(rows, rows, mask.device), float("-inf"))
     if key_mask is not None:
         mask = mask + key_mask[..., :keys]
     if query_documents is not None:
@@ -354,8 +354,9 @@ class _PriorGradientAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, blocks, last, scaling, query, key, value, table, prior_factor, key_mask, query_documents, document_ids):
-        tensors = (query, key, value, table, prior_factor, key_mask, query_documents, document_ids)
+    def forward(ctx, blocks, last, scaling, *tensors):
+        # tensors: query, key, value, table, prior_factor, key_mask, query_documents, document_ids
+        query = tensors[0]
         detached = [t.detach() if t is not None else None for t in tensors]  # else SDPA avoids its fused kernel
         outputs = [_attend_block(*detached, *rows, scaling, 0.0) for rows in _blocks(query.shape[2], blocks[0], last)]
         ctx.block = (blocks[1], last, scaling)

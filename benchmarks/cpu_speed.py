@@ -17,8 +17,10 @@ Modes at every length L (tokens):
 Timing: `--repeats` rounds; in every round each (case, mode) runs once, the cases interleaved, so a load spike
 hits all of them; the table gives the median and the min-max spread. Peak memory: a separate untimed pass per
 (case, mode, length) resets the process' peak RSS (`echo 5 > /proc/self/clear_refs`, Linux), runs once, and
-reports VmHWM minus the RSS before the run (the script re-executes itself with MALLOC_MMAP_THRESHOLD_=128K so
-that every tensor above 128 KiB is mmapped and returned to the system when freed: the increase is that run's own). A profile (`--profile L`) prints torch.profiler's top operators for the BAM forward.
+reports VmHWM minus the RSS before the run. The memory passes run in a child process started with
+MALLOC_MMAP_THRESHOLD_=128K, so that every tensor above 128 KiB is mmapped and returned to the system when freed
+(the increase is that run's own); the timings run without it, as users run.
+A profile (`--profile L`) prints torch.profiler's top operators for the BAM forward.
 
     python benchmarks/cpu_speed.py                          # 512..4096, writes benchmarks/results/cpu-speed.{md,json}
     python benchmarks/cpu_speed.py --lengths 512 --repeats 1 --out /tmp/x    # quick look
@@ -31,6 +33,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -168,18 +171,38 @@ def benchmark(lengths, repeats, cases) -> list[dict]:
             for mode in MODES:
                 for case, model in models.items():
                     times[case, mode].append(timed(model, mode, ids))
-        for case, model in models.items():
+        for case in cases:
             for mode in MODES:
                 seconds = times[case, mode]
-                rows.append({
-                    "case": case, "mode": mode, "length": length, "seconds": seconds,
-                    "median_s": statistics.median(seconds),
-                    "peak_rss_increase_mib": peak_rss_increase_mib(model, mode, ids),
-                })
+                median = statistics.median(seconds)
+                rows.append({"case": case, "mode": mode, "length": length, "seconds": seconds, "median_s": median})
             print(f"L={length} {case}: " + ", ".join(
                 f"{r['mode']} {r['median_s']:.3f}s" for r in rows if r["case"] == case and r["length"] == length
             ), flush=True)
     return rows
+
+
+def peak_memory(lengths, cases) -> dict:
+    """{(case, mode, length): MiB}, one untimed run each, in this process (started with a fixed mmap threshold)."""
+    models = {case: build_model(case) for case in cases}
+    return {
+        (case, mode, length): peak_rss_increase_mib(model, mode, input_ids(length))
+        for length in lengths for case, model in models.items() for mode in MODES
+    }
+
+
+def peak_memory_in_child(args) -> dict:
+    """`peak_memory` in a child process with MALLOC_MMAP_THRESHOLD_ fixed at 128 KiB: every large tensor is mmapped
+    and returned to the system when freed, so the RSS of one run is that run's own (glibc's dynamic threshold
+    would keep freed tensors in the heap). Timings run without it: a fixed threshold makes every large allocation
+    page-fault, which is not what users run."""
+    command = [sys.executable, __file__, "--memory-only", "--lengths", *map(str, args.lengths)]
+    command += ["--cases", *args.cases]
+    if args.threads is not None:
+        command += ["--threads", str(args.threads)]
+    environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 17)}
+    output = subprocess.run(command, env=environment, check=True, capture_output=True, text=True).stdout
+    return {tuple(entry["key"]): entry["mib"] for entry in json.loads(output)}
 
 
 def markdown(rows, info, command, load) -> str:
@@ -238,11 +261,6 @@ def profile(length: int, case: str) -> None:
 
 
 def main(argv=None) -> int:
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ and argv is None:
-        # A fixed mmap threshold: every large tensor is mmapped and returned to the system when freed, so the
-        # RSS of one run is that run's own (glibc's dynamic threshold would keep freed tensors in the heap).
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
-        os.execv(sys.executable, [sys.executable, *sys.argv])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     parser.add_argument("--repeats", type=int, default=5)
@@ -251,11 +269,15 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--profile", type=int, metavar="L", help="print a torch.profiler table instead")
     parser.add_argument("--profile-case", choices=list(CASES), default="bam+ssmax")
+    parser.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)  # peak_memory_in_child
     args = parser.parse_args(argv)
     if any(length < 2 for length in args.lengths) or args.repeats < 1:
         parser.error("--lengths must be >= 2 and --repeats >= 1")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.memory_only:
+        print(json.dumps([{"key": list(key), "mib": mib} for key, mib in peak_memory(args.lengths, args.cases).items()]))
+        return 0
     if args.profile is not None:
         profile(args.profile, args.profile_case)
         return 0
@@ -264,6 +286,9 @@ def main(argv=None) -> int:
     command = "python benchmarks/cpu_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
     load_before = os.getloadavg()[0]
     rows = benchmark(args.lengths, args.repeats, args.cases)
+    memory = peak_memory_in_child(args)
+    for row in rows:
+        row["peak_rss_increase_mib"] = memory[row["case"], row["mode"], row["length"]]
     info = {**machine_info(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     load = (f"{load_before:.2f}", f"{os.getloadavg()[0]:.2f}")
     report = {"command": command, "machine": info, "load_average": load, "sizes": SIZES, "rows": rows}

@@ -237,7 +237,8 @@ def test_blocked_attention_with_dropout_has_the_gradient_of_its_own_random_masks
 
     def loss(beta, scale, q, seed=123):
         torch.manual_seed(seed)
-        table = ggd_bias(torch.arange(-(length - 1), 1), torch.zeros(heads, dtype=torch.float64), beta, torch.zeros(heads))
+        flat = torch.zeros(heads, dtype=torch.float64)
+        table = ggd_bias(torch.arange(-(length - 1), 1), flat, beta, flat)
         output = bam_attention_blocked(
             q, key, value, torch.arange(length), table.double(), head_dim**-0.5, ssmax_scale=scale, dropout=0.3,
             block_elements=3 * 2 * heads * length,  # blocks of 3 queries
@@ -260,5 +261,6 @@ def test_blocked_attention_with_dropout_has_the_gradient_of_its_own_random_masks
                 numeric = (loss(*args_plus) - loss(*args_minus)) / 2e-4
                 assert abs(float(grad[head]) - float(numeric)) < 2e-3 * (1 + abs(float(numeric))), (name, head)
         direction = torch.randn(query.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
-        numeric = (loss(theta_beta, ssmax_scale, query + 1e-5 * direction) - loss(theta_beta, ssmax_scale, query - 1e-5 * direction)) / 2e-5
+        shifted = [loss(theta_beta, ssmax_scale, query + sign * 1e-5 * direction) for sign in (1, -1)]
+        numeric = (shifted[0] - shifted[1]) / 2e-5
         torch.testing.assert_close((grads[2] * direction).sum(), numeric, atol=1e-5, rtol=1e-5)
