@@ -124,7 +124,7 @@ def training_batch(
 @dataclass
 class ModelSize:
     hidden_size: int = 128
-    num_hidden_layers: int = 3
+    num_hidden_layers: int = 4
     num_attention_heads: int = 4
     intermediate_size: int | None = None
 
@@ -169,7 +169,7 @@ def build_model(name: str, size: ModelSize, train_length: int, **bam_overrides) 
 
 @dataclass
 class TrainConfig:
-    steps: int = 900
+    steps: int = 1500
     batch_size: int = 32
     lr: float = 2e-3
     # The prior has a handful of scalars per head that must travel several units (theta_alpha ~ 2, theta_beta ~ -2
