@@ -302,21 +302,32 @@ def _block_mask(table, prior_factor, key_mask, query_documents, document_ids, st
     """Float mask of reversed rows start..start+rows against keys 0..keys-1: (1 or B, H, rows, keys).
 
     prior_factor: the SSMax factor (B, H, Lq, 1) where it scales the prior (the table's future padding is then 0)."""
-    mask = _table_windows(table, start, rows, keys)[None]  # (1, H, rows, keys) view
-    if prior_factor is not None:  # into a row-major tensor: `view * factor` would be laid out column-major
-        factor = prior_factor[:, :, start : start + rows]
-        scaled = torch.empty(factor.shape[0], *mask.shape[1:], dtype=mask.dtype, device=mask.device)
-        if torch.is_grad_enabled() and (table.requires_grad or factor.requires_grad):
-            mask = scaled.copy_(mask).mul_(factor)  # out= has no autograd
-        else:
-            mask = torch.mul(mask, factor, out=scaled)
-        if rows > 1:  # a single query sees every key of its block
-            mask[..., keys - rows :].masked_fill_(_future(rows, rows, mask.device), float("-inf"))
+    windows = _table_windows(table, start, rows, keys)[None]  # (1, H, rows, keys) view
+    if prior_factor is None:  # the table's padding already hides future keys
+        mask = windows if key_mask is None else windows + key_mask[..., :keys]
+        if query_documents is not None:
+            mask = mask.masked_fill(_other_documents(query_documents, document_ids, start, rows, keys), HIDDEN)
+        return mask
+    # into a row-major tensor: `windows * factor` would be laid out column-major
+    factor = prior_factor[:, :, start : start + rows]
+    scaled = torch.empty(factor.shape[0], *windows.shape[1:], dtype=windows.dtype, device=windows.device)
+    if torch.is_grad_enabled() and (table.requires_grad or factor.requires_grad):
+        mask = scaled.copy_(windows).mul_(factor)  # out= has no autograd
+    else:
+        mask = torch.mul(windows, factor, out=scaled)
+    return _hide_keys_(mask, key_mask, query_documents, document_ids, start, rows, keys)
+
+
+def _hide_keys_(scores, key_mask, query_documents, document_ids, start, rows, keys) -> torch.Tensor:
+    """In place on a block's (B or 1, H, rows, keys) scores or mask: -inf on future keys, HIDDEN on padding and
+    on keys of other documents."""
+    if rows > 1:  # a single query sees every key of its block
+        scores[..., keys - rows :].masked_fill_(_future(rows, rows, scores.device), float("-inf"))
     if key_mask is not None:
-        mask = mask + key_mask[..., :keys]
+        scores.add_(key_mask[..., :keys])
     if query_documents is not None:
-        mask = mask.masked_fill(_other_documents(query_documents, document_ids, start, rows, keys), HIDDEN)
-    return mask
+        scores.masked_fill_(_other_documents(query_documents, document_ids, start, rows, keys), HIDDEN)
+    return scores
 
 
 def _table_windows(table: torch.Tensor, start: int, rows: int, keys: int) -> torch.Tensor:
@@ -408,12 +419,7 @@ def _add_block_mask(scores, table, prior_factor, key_mask, query_documents, docu
     if prior_factor is None:
         return scores.add_(_block_mask(table, None, key_mask, query_documents, document_ids, start, rows, keys))
     scores.addcmul_(_table_windows(table, start, rows, keys)[None], prior_factor[:, :, start : start + rows])
-    scores[..., keys - rows :].masked_fill_(_future(rows, rows, scores.device), float("-inf"))
-    if key_mask is not None:
-        scores.add_(key_mask[..., :keys])
-    if query_documents is not None:
-        scores.masked_fill_(_other_documents(query_documents, document_ids, start, rows, keys), HIDDEN)
-    return scores
+    return _hide_keys_(scores, key_mask, query_documents, document_ids, start, rows, keys)
 
 
 def _accumulate(grad: torch.Tensor, keys: int, left: torch.Tensor, right: torch.Tensor) -> None:
