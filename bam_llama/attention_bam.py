@@ -318,6 +318,18 @@ def _block_mask(table, prior_factor, key_mask, query_documents, document_ids, st
     return _hide_keys_(mask, key_mask, query_documents, document_ids, start, rows, keys)
 
 
+def _write_block_mask(
+    out, table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys
+) -> torch.Tensor:
+    """`_block_mask` written into `out`, a contiguous (B, H, rows, keys) tensor the scores are then added to."""
+    windows = _table_windows(table, start, rows, keys)[None].expand(out.shape)
+    if prior_factor is None:
+        out.copy_(windows)
+    else:
+        torch.mul(windows, prior_factor[:, :, start : start + rows], out=out)
+    return _hide_keys_(out, key_mask, query_documents, document_ids, start, rows, keys)
+
+
 def _hide_keys_(scores, key_mask, query_documents, document_ids, start, rows, keys) -> torch.Tensor:
     """In place on a block's (B or 1, H, rows, keys) scores or mask: -inf on future keys, HIDDEN on padding and
     on keys of other documents."""
@@ -387,19 +399,22 @@ class _PriorGradientAttention(torch.autograd.Function):
         grad_query, grad_key, grad_value = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
         grad_table = torch.zeros_like(table) if ctx.needs_input_grad[6] else None
         grad_factor = torch.zeros_like(prior_factor) if ctx.needs_input_grad[7] else None
+        workspace = _Workspace(4, batch * heads * min(block, q_len) * (last + 1 + block), query)
         for start, rows, keys in _blocks(q_len, block, last):
             rows_slice = slice(start, start + rows)
             block_query = _group_heads(scaled_query[:, :, rows_slice], kv_heads)  # (B, Hkv, group * rows, D)
             block_grad = _group_heads(grad_output[:, :, rows_slice], kv_heads)
-            scores = torch.matmul(block_query, key[:, :, :keys].transpose(2, 3)).view(batch, heads, rows, keys)
-            probs = torch.softmax(_add_block_mask(scores, *masking, start, rows, keys), dim=-1)
+            scores = _write_block_mask(workspace.take(0, (batch, heads, rows, keys)), *masking, start, rows, keys)
+            _flat(_group_heads(scores, kv_heads)).baddbmm_(_flat(block_query), _flat(key[:, :, :keys]).transpose(1, 2))
+            probs = torch.softmax(scores, dim=-1, out=workspace.take(1, scores.shape))
             _accumulate(grad_value, keys, _group_heads(probs, kv_heads).transpose(2, 3), block_grad)
-            grad_probs = torch.matmul(block_grad, value[:, :, :keys].transpose(2, 3)).view(batch, heads, rows, keys)
-            row_dot = torch.linalg.vecdot(probs, grad_probs).unsqueeze(-1)
-            # dS (the mask's gradient), stored with `rows` zero columns after every row for `_diagonal_sums`
-            padded = torch.empty(batch, heads, rows, keys + rows, dtype=probs.dtype, device=probs.device)
+            grad_probs = workspace.take(0, (batch, heads, rows, keys))
+            torch.matmul(block_grad, value[:, :, :keys].transpose(2, 3), out=_group_heads(grad_probs, kv_heads))
+            grad_scores = _softmax_backward(grad_probs, probs, out=workspace.take(3, probs.shape))
+            # dS (the mask's gradient) again with `rows` zero columns after every row, for `_diagonals`
+            padded = workspace.take(2, (batch, heads, rows, keys + rows))
             padded[..., keys:].zero_()
-            grad_scores = torch.mul(grad_probs.sub_(row_dot), probs, out=padded[..., :keys])
+            padded[..., :keys].copy_(grad_scores)
             grouped_grad_scores = _group_heads(grad_scores, kv_heads)
             block_grad_query = torch.matmul(grouped_grad_scores, scaled_key[:, :, :keys])
             grad_query[:, :, rows_slice] = block_grad_query.view(batch, heads, rows, head_dim)
@@ -408,18 +423,9 @@ class _PriorGradientAttention(torch.autograd.Function):
             if grad_table is not None:
                 grad_table[:, start : start + rows + keys - 1] += _diagonal_sums(padded, factor)
             if grad_factor is not None:
-                windows = _table_windows(table, start, rows, keys)
-                row_sums = torch.linalg.vecdot(grad_scores, windows).unsqueeze(-1)  # (B, H, rows, 1)
+                row_sums = _window_dots(padded, table[:, start : start + rows + keys - 1])  # (B, H, rows, 1)
                 grad_factor[:, :, rows_slice] = row_sums.sum(0, keepdim=True) if grad_factor.shape[0] == 1 else row_sums
         return None, None, None, grad_query, grad_key, grad_value, grad_table, grad_factor, None, None, None
-
-
-def _add_block_mask(scores, table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys):
-    """scores += `_block_mask(...)` in place, without materializing an SSMax-scaled mask."""
-    if prior_factor is None:
-        return scores.add_(_block_mask(table, None, key_mask, query_documents, document_ids, start, rows, keys))
-    scores.addcmul_(_table_windows(table, start, rows, keys)[None], prior_factor[:, :, start : start + rows])
-    return _hide_keys_(scores, key_mask, query_documents, document_ids, start, rows, keys)
 
 
 def _accumulate(grad: torch.Tensor, keys: int, left: torch.Tensor, right: torch.Tensor) -> None:
@@ -435,20 +441,55 @@ def _group_heads(tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return tensor.reshape(batch, kv_heads, heads // kv_heads * rows, width)
 
 
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """(B, H, R, X) -> (B * H, R, X), the batched matrices of bmm/baddbmm."""
+    return tensor.reshape(-1, *tensor.shape[2:])
+
+
+class _Workspace:
+    """Reusable flat buffers for (B, H, rows, keys) blocks: a fresh multi-MiB tensor per block would be
+    page-faulted in again every time."""
+
+    def __init__(self, slots: int, size: int, like: torch.Tensor):
+        self.buffers = like.new_empty(slots, size)
+
+    def take(self, slot: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.buffers[slot, : math.prod(shape)].view(shape)
+
+
+def _softmax_backward(grad_probs: torch.Tensor, probs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """dS = P * (dP - rowsum(P * dP)) in one fused pass, into `out` (all three contiguous). The row sum of
+    P * dP (not the flash delta rowsum(dO * O)) gives dS = 0 exactly on a row that sees a single key."""
+    return torch.ops.aten._softmax_backward_data.out(grad_probs, probs, -1, probs.dtype, grad_input=out)
+
+
+def _diagonals(padded: torch.Tensor) -> torch.Tensor:
+    """(H, R, K + R) -> (H, R, K + R - 1) view with out[:, r, m] = values[:, r, m - r] (zero off the K values):
+    read with a row stride one shorter, row r starts r elements later, so a column holds one diagonal. The R
+    columns after every row's K values must be zeros."""
+    heads, rows, width = padded.shape
+    return padded.as_strided((heads, rows, width - 1), (rows * width, width - 1, 1))
+
+
 def _diagonal_sums(padded: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:
     """Transpose of `_table_windows`, summed over the batch: (B, H, R, K + R) -> (H, R + K - 1) with
-    out[:, m] = sum over b, r of w[b, :, r] * values[b, :, r, m - r], where values = padded[..., :K] and the R
-    columns after them are zeros. Read with a row stride one shorter, row r starts r elements later, so a column
-    collects one diagonal; the weighted sum over rows is a matmul. row_weights: (B, H, R, 1), or None for ones."""
+    out[:, m] = sum over b, r of w[b, :, r] * values[b, :, r, m - r], values = padded[..., :K]; the weighted sum
+    over rows is a matmul. row_weights: (B, H, R, 1), or None for ones."""
     batch, heads, rows, width = padded.shape
     out = padded.new_zeros(heads, 1, width - 1)
     for b in range(batch):
-        diagonals = padded[b].as_strided((heads, rows, width - 1), (rows * width, width - 1, 1))
         if row_weights is None:
-            out[:, 0] += diagonals.sum(1)
+            out[:, 0] += _diagonals(padded[b]).sum(1)
         else:
-            out.baddbmm_(row_weights[b if row_weights.shape[0] > 1 else 0].transpose(1, 2), diagonals)
+            out.baddbmm_(row_weights[b if row_weights.shape[0] > 1 else 0].transpose(1, 2), _diagonals(padded[b]))
     return out[:, 0]
+
+
+def _window_dots(padded: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Row r of `values` (padded[..., :K]) dotted with its table window table[:, r : r + K]: (B, H, R, 1).
+    table: (H, R + K - 1). On the diagonal view that is one vector-matrix product per batch item."""
+    rows = [torch.bmm(table[:, None, :], _diagonals(padded[b]).transpose(1, 2)) for b in range(padded.shape[0])]
+    return torch.stack(rows).transpose(2, 3)
 
 
 class _RecomputedBlock(torch.autograd.Function):
