@@ -373,7 +373,7 @@ class _PriorGradientAttention(torch.autograd.Function):
     the prior's gradient at distance 0 is huge for a negative beta), dQ = dS K, dK = dS^T Q (scaled), and the
     mask's gradient dS goes to the prior table along the diagonals (row r of a block's mask is a window of the
     table, see `_table_windows`) and, where SSMax scales the prior, to the row factor. Key/value heads are shared
-    by groups of query heads: (B, H, R, .) is viewed as (B, Hkv, group * R, .), so the matmuls sum over a group.
+    by groups of query heads: (B, H, R, .) is viewed as (B * Hkv, group * R, .), so the matmuls sum over a group.
     """
 
     @staticmethod
@@ -393,57 +393,43 @@ class _PriorGradientAttention(torch.autograd.Function):
         query, key, value, table, prior_factor, key_mask, query_documents, document_ids = ctx.saved_tensors
         masking = (table, prior_factor, key_mask, query_documents, document_ids)
         batch, heads, q_len, head_dim = query.shape
-        kv_heads = key.shape[1]
-        grad_output = grad_output.transpose(1, 2)  # (B, H, Lq, D)
-        scaled_query, scaled_key = query * scaling, key * scaling
-        grad_query, grad_key, grad_value = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        kv_heads, key_len = key.shape[1], key.shape[2]
+        pairs, group = batch * kv_heads, heads // kv_heads  # matmul batches: (B x Hkv), rows: group x block rows
+        queries = (query * scaling).view(pairs, group, q_len, head_dim)
+        output_grads = grad_output.transpose(1, 2).contiguous().view(pairs, group, q_len, head_dim)
+        keys_t = key.view(pairs, key_len, head_dim).transpose(1, 2)
+        values_t = value.view(pairs, key_len, head_dim).transpose(1, 2)
+        scaled_keys = (key * scaling).view(pairs, key_len, head_dim)
+        grad_query = query.new_empty(pairs, group, q_len, head_dim)
+        grad_key, grad_value = key.new_zeros(pairs, key_len, head_dim), value.new_zeros(pairs, key_len, head_dim)
         grad_table = torch.zeros_like(table) if ctx.needs_input_grad[6] else None
         grad_factor = torch.zeros_like(prior_factor) if ctx.needs_input_grad[7] else None
         workspace = _Workspace(4, batch * heads * min(block, q_len) * (last + 1 + block), query)
         for start, rows, keys in _blocks(q_len, block, last):
-            rows_slice = slice(start, start + rows)
-            block_query = _group_heads(scaled_query[:, :, rows_slice], kv_heads)  # (B, Hkv, group * rows, D)
-            block_grad = _group_heads(grad_output[:, :, rows_slice], kv_heads)
+            rows_slice, grouped = slice(start, start + rows), (pairs, group * rows, keys)
+            block_query = queries[:, :, rows_slice].reshape(pairs, group * rows, head_dim)
+            block_grad = output_grads[:, :, rows_slice].reshape(pairs, group * rows, head_dim)
             scores = _write_block_mask(workspace.take(0, (batch, heads, rows, keys)), *masking, start, rows, keys)
-            _flat(_group_heads(scores, kv_heads)).baddbmm_(_flat(block_query), _flat(key[:, :, :keys]).transpose(1, 2))
-            probs = torch.softmax(scores, dim=-1, out=workspace.take(1, scores.shape))
-            _accumulate(grad_value, keys, _group_heads(probs, kv_heads).transpose(2, 3), block_grad)
-            grad_probs = workspace.take(0, (batch, heads, rows, keys))
-            torch.matmul(block_grad, value[:, :, :keys].transpose(2, 3), out=_group_heads(grad_probs, kv_heads))
-            grad_scores = _softmax_backward(grad_probs, probs, out=workspace.take(3, probs.shape))
+            scores.view(grouped).baddbmm_(block_query, keys_t[:, :, :keys])
+            probs = torch.softmax(scores.view(grouped), dim=-1, out=workspace.take(1, grouped))
+            grad_value[:, :keys].baddbmm_(probs.transpose(1, 2), block_grad)
+            grad_probs = torch.bmm(block_grad, values_t[:, :, :keys], out=workspace.take(0, grouped))
+            grad_scores = _softmax_backward(grad_probs, probs, out=workspace.take(3, grouped))
+            grad_query[:, :, rows_slice] = torch.bmm(grad_scores, scaled_keys[:, :keys]).view(pairs, group, rows, -1)
+            grad_key[:, :keys].baddbmm_(grad_scores.transpose(1, 2), block_query)
             # dS (the mask's gradient) again with `rows` zero columns after every row, for `_diagonals`
             padded = workspace.take(2, (batch, heads, rows, keys + rows))
             padded[..., keys:].zero_()
-            padded[..., :keys].copy_(grad_scores)
-            grouped_grad_scores = _group_heads(grad_scores, kv_heads)
-            block_grad_query = torch.matmul(grouped_grad_scores, scaled_key[:, :, :keys])
-            grad_query[:, :, rows_slice] = block_grad_query.view(batch, heads, rows, head_dim)
-            _accumulate(grad_key, keys, grouped_grad_scores.transpose(2, 3), block_query)
+            padded[..., :keys].copy_(grad_scores.view(batch, heads, rows, keys))
             factor = None if prior_factor is None else prior_factor[:, :, rows_slice]
             if grad_table is not None:
                 grad_table[:, start : start + rows + keys - 1] += _diagonal_sums(padded, factor)
             if grad_factor is not None:
                 row_sums = _window_dots(padded, table[:, start : start + rows + keys - 1])  # (B, H, rows, 1)
                 grad_factor[:, :, rows_slice] = row_sums.sum(0, keepdim=True) if grad_factor.shape[0] == 1 else row_sums
+        grad_query = grad_query.view(batch, heads, q_len, head_dim)
+        grad_key, grad_value = grad_key.view(key.shape), grad_value.view(value.shape)
         return None, None, None, grad_query, grad_key, grad_value, grad_table, grad_factor, None, None, None
-
-
-def _accumulate(grad: torch.Tensor, keys: int, left: torch.Tensor, right: torch.Tensor) -> None:
-    """grad[:, :, :keys] += left @ right, in place through the matmul (grad (B, Hkv, Lk, D) contiguous)."""
-    batch, kv_heads, length, width = grad.shape
-    target = grad.view(batch * kv_heads, length, width)[:, :keys]
-    target.baddbmm_(left.reshape(batch * kv_heads, *left.shape[2:]), right.reshape(batch * kv_heads, *right.shape[2:]))
-
-
-def _group_heads(tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(B, H, R, X) -> (B, Hkv, H / Hkv * R, X): the rows of the query heads that share a key/value head."""
-    batch, heads, rows, width = tensor.shape
-    return tensor.reshape(batch, kv_heads, heads // kv_heads * rows, width)
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    """(B, H, R, X) -> (B * H, R, X), the batched matrices of bmm/baddbmm."""
-    return tensor.reshape(-1, *tensor.shape[2:])
 
 
 class _Workspace:
@@ -451,10 +437,10 @@ class _Workspace:
     page-faulted in again every time."""
 
     def __init__(self, slots: int, size: int, like: torch.Tensor):
-        self.buffers = like.new_empty(slots, size)
+        self.buffers = like.new_empty(slots, size).unbind()
 
     def take(self, slot: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return self.buffers[slot, : math.prod(shape)].view(shape)
+        return self.buffers[slot][: math.prod(shape)].view(shape)
 
 
 def _softmax_backward(grad_probs: torch.Tensor, probs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
