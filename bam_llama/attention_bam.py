@@ -313,9 +313,8 @@ def _block_mask(table, prior_factor, key_mask, query_documents, document_ids, st
     scaled = torch.empty(factor.shape[0], *windows.shape[1:], dtype=windows.dtype, device=windows.device)
     if torch.is_grad_enabled() and (table.requires_grad or factor.requires_grad):
         mask = scaled.copy_(windows).mul_(factor)  # out= has no autograd
-    else:
-        mask = torch.mul(windows, factor, out=scaled)
-    return _hide_keys_(mask, key_mask, query_documents, document_ids, start, rows, keys)
+        return _hide_keys_(mask, key_mask, query_documents, document_ids, start, rows, keys)
+    return _write_block_mask(scaled, table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys)
 
 
 def _write_block_mask(
@@ -404,7 +403,7 @@ class _PriorGradientAttention(torch.autograd.Function):
         grad_key, grad_value = key.new_zeros(pairs, key_len, head_dim), value.new_zeros(pairs, key_len, head_dim)
         grad_table = torch.zeros_like(table) if ctx.needs_input_grad[6] else None
         grad_factor = torch.zeros_like(prior_factor) if ctx.needs_input_grad[7] else None
-        workspace = _Workspace(4, batch * heads * min(block, q_len) * (last + 1 + block), query)
+        workspace = _Workspace(4, batch * heads * block * (last + 1 + block), query)  # block <= q_len
         for start, rows, keys in _blocks(q_len, block, last):
             rows_slice, grouped = slice(start, start + rows), (pairs, group * rows, keys)
             block_query = queries[:, :, rows_slice].reshape(pairs, group * rows, head_dim)
@@ -413,7 +412,7 @@ class _PriorGradientAttention(torch.autograd.Function):
             scores.view(grouped).baddbmm_(block_query, keys_t[:, :, :keys])
             probs = torch.softmax(scores.view(grouped), dim=-1, out=workspace.take(1, grouped))
             grad_value[:, :keys].baddbmm_(probs.transpose(1, 2), block_grad)
-            grad_probs = torch.bmm(block_grad, values_t[:, :, :keys], out=workspace.take(0, grouped))
+            grad_probs = torch.bmm(block_grad, values_t[:, :, :keys], out=workspace.take(0, grouped))  # scores done
             grad_scores = _softmax_backward(grad_probs, probs, out=workspace.take(3, grouped))
             grad_query[:, :, rows_slice] = torch.bmm(grad_scores, scaled_keys[:, :keys]).view(pairs, group, rows, -1)
             grad_key[:, :keys].baddbmm_(grad_scores.transpose(1, 2), block_query)
