@@ -52,7 +52,7 @@ class BamLlamaConfig(PreTrainedConfig):
     """
 
     model_type = "bam_llama"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the KV cache output, named `cache` from Transformers 5.24
 
     def __init__(
         self,

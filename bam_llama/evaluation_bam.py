@@ -226,6 +226,11 @@ def _forward_accepts(model, name: str) -> bool:
     return name in inspect.signature(model.forward).parameters
 
 
+def _with_cache(model, cache) -> dict:
+    """The KV cache as the model's forward names it: `cache` from Transformers 5.24, `past_key_values` before."""
+    return {"cache" if _forward_accepts(model, "cache") else "past_key_values": cache}
+
+
 def prefill(model, input_ids: torch.Tensor, chunk_size: int) -> tuple[DynamicCache, torch.Tensor]:
     """Run a (1, L) prompt through a fresh cache `chunk_size` tokens at a time; returns the cache and the
     logits of the last position. Positions continue across chunks because they are read from the cache."""
@@ -235,7 +240,7 @@ def prefill(model, input_ids: torch.Tensor, chunk_size: int) -> tuple[DynamicCac
     extra = {"logits_to_keep": 1} if _forward_accepts(model, "logits_to_keep") else {}
     logits = None
     for chunk in input_ids.split(chunk_size, dim=1):
-        logits = model(input_ids=chunk, past_key_values=cache, use_cache=True, **extra).logits[:, -1]
+        logits = model(input_ids=chunk, use_cache=True, **_with_cache(model, cache), **extra).logits[:, -1]
     return cache, logits
 
 
@@ -250,7 +255,7 @@ def greedy_continuation(model, prompt_ids: list[int], max_new_tokens: int, chunk
         next_token = logits.argmax(-1, keepdim=True)
         new_tokens.append(next_token.item())
         if step + 1 < max_new_tokens:
-            logits = model(input_ids=next_token, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(input_ids=next_token, use_cache=True, **_with_cache(model, cache)).logits[:, -1]
     return new_tokens
 
 
@@ -400,7 +405,8 @@ def token_losses(model, sequence: torch.Tensor, chunk_size: int) -> torch.Tensor
     cache = DynamicCache(config=model.config)
     losses = []
     for start in range(0, inputs.shape[1], chunk_size):
-        logits = model(input_ids=inputs[:, start : start + chunk_size], past_key_values=cache, use_cache=True).logits
+        chunk = inputs[:, start : start + chunk_size]
+        logits = model(input_ids=chunk, use_cache=True, **_with_cache(model, cache)).logits
         chunk_targets = targets[0, start : start + chunk_size]
         losses.append(torch.nn.functional.cross_entropy(logits[0].float(), chunk_targets, reduction="none"))
     return torch.cat(losses)

@@ -380,7 +380,7 @@ class BamAttention(nn.Module):
         hidden_states: torch.Tensor,
         query_positions: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         shared_prior: BamPrior | None = None,
         document_ids: torch.Tensor | None = None,
         **kwargs,
@@ -391,8 +391,8 @@ class BamAttention(nn.Module):
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, Hkv, Lq, D)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
         attention_interface: Callable = BAM_ATTENTION_FUNCTIONS[self._implementation_for_call(kwargs)]
         attn_output, attn_weights = attention_interface(
@@ -437,17 +437,20 @@ class BamDecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         query_positions: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         shared_prior: BamPrior | None = None,
         document_ids: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> torch.Tensor:
+        """The cache comes as `cache` or, before Transformers 5.24, as `past_key_values`: the name the installed
+        `GradientCheckpointingLayer` clears when it recomputes the layer (see `CACHE_NAME`)."""
         residual = hidden_states
         hidden_states, _ = self.self_attn(
             self.input_layernorm(hidden_states),
             query_positions=query_positions,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=_one_cache(cache, past_key_values),
             shared_prior=shared_prior,
             document_ids=document_ids,
             **kwargs,
@@ -468,7 +471,7 @@ class BamLlamaPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["BamDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     # Flash / flex / paged / Hub-kernel backends would silently drop the prior: only BAM's own implementations can be
     # selected (see `get_correct_attn_implementation`), so the model is safe as a backend and for padding-free batches.
@@ -576,13 +579,16 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """`output_hidden_states` / `output_attentions` (kwargs or config) are collected by `capture_outputs`;
-        `use_cache` defaults to the config's (off under gradient checkpointing)."""
+        `use_cache` defaults to the config's (off under gradient checkpointing). The KV cache is `cache` or, its
+        name before Transformers 5.24, `past_key_values`."""
+        cache = _one_cache(cache, past_key_values)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -590,17 +596,15 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         kwargs.pop("cache_position", None)  # positions come from the cache length, read below
 
         # Absolute query positions, read from the cache BEFORE any layer updates it.
-        past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
         query_positions = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
         if position_ids is None:
             position_ids = query_positions.unsqueeze(0)
-        document_ids = self._packed_document_ids(inputs_embeds, attention_mask, position_ids, past_key_values)
+        document_ids = self._packed_document_ids(inputs_embeds, attention_mask, position_ids, cache)
 
-        causal_mask = _create_causal_mask(
-            self.config, inputs_embeds, attention_mask, past_key_values, position_ids, query_positions
-        )
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        causal_mask = _create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids, query_positions)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         if self.prior is not None:
             # The global prior depends on j - i only: one (H, P + 1) table, computed once for all layers.
             kwargs["prior_table"] = self.prior.table(int(query_positions[-1]))
@@ -611,29 +615,40 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
                 hidden_states,
                 query_positions=query_positions,
                 attention_mask=causal_mask,
-                past_key_values=past_key_values,
                 shared_prior=self.prior,
                 document_ids=document_ids,
+                **{CACHE_NAME: cache},
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
-        )
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_NAME: cache if use_cache else None})
 
     @staticmethod
-    def _packed_document_ids(inputs_embeds, attention_mask, position_ids, past_key_values) -> torch.Tensor | None:
+    def _packed_document_ids(inputs_embeds, attention_mask, position_ids, cache) -> torch.Tensor | None:
         """Document index per token when several sequences are packed in a row (position_ids restart at 0).
 
         Like Transformers' own detection, only without a padding mask and without a cache.
         """
-        if attention_mask is not None or past_key_values is not None:
+        if attention_mask is not None or cache is not None:
             return None
         return find_packed_sequence_indices(position_ids.expand(inputs_embeds.shape[0], -1))
 
 
 _CAUSAL_MASK_PARAMETERS = inspect.signature(create_causal_mask).parameters
+# Transformers 5.24 renamed the KV cache `past_key_values` -> `cache`: in model arguments, output fields,
+# `create_causal_mask` and the argument `GradientCheckpointingLayer` clears. The old name still works there, with a
+# deprecation warning. BamLlama takes either and answers in the installed version's name.
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def _one_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    """The KV cache passed under either name; both at once is an error (Transformers refuses it too)."""
+    if past_key_values is None:
+        return cache
+    if cache is not None:
+        raise ValueError("Pass the KV cache once: as `cache` or as `past_key_values` (its name before Transformers "
+                         "5.24), not both")
+    return past_key_values
 
 
 class _MaskingConfig:
@@ -649,16 +664,13 @@ class _MaskingConfig:
         return getattr(self._config, name)
 
 
-def _create_causal_mask(config, inputs_embeds, attention_mask, past_key_values, position_ids, query_positions):
+def _create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids, query_positions):
     """`create_causal_mask` with BAM's mask function, across Transformers 5.x: early releases name the embeddings
-    `input_embeds` and take `cache_position`; later ones read the query offset from the cache."""
-    kwargs = dict(
-        config=_MaskingConfig(config),
-        attention_mask=attention_mask,
-        past_key_values=past_key_values,
-        position_ids=position_ids,
-    )
+    `input_embeds` and take `cache_position`; later ones read the query offset from the cache; 5.24 renamed
+    `past_key_values` to `cache`."""
+    kwargs = dict(config=_MaskingConfig(config), attention_mask=attention_mask, position_ids=position_ids)
     kwargs["inputs_embeds" if "inputs_embeds" in _CAUSAL_MASK_PARAMETERS else "input_embeds"] = inputs_embeds
+    kwargs["cache" if "cache" in _CAUSAL_MASK_PARAMETERS else "past_key_values"] = cache
     if "cache_position" in _CAUSAL_MASK_PARAMETERS:
         kwargs["cache_position"] = query_positions
     return create_causal_mask(**kwargs)
@@ -692,19 +704,21 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """`return_dict=False` (kwarg or config) gives the tuple of the non-None fields, like any Transformers model."""
+        """`return_dict=False` (kwarg or config) gives the tuple of the non-None fields, like any Transformers model.
+        The KV cache is `cache` or, its name before Transformers 5.24, `past_key_values`."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=_one_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             return_dict=True,  # whatever config.return_dict says; `can_return_tuple` converts at the end
@@ -719,9 +733,9 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
         )
 
 

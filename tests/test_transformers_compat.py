@@ -19,6 +19,7 @@ from transformers import (
     AutoModelForCausalLM,
     CompileConfig,
     DataCollatorWithFlattening,
+    DynamicCache,
     LlamaConfig,
     LlamaForCausalLM,
     pipeline,
@@ -344,6 +345,45 @@ def test_greedy_generation_equals_argmax_of_full_forwards():
     prompt = torch.randint(3, VOCAB, (2, 6))
     generated = model.generate(prompt, max_new_tokens=7, do_sample=False, **NO_EOS)
     assert torch.equal(generated, greedy_reference(model, prompt, 7))
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_kv_cache_under_either_name_gives_the_uncached_logits(name):
+    """Transformers 5.24 renamed `past_key_values` to `cache` (generate and pipelines pass the installed version's
+    name); a cache under a name the model ignored would leave every decoding step without its context."""
+    model = tiny_model("sdpa", ssmax=True)
+    input_ids = torch.randint(3, VOCAB, (2, 9))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(input_ids[:, :5], use_cache=True, **{name: cache}).logits]
+        steps += [model(input_ids[:, t : t + 1], use_cache=True, **{name: cache}).logits for t in range(5, 9)]
+    assert cache.get_seq_length() == 9
+    torch.testing.assert_close(torch.cat(steps, dim=1), no_grad_logits(model, input_ids), atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_under_both_names_is_refused():
+    model = tiny_model("sdpa")
+    config = model.config
+    with pytest.raises(ValueError, match="`cache` or as `past_key_values`"):
+        model(torch.randint(3, VOCAB, (1, 4)), cache=DynamicCache(config=config), past_key_values=DynamicCache(config=config))
+
+
+def test_checkpointed_layers_leave_a_passed_cache_as_llama_does():
+    """Gradient checkpointing recomputes each layer in backward: the layer must get the cache under the name the
+    installed GradientCheckpointingLayer clears, or the recompute writes the keys into it a second time."""
+    input_ids = torch.randint(3, VOCAB, (1, 6))
+    llama_config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    lengths = {}
+    for name, model in [("bam", tiny_model("sdpa")), ("llama", LlamaForCausalLM(llama_config))]:
+        model.train()
+        enable_checkpointing(model)
+        cache = DynamicCache(config=model.config)
+        model(input_ids, labels=input_ids, use_cache=True, past_key_values=cache).loss.backward()
+        lengths[name] = cache.get_seq_length()
+    assert lengths["bam"] == lengths["llama"]
 
 
 def test_seeded_sampling_is_reproducible_and_top_k_one_is_greedy():
