@@ -222,7 +222,7 @@ def bam_attention_blocked(
     key_valid: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
     dropout: float = 0.0,
-    block_elements: int = 1 << 20,
+    block_rows: int | None = None,
 ) -> torch.Tensor:
     """Same result as `bam_attention_reference` without any (Lq x Lk) tensor: SDPA over blocks of queries.
 
@@ -230,7 +230,7 @@ def bam_attention_blocked(
     reverse order, the rows of a block are consecutive windows: the block's mask is a strided VIEW of the table
     (no copy), with the causal -inf in the table's padding. A block of queries at positions <= p attends to keys
     0..p only (causal blocks are skipped). With SSMax scaling the prior, or padding, or packed documents, the
-    mask of one block (rows x keys, at most `block_elements` values) is materialized.
+    mask of one block is materialized. `block_rows` (queries per block) defaults to `default_block_rows`.
 
     Args:
         query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D).
@@ -251,12 +251,15 @@ def bam_attention_blocked(
     else:
         counts = visible_key_counts(query_positions, key.shape[2], key_valid, document_ids)  # (B, Lq)
     row_factor = None if ssmax_scale is None else ssmax_factor(counts, ssmax_scale)
-    block = max(1, min(q_len, block_elements // (batch * heads * (last + 1))))
-    backward_block = min(block, 64)  # it keeps several (rows x keys) tensors: small blocks stay in cache (CPU)
     scale_prior = row_factor is not None and ssmax_prior
+    # dropout runs SDPA's unfused path, which materializes each block's probabilities: keep those bounded too
+    mask_is_view = not scale_prior and key_valid is None and document_ids is None and dropout == 0.0
+    block = min(q_len, block_rows or default_block_rows(batch * heads, last + 1, mask_is_view))
+    backward_block = min(q_len, BACKWARD_BLOCK_ROWS)
     # table[m] = prior at distance m - P; entries past P are future keys: -inf, or 0 when the row factor
     # multiplies the prior (c = 0 or c < 0 would turn -inf into NaN / +inf; those are masked separately).
-    table = F.pad(prior_table.to(compute_dtype), (0, block - 1), value=0.0 if scale_prior else float("-inf"))
+    padding = max(block, backward_block) - 1  # windows of the last row of a block reach this far past distance 0
+    table = F.pad(prior_table.to(compute_dtype), (0, padding), value=0.0 if scale_prior else float("-inf"))
 
     query = query.flip(2).contiguous() if q_len > 1 else query.contiguous()
     key, value = key.contiguous(), value.contiguous()  # SDPA's CPU kernel is much slower on (B, L, H, D) layouts
@@ -289,6 +292,19 @@ def bam_attention_blocked(
     if key_valid is not None:  # rows that see no key (queries on padding) give zeros
         output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
     return output.to(input_dtype).transpose(1, 2)
+
+
+VIEW_BLOCK_ROWS = 256  # SDPA's CPU kernel is fastest on 256-query calls here (benchmarks/results/cpu-speed.md)
+MASK_BLOCK_ELEMENTS = 1 << 20  # a materialized block mask of 4 MiB (fp32): larger ones page-fault on every block
+BACKWARD_BLOCK_ROWS = 64  # the prior-gradient backward keeps four (rows x keys) buffers: small ones stay in cache
+
+
+def default_block_rows(batch_heads: int, keys: int, mask_is_view: bool) -> int:
+    """Queries per SDPA call: a fixed tile where the mask is a view of the prior table (it costs no memory), else
+    as many as keep the materialized (batch x heads x rows x keys) mask within MASK_BLOCK_ELEMENTS."""
+    if mask_is_view:
+        return VIEW_BLOCK_ROWS
+    return max(1, MASK_BLOCK_ELEMENTS // (batch_heads * keys))
 
 
 def _blocks(q_len: int, block: int, last: int):
@@ -416,15 +432,15 @@ class _PriorGradientAttention(torch.autograd.Function):
             grad_scores = _softmax_backward(grad_probs, probs, out=workspace.take(3, grouped))
             grad_query[:, :, rows_slice] = torch.bmm(grad_scores, scaled_keys[:, :keys]).view(pairs, group, rows, -1)
             grad_key[:, :keys].baddbmm_(grad_scores.transpose(1, 2), block_query)
-            # dS (the mask's gradient) again with `rows` zero columns after every row, for `_diagonals`
-            padded = workspace.take(2, (batch, heads, rows, keys + rows))
-            padded[..., keys:].zero_()
-            padded[..., :keys].copy_(grad_scores.view(batch, heads, rows, keys))
             factor = None if prior_factor is None else prior_factor[:, :, rows_slice]
-            if grad_table is not None:
-                grad_table[:, start : start + rows + keys - 1] += _diagonal_sums(padded, factor)
+            row_sums = 0.0
+            for first, diagonals in _mask_grad_diagonals(grad_scores.view(batch, heads, rows, keys), workspace.take):
+                span = slice(start + first, start + first + diagonals.shape[-1])
+                if grad_table is not None:
+                    grad_table[:, span] += _diagonal_sums(diagonals, factor)
+                if grad_factor is not None:
+                    row_sums = row_sums + _window_dots(diagonals, table[:, span])  # (B, H, rows, 1)
             if grad_factor is not None:
-                row_sums = _window_dots(padded, table[:, start : start + rows + keys - 1])  # (B, H, rows, 1)
                 grad_factor[:, :, rows_slice] = row_sums.sum(0, keepdim=True) if grad_factor.shape[0] == 1 else row_sums
         grad_query = grad_query.view(batch, heads, q_len, head_dim)
         grad_key, grad_value = grad_key.view(key.shape), grad_value.view(value.shape)
@@ -448,32 +464,48 @@ def _softmax_backward(grad_probs: torch.Tensor, probs: torch.Tensor, out: torch.
     return torch.ops.aten._softmax_backward_data.out(grad_probs, probs, -1, probs.dtype, grad_input=out)
 
 
-def _diagonals(padded: torch.Tensor) -> torch.Tensor:
-    """(H, R, K + R) -> (H, R, K + R - 1) view with out[:, r, m] = values[:, r, m - r] (zero off the K values):
-    read with a row stride one shorter, row r starts r elements later, so a column holds one diagonal. The R
-    columns after every row's K values must be zeros."""
-    heads, rows, width = padded.shape
-    return padded.as_strided((heads, rows, width - 1), (rows * width, width - 1, 1))
+def _mask_grad_diagonals(mask_grad: torch.Tensor, take):
+    """(first, view) pairs whose columns are the diagonals of a block's dS, (B, H, R, K) contiguous: column t of a
+    view holds the entries r + j = first + t (table entry start + first + t, see `_table_windows`), one per row.
+    Sums r + j < R - 1 come from the top-left corner, copied with R zero columns after its R - 1 (into `take(2)`)
+    so that no row reads its neighbour's values; R - 1 <= r + j < K are read from dS itself; r + j >= K would be
+    future keys of row r (the key after its own position), where dS is 0."""
+    batch, heads, rows, keys = mask_grad.shape
+    if rows > 1:
+        corner = take(2, (batch, heads, rows, 2 * rows - 1))
+        corner[..., rows - 1 :].zero_()
+        corner[..., : rows - 1].copy_(mask_grad[..., : rows - 1])
+        yield 0, _diagonal_windows(corner, 0, rows - 1)
+    yield rows - 1, _diagonal_windows(mask_grad, rows - 1, keys - rows + 1)
 
 
-def _diagonal_sums(padded: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:
-    """Transpose of `_table_windows`, summed over the batch: (B, H, R, K + R) -> (H, R + K - 1) with
-    out[:, m] = sum over b, r of w[b, :, r] * values[b, :, r, m - r], values = padded[..., :K]; the weighted sum
-    over rows is a matmul. row_weights: (B, H, R, 1), or None for ones."""
-    batch, heads, rows, width = padded.shape
-    out = padded.new_zeros(heads, 1, width - 1)
+def _diagonal_windows(values: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """(B, H, R, W) contiguous -> (B, H, R, count) view with out[..., r, t] = values[..., r, first + t - r]: read
+    with a row stride one shorter, row r starts r elements earlier, so a column holds one diagonal. Where
+    first + t - r leaves 0..W-1, the view reads the neighbouring row instead."""
+    batch_stride, head_stride, width = values.stride(0), values.stride(1), values.shape[-1]
+    return values.as_strided(
+        (*values.shape[:3], count), (batch_stride, head_stride, width - 1, 1), values.storage_offset() + first
+    )
+
+
+def _diagonal_sums(diagonals: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:
+    """(B, H, R, T) diagonals -> (H, T): the sum over batch and rows, each row weighted by w[b, :, r] (a matmul).
+    row_weights: (B or 1, H, R, 1), or None for ones."""
+    batch, heads, _, width = diagonals.shape
+    out = diagonals.new_zeros(heads, 1, width)
     for b in range(batch):
         if row_weights is None:
-            out[:, 0] += _diagonals(padded[b]).sum(1)
+            out[:, 0] += diagonals[b].sum(1)
         else:
-            out.baddbmm_(row_weights[b if row_weights.shape[0] > 1 else 0].transpose(1, 2), _diagonals(padded[b]))
+            out.baddbmm_(row_weights[b if row_weights.shape[0] > 1 else 0].transpose(1, 2), diagonals[b])
     return out[:, 0]
 
 
-def _window_dots(padded: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Row r of `values` (padded[..., :K]) dotted with its table window table[:, r : r + K]: (B, H, R, 1).
-    table: (H, R + K - 1). On the diagonal view that is one vector-matrix product per batch item."""
-    rows = [torch.bmm(table[:, None, :], _diagonals(padded[b]).transpose(1, 2)) for b in range(padded.shape[0])]
+def _window_dots(diagonals: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Every row of (B, H, R, T) diagonals dotted with the table entries of its columns, table (H, T): (B, H, R, 1),
+    one vector-matrix product per batch item."""
+    rows = [torch.bmm(table[:, None, :], diagonals[b].transpose(1, 2)) for b in range(diagonals.shape[0])]
     return torch.stack(rows).transpose(2, 3)
 
 

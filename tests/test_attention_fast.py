@@ -151,8 +151,8 @@ BLOCKED_CASES = {
 
 
 @pytest.mark.parametrize("case", list(BLOCKED_CASES))
-@pytest.mark.parametrize("block_elements", [1, 40 * 8, 1 << 23])  # one query per block, a few, all at once
-def test_blocked_attention_and_gradients_match_float64_reference(case, block_elements):
+@pytest.mark.parametrize("block_rows", [1, 3, None])  # one query per block, a few, the default (all 13 here)
+def test_blocked_attention_and_gradients_match_float64_reference(case, block_rows):
     """Blocks of queries against the keys they can see, outputs AND gradients (q, k, v, prior, SSMax scale)."""
     options = BLOCKED_CASES[case]
     ssmax, offset = options["ssmax"], options.get("offset", 0)
@@ -183,7 +183,7 @@ def test_blocked_attention_and_gradients_match_float64_reference(case, block_ele
     actual = bam_attention_blocked(
         query, key, value, positions, table, head_dim**-0.5, ssmax_scale=ssmax_scale,
         ssmax_prior=options.get("ssmax_prior", True), key_valid=key_valid, document_ids=document_ids,
-        block_elements=block_elements,
+        block_rows=block_rows,
     )
     expected = reference_attention(
         query, key, value, positions, parameters["theta_alpha"], parameters["theta_beta"], parameters["theta_mu"],
@@ -241,7 +241,7 @@ def test_blocked_attention_with_dropout_has_the_gradient_of_its_own_random_masks
         table = ggd_bias(torch.arange(-(length - 1), 1), flat, beta, flat)
         output = bam_attention_blocked(
             q, key, value, torch.arange(length), table.double(), head_dim**-0.5, ssmax_scale=scale, dropout=0.3,
-            block_elements=3 * 2 * heads * length,  # blocks of 3 queries
+            block_rows=3,
         )
         return (output * weights).sum()
 
