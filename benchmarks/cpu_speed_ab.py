@@ -25,10 +25,12 @@ from bam_llama import modeling_bam
 
 def attention_at(commit: str, folder: Path):
     """`bam_attention_blocked` as `bam_llama/attention_bam.py` had it at `commit`."""
-    source = subprocess.run(
-        ["git", "show", f"{commit}:bam_llama/attention_bam.py"], cwd=REPO_ROOT, check=True, capture_output=True,
-        text=True,
-    ).stdout
+    shown = subprocess.run(
+        ["git", "show", f"{commit}:bam_llama/attention_bam.py"], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    if shown.returncode != 0:
+        raise ValueError(f"--old {commit}: git show found no bam_llama/attention_bam.py ({shown.stderr.strip()})")
+    source = shown.stdout
     path = folder / f"attention_{commit}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(path.stem, path)
@@ -48,7 +50,10 @@ def main(argv=None) -> int:
     if args.length < 2 or args.repeats < 1:
         parser.error("--length must be >= 2 and --repeats >= 1")
     with tempfile.TemporaryDirectory() as folder:
-        versions = {args.old: attention_at(args.old, Path(folder)), "current": modeling_bam.bam_attention_blocked}
+        try:
+            versions = {args.old: attention_at(args.old, Path(folder)), "current": modeling_bam.bam_attention_blocked}
+        except ValueError as error:
+            parser.error(str(error))
     models = {case: build_model(case) for case in ["llama", *args.cases]}
     ids = input_ids(args.length)
     for model in models.values():
