@@ -294,7 +294,7 @@ def bam_attention_blocked(
     return output.to(input_dtype).transpose(1, 2)
 
 
-VIEW_BLOCK_ROWS = 256  # SDPA's CPU kernel is fastest on 256-query calls here (benchmarks/results/cpu-speed.md)
+VIEW_BLOCK_ROWS = 256  # SDPA's CPU kernel is fastest on 256-query calls here (benchmarks/results/cpu-speed-ab.md)
 MASK_BLOCK_ELEMENTS = 1 << 20  # a materialized block mask of 4 MiB (fp32): larger ones page-fault on every block
 BACKWARD_BLOCK_ROWS = 64  # the prior-gradient backward keeps four (rows x keys) buffers: small ones stay in cache
 
