@@ -238,9 +238,10 @@ def prefill(model, input_ids: torch.Tensor, chunk_size: int) -> tuple[DynamicCac
 
     cache = DynamicCache(config=model.config)
     extra = {"logits_to_keep": 1} if _forward_accepts(model, "logits_to_keep") else {}
+    extra.update(_with_cache(model, cache))
     logits = None
     for chunk in input_ids.split(chunk_size, dim=1):
-        logits = model(input_ids=chunk, use_cache=True, **_with_cache(model, cache), **extra).logits[:, -1]
+        logits = model(input_ids=chunk, use_cache=True, **extra).logits[:, -1]
     return cache, logits
 
 
@@ -250,12 +251,13 @@ def greedy_continuation(model, prompt_ids: list[int], max_new_tokens: int, chunk
 
     input_ids = torch.tensor([prompt_ids], device=model_device(model))
     cache, logits = prefill(model, input_ids, chunk_size)
+    with_cache = _with_cache(model, cache)
     new_tokens = []
     for step in range(max_new_tokens):
         next_token = logits.argmax(-1, keepdim=True)
         new_tokens.append(next_token.item())
         if step + 1 < max_new_tokens:
-            logits = model(input_ids=next_token, use_cache=True, **_with_cache(model, cache)).logits[:, -1]
+            logits = model(input_ids=next_token, use_cache=True, **with_cache).logits[:, -1]
     return new_tokens
 
 
@@ -403,10 +405,10 @@ def token_losses(model, sequence: torch.Tensor, chunk_size: int) -> torch.Tensor
 
     inputs, targets = sequence[:, :-1], sequence[:, 1:]
     cache = DynamicCache(config=model.config)
+    with_cache = _with_cache(model, cache)
     losses = []
     for start in range(0, inputs.shape[1], chunk_size):
-        chunk = inputs[:, start : start + chunk_size]
-        logits = model(input_ids=chunk, use_cache=True, **_with_cache(model, cache)).logits
+        logits = model(input_ids=inputs[:, start : start + chunk_size], use_cache=True, **with_cache).logits
         chunk_targets = targets[0, start : start + chunk_size]
         losses.append(torch.nn.functional.cross_entropy(logits[0].float(), chunk_targets, reduction="none"))
     return torch.cat(losses)

@@ -602,7 +602,9 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
             position_ids = query_positions.unsqueeze(0)
         document_ids = self._packed_document_ids(inputs_embeds, attention_mask, position_ids, cache)
 
-        causal_mask = _create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids, query_positions)
+        causal_mask = _create_causal_mask(
+            self.config, inputs_embeds, attention_mask, cache, position_ids, query_positions
+        )
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         if self.prior is not None:
@@ -718,7 +720,8 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=_one_cache(cache, past_key_values),
+            cache=cache,
+            past_key_values=past_key_values,  # the base model takes either name, once
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             return_dict=True,  # whatever config.return_dict says; `can_return_tuple` converts at the end

@@ -363,9 +363,9 @@ def test_kv_cache_under_either_name_gives_the_uncached_logits(name):
 
 def test_kv_cache_under_both_names_is_refused():
     model = tiny_model("sdpa")
-    config = model.config
+    caches = dict(cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
     with pytest.raises(ValueError, match="`cache` or as `past_key_values`"):
-        model(torch.randint(3, VOCAB, (1, 4)), cache=DynamicCache(config=config), past_key_values=DynamicCache(config=config))
+        model(torch.randint(3, VOCAB, (1, 4)), **caches)
 
 
 def test_checkpointed_layers_leave_a_passed_cache_as_llama_does():
