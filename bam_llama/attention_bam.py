@@ -8,6 +8,7 @@ Positions are absolute token positions in the sequence (cache included): query i
 `query_positions[i]`, key j at `j` (keys are stored in order from position 0).
 """
 
+import functools
 import math
 
 import torch
@@ -223,6 +224,7 @@ def bam_attention_blocked(
     document_ids: torch.Tensor | None = None,
     dropout: float = 0.0,
     block_rows: int | None = None,
+    block_heads: int | None = None,
 ) -> torch.Tensor:
     """Same result as `bam_attention_reference` without any (Lq x Lk) tensor: SDPA over blocks of queries.
 
@@ -230,7 +232,8 @@ def bam_attention_blocked(
     reverse order, the rows of a block are consecutive windows: the block's mask is a strided VIEW of the table
     (no copy), with the causal -inf in the table's padding. A block of queries at positions <= p attends to keys
     0..p only (causal blocks are skipped). With SSMax scaling the prior, or padding, or packed documents, the
-    mask of one block is materialized. `block_rows` (queries per block) defaults to `default_block_rows`.
+    mask of one block is materialized. A block is `block_rows` queries of `block_heads` query heads (a multiple of
+    the heads sharing a key/value head); both default to `default_block_shape`.
 
     Args:
         query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D).
@@ -254,7 +257,11 @@ def bam_attention_blocked(
     scale_prior = row_factor is not None and ssmax_prior
     # dropout runs SDPA's unfused path, which materializes each block's probabilities: keep those bounded too
     mask_is_view = not scale_prior and key_valid is None and document_ids is None and dropout == 0.0
-    block = min(q_len, block_rows or default_block_rows(batch * heads, last + 1, mask_is_view))
+    group = heads // key.shape[1]
+    default_rows, default_heads = default_block_shape(batch, heads, group, last + 1, mask_is_view)
+    block, head_block = min(q_len, block_rows or default_rows), min(heads, block_heads or default_heads)
+    if head_block % group:
+        raise ValueError(f"block_heads={head_block} must be a multiple of the {group} query heads of a key/value head")
     backward_block = min(q_len, BACKWARD_BLOCK_ROWS)
     # table[m] = prior at distance m - P; entries past P are future keys: -inf, or 0 when the row factor
     # multiplies the prior (c = 0 or c < 0 would turn -inf into NaN / +inf; those are masked separately).
@@ -279,15 +286,12 @@ def bam_attention_blocked(
     tensors = (query, key, value, table, prior_factor, key_mask, query_documents, document_ids)
     prior_trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (table, prior_factor))
     if prior_trains and dropout == 0.0:
-        output = _PriorGradientAttention.apply((block, backward_block), last, scaling, *tensors)
+        output = _PriorGradientAttention.apply((block, head_block, backward_block), last, scaling, *tensors)
+    elif prior_trains:
+        output = _attend_blocks(_RecomputedBlock.apply, q_len, block, heads, head_block, last, scaling, dropout, *tensors)
     else:
-        outputs = []
-        for start, rows, keys in _blocks(q_len, block, last):
-            if prior_trains:
-                outputs.append(_RecomputedBlock.apply(start, rows, keys, scaling, dropout, *tensors))
-            else:
-                outputs.append(_attend_block(*tensors, start, rows, keys, scaling, dropout))
-        output = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+        attend = _attend_reusing_masks(query, block, head_block, last)
+        output = _attend_blocks(attend, q_len, block, heads, head_block, last, scaling, dropout, *tensors)
     output = output.flip(1) if q_len > 1 else output  # (B, Lq, H, D), natural order
     if key_valid is not None:  # rows that see no key (queries on padding) give zeros
         output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
@@ -295,16 +299,21 @@ def bam_attention_blocked(
 
 
 VIEW_BLOCK_ROWS = 256  # SDPA's CPU kernel is fastest on 256-query calls here (benchmarks/results/cpu-speed-ab.md)
-MASK_BLOCK_ELEMENTS = 1 << 20  # a materialized block mask of 4 MiB (fp32): larger ones page-fault on every block
+MASK_BLOCK_ROWS = 192  # SDPA's CPU kernel tiles 192 queries and more by 64 (fewer by 32, which is slower)
+MASK_BLOCK_ELEMENTS = 3 << 19  # a materialized block mask of 6 MiB (fp32): larger ones fall out of the cache
 BACKWARD_BLOCK_ROWS = 64  # the prior-gradient backward keeps four (rows x keys) buffers: small ones stay in cache
 
 
-def default_block_rows(batch_heads: int, keys: int, mask_is_view: bool) -> int:
-    """Queries per SDPA call: a fixed tile where the mask is a view of the prior table (it costs no memory), else
-    as many as keep the materialized (batch x heads x rows x keys) mask within MASK_BLOCK_ELEMENTS."""
+def default_block_shape(batch: int, heads: int, group: int, keys: int, mask_is_view: bool) -> tuple[int, int]:
+    """(queries, query heads) of one SDPA call. Where the mask is a view of the prior table (it costs no memory):
+    a fixed tile of queries, every head. Else MASK_BLOCK_ROWS queries (fewer for very long keys) and as many
+    groups of `group` heads (those sharing a key/value head) as keep the materialized (batch x heads x rows x
+    keys) mask within MASK_BLOCK_ELEMENTS: fewer heads rather than fewer queries, which SDPA handles worse."""
     if mask_is_view:
-        return VIEW_BLOCK_ROWS
-    return max(1, MASK_BLOCK_ELEMENTS // (batch_heads * keys))
+        return VIEW_BLOCK_ROWS, heads
+    group_row = batch * group * keys  # mask elements of one query row of one head group
+    rows = max(1, min(MASK_BLOCK_ROWS, MASK_BLOCK_ELEMENTS // group_row))
+    return rows, min(heads, group * max(1, MASK_BLOCK_ELEMENTS // (rows * group_row)))
 
 
 def _blocks(q_len: int, block: int, last: int):
@@ -314,23 +323,43 @@ def _blocks(q_len: int, block: int, last: int):
         yield start, min(block, q_len - start), last - start + 1
 
 
-def _block_mask(table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys) -> torch.Tensor:
+def _attend_reusing_masks(query: torch.Tensor, block: int, head_block: int, last: int):
+    """`_attend_block` writing every materialized block mask into one buffer, allocated at the first (the largest:
+    it sees every key) block: a fresh multi-MiB mask per block would be page-faulted in every time."""
+    workspace = _Workspace(1, query.shape[0] * head_block * block * (last + 1), query)
+    return functools.partial(_attend_block, take=functools.partial(workspace.take, 0))
+
+
+def _attend_blocks(attend, q_len, block, heads, head_block, last, scaling, dropout, *tensors) -> torch.Tensor:
+    """`attend(*tensors, start, rows, keys, head_slice, scaling, dropout)` over every block of rows and heads,
+    joined into (B, Lq, H, D), reversed rows."""
+    head_slices = [slice(first, min(first + head_block, heads)) for first in range(0, heads, head_block)]
+    outputs = []
+    for start, rows, keys in _blocks(q_len, block, last):
+        parts = [attend(*tensors, start, rows, keys, head_slice, scaling, dropout) for head_slice in head_slices]
+        outputs.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+    return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+
+
+def _block_mask(
+    table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys, take=None
+) -> torch.Tensor:
     """Float mask of reversed rows start..start+rows against keys 0..keys-1: (1 or B, H, rows, keys).
 
-    prior_factor: the SSMax factor (B, H, Lq, 1) where it scales the prior (the table's future padding is then 0)."""
+    prior_factor: the SSMax factor (B, H, Lq, 1) where it scales the prior (the table's future padding is then 0).
+    A mask that is not a view of the table is written into `take(shape)` (a reused buffer) if given."""
     windows = _table_windows(table, start, rows, keys)[None]  # (1, H, rows, keys) view
-    if prior_factor is None:  # the table's padding already hides future keys
-        mask = windows if key_mask is None else windows + key_mask[..., :keys]
-        if query_documents is not None:
-            mask = mask.masked_fill(_other_documents(query_documents, document_ids, start, rows, keys), HIDDEN)
-        return mask
-    # into a row-major tensor: `windows * factor` would be laid out column-major
-    factor = prior_factor[:, :, start : start + rows]
-    scaled = torch.empty(factor.shape[0], *windows.shape[1:], dtype=windows.dtype, device=windows.device)
-    if torch.is_grad_enabled() and (table.requires_grad or factor.requires_grad):
-        mask = scaled.copy_(windows).mul_(factor)  # out= has no autograd
+    if prior_factor is None and key_mask is None and query_documents is None:
+        return windows  # the table's padding hides future keys
+    batch = max(t.shape[0] for t in (prior_factor, key_mask, query_documents) if t is not None)
+    shape = (batch, *windows.shape[1:])
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (table, prior_factor)):
+        mask = windows.new_empty(shape).copy_(windows)  # out= has no autograd
+        if prior_factor is not None:
+            mask = mask.mul_(prior_factor[:, :, start : start + rows])
         return _hide_keys_(mask, key_mask, query_documents, document_ids, start, rows, keys)
-    return _write_block_mask(scaled, table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys)
+    out = windows.new_empty(shape) if take is None else take(shape)
+    return _write_block_mask(out, table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys)
 
 
 def _write_block_mask(
@@ -368,12 +397,17 @@ def _other_documents(query_documents, document_ids, start, rows, keys) -> torch.
 
 
 def _attend_block(
-    query, key, value, table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys, scaling, dropout
+    query, key, value, table, prior_factor, key_mask, query_documents, document_ids,
+    start, rows, keys, heads, scaling, dropout, take=None,
 ) -> torch.Tensor:
-    """Reversed query rows start..start+rows against keys 0..keys-1: (B, rows, H, D)."""
-    mask = _block_mask(table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys)
+    """Reversed query rows start..start+rows of query heads `heads` (a slice of whole key/value groups) against
+    keys 0..keys-1: (B, rows, heads, D). take: see `_block_mask`."""
+    group = query.shape[1] // key.shape[1]
+    key_heads = slice(heads.start // group, heads.stop // group)
+    factor = None if prior_factor is None else prior_factor[:, heads]
+    mask = _block_mask(table[heads], factor, key_mask, query_documents, document_ids, start, rows, keys, take)
     output = F.scaled_dot_product_attention(
-        query[:, :, start : start + rows], key[:, :, :keys], value[:, :, :keys], attn_mask=mask,
+        query[:, heads, start : start + rows], key[:, key_heads, :keys], value[:, key_heads, :keys], attn_mask=mask,
         dropout_p=dropout, scale=scaling, enable_gqa=True,
     )
     return output.transpose(1, 2)
@@ -394,12 +428,13 @@ class _PriorGradientAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, blocks, last, scaling, *tensors):
         # tensors: query, key, value, table, prior_factor, key_mask, query_documents, document_ids
-        query = tensors[0]
+        block, head_block, backward_block = blocks
+        _, heads, q_len, _ = tensors[0].shape
         detached = [t.detach() if t is not None else None for t in tensors]  # else SDPA avoids its fused kernel
-        outputs = [_attend_block(*detached, *rows, scaling, 0.0) for rows in _blocks(query.shape[2], blocks[0], last)]
-        ctx.block = (blocks[1], last, scaling)
+        ctx.block = (backward_block, last, scaling)
         ctx.save_for_backward(*tensors)
-        return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]  # (B, Lq, H, D), reversed rows
+        attend = _attend_reusing_masks(detached[0], block, head_block, last)
+        return _attend_blocks(attend, q_len, block, heads, head_block, last, scaling, 0.0, *detached)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -448,13 +483,15 @@ class _PriorGradientAttention(torch.autograd.Function):
 
 
 class _Workspace:
-    """Reusable flat buffers for (B, H, rows, keys) blocks: a fresh multi-MiB tensor per block would be
-    page-faulted in again every time."""
+    """Reusable flat buffers for (B, H, rows, keys) blocks, each allocated at its first use: a fresh multi-MiB
+    tensor per block would be page-faulted in again every time."""
 
     def __init__(self, slots: int, size: int, like: torch.Tensor):
-        self.buffers = like.new_empty(slots, size).unbind()
+        self.buffers, self.size, self.like = [None] * slots, size, like
 
     def take(self, slot: int, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.buffers[slot] is None:
+            self.buffers[slot] = self.like.new_empty(self.size)
         return self.buffers[slot][: math.prod(shape)].view(shape)
 
 
@@ -514,8 +551,10 @@ class _RecomputedBlock(torch.autograd.Function):
     replaying the random state for dropout. Gradients come from `torch.autograd.grad`, so `.grad()` works."""
 
     @staticmethod
-    def forward(ctx, start, rows, keys, scaling, dropout, *tensors):
-        ctx.block = (start, rows, keys, scaling, dropout)
+    def forward(ctx, *arguments):
+        # arguments: the tensors of `_attend_block`, then start, rows, keys, heads, scaling, dropout
+        tensors, ctx.block = arguments[:8], arguments[8:]
+        dropout = ctx.block[-1]
         ctx.device = tensors[0].device
         ctx.rng_state = _rng_state(ctx.device) if dropout > 0.0 else None
         ctx.save_for_backward(*tensors)
@@ -525,7 +564,7 @@ class _RecomputedBlock(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        needs_grad = ctx.needs_input_grad[5:]
+        needs_grad = ctx.needs_input_grad[:8]
         tensors = [
             t.detach().requires_grad_(wanted) if t is not None else None
             for t, wanted in zip(ctx.saved_tensors, needs_grad)
@@ -536,7 +575,7 @@ class _RecomputedBlock(torch.autograd.Function):
             output = _attend_block(*tensors, *ctx.block)
         wanted = [t for t, flag in zip(tensors, needs_grad) if flag]
         grads = iter(torch.autograd.grad(output, wanted, grad_output))
-        return (None,) * 5 + tuple(next(grads) if flag else None for flag in needs_grad)
+        return tuple(next(grads) if flag else None for flag in needs_grad) + (None,) * 6
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:

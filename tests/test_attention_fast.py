@@ -151,9 +151,12 @@ BLOCKED_CASES = {
 
 
 @pytest.mark.parametrize("case", list(BLOCKED_CASES))
-@pytest.mark.parametrize("block_rows", [1, 3, None])  # one query per block, a few, the default (all 13 here)
-def test_blocked_attention_and_gradients_match_float64_reference(case, block_rows):
-    """Blocks of queries against the keys they can see, outputs AND gradients (q, k, v, prior, SSMax scale)."""
+# (queries, query heads) per block: one query of every head; 3 queries of one key/value head's 2 query heads (the
+# second block of heads must use the second key/value head); the default (all 13 queries, every head here)
+@pytest.mark.parametrize("block_shape", [(1, 4), (3, 2), (None, None)])
+def test_blocked_attention_and_gradients_match_float64_reference(case, block_shape):
+    """Blocks of queries and heads against the keys they can see, outputs AND gradients (q, k, v, prior, SSMax
+    scale)."""
     options = BLOCKED_CASES[case]
     ssmax, offset = options["ssmax"], options.get("offset", 0)
     heads, kv_heads, q_len, head_dim = 4, 2, 13, 8
@@ -183,7 +186,7 @@ def test_blocked_attention_and_gradients_match_float64_reference(case, block_row
     actual = bam_attention_blocked(
         query, key, value, positions, table, head_dim**-0.5, ssmax_scale=ssmax_scale,
         ssmax_prior=options.get("ssmax_prior", True), key_valid=key_valid, document_ids=document_ids,
-        block_rows=block_rows,
+        block_rows=block_shape[0], block_heads=block_shape[1],
     )
     expected = reference_attention(
         query, key, value, positions, parameters["theta_alpha"], parameters["theta_beta"], parameters["theta_mu"],
@@ -200,6 +203,13 @@ def test_blocked_attention_and_gradients_match_float64_reference(case, block_row
     expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
     for name, got, want in zip(["q", "k", "v", *parameters], actual_grads, expected_grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"gradient of {name}: {m}")
+
+
+def test_blocks_that_split_a_key_value_group_are_refused():
+    query, key, value = random_qkv(1, 4, 2, 5, 5, 8, torch.float32)
+    table = torch.zeros(4, 5)
+    with pytest.raises(ValueError, match="block_heads=3 must be a multiple of the 2 query heads"):
+        bam_attention_blocked(query, key, value, torch.arange(5), table, 0.25, block_heads=3)
 
 
 @pytest.mark.parametrize("ssmax", [True, False])
@@ -241,7 +251,7 @@ def test_blocked_attention_with_dropout_has_the_gradient_of_its_own_random_masks
         table = ggd_bias(torch.arange(-(length - 1), 1), flat, beta, flat)
         output = bam_attention_blocked(
             q, key, value, torch.arange(length), table.double(), head_dim**-0.5, ssmax_scale=scale, dropout=0.3,
-            block_rows=3,
+            block_rows=3, block_heads=2,
         )
         return (output * weights).sum()
 
