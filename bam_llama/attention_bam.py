@@ -258,7 +258,7 @@ def bam_attention_blocked(
     # dropout runs SDPA's unfused path, which materializes each block's probabilities: keep those bounded too
     mask_is_view = not scale_prior and key_valid is None and document_ids is None and dropout == 0.0
     group = heads // key.shape[1]
-    default_rows, default_heads = default_block_shape(batch, heads, group, last + 1, mask_is_view)
+    default_rows, default_heads = default_block_shape(batch, heads, group, q_len, last + 1, mask_is_view)
     block, head_block = min(q_len, block_rows or default_rows), min(heads, block_heads or default_heads)
     if head_block % group:
         raise ValueError(f"block_heads={head_block} must be a multiple of the {group} query heads of a key/value head")
@@ -304,15 +304,18 @@ MASK_BLOCK_ELEMENTS = 3 << 19  # a materialized block mask of 6 MiB (fp32): larg
 BACKWARD_BLOCK_ROWS = 64  # the prior-gradient backward keeps four (rows x keys) buffers: small ones stay in cache
 
 
-def default_block_shape(batch: int, heads: int, group: int, keys: int, mask_is_view: bool) -> tuple[int, int]:
+def default_block_shape(
+    batch: int, heads: int, group: int, queries: int, keys: int, mask_is_view: bool
+) -> tuple[int, int]:
     """(queries, query heads) of one SDPA call. Where the mask is a view of the prior table (it costs no memory):
     a fixed tile of queries, every head. Else MASK_BLOCK_ROWS queries (fewer for very long keys) and as many
     groups of `group` heads (those sharing a key/value head) as keep the materialized (batch x heads x rows x
-    keys) mask within MASK_BLOCK_ELEMENTS: fewer heads rather than fewer queries, which SDPA handles worse."""
+    keys) mask within MASK_BLOCK_ELEMENTS: fewer heads rather than fewer queries, which SDPA handles worse. A
+    decoding step (one query) is one call of every head up to very long keys."""
     if mask_is_view:
-        return VIEW_BLOCK_ROWS, heads
+        return min(queries, VIEW_BLOCK_ROWS), heads
     group_row = batch * group * keys  # mask elements of one query row of one head group
-    rows = max(1, min(MASK_BLOCK_ROWS, MASK_BLOCK_ELEMENTS // group_row))
+    rows = max(1, min(queries, MASK_BLOCK_ROWS, MASK_BLOCK_ELEMENTS // group_row))
     return rows, min(heads, group * max(1, MASK_BLOCK_ELEMENTS // (rows * group_row)))
 
 

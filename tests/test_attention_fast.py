@@ -212,6 +212,29 @@ def test_blocks_that_split_a_key_value_group_are_refused():
         bam_attention_blocked(query, key, value, torch.arange(5), table, 0.25, block_heads=3)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_decoding_step_is_one_sdpa_call_of_every_head(monkeypatch, padded):
+    """One query against 4096 keys with an SSMax-scaled (materialized) mask: one call, not one per key/value head
+    (each call costs a fixed overhead, which dominates a decoding step)."""
+    import bam_llama.attention_bam as attention
+
+    shapes = []
+    sdpa = attention.F.scaled_dot_product_attention
+
+    def counting_sdpa(query, *args, **kwargs):
+        shapes.append(tuple(query.shape))
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting_sdpa)
+    query, key, value = random_qkv(1, 8, 4, 1, 4096, 4, torch.float32)
+    key_valid = torch.ones(1, 4096, dtype=torch.long) if padded else None
+    bam_attention_blocked(
+        query, key, value, torch.tensor([4095]), torch.zeros(8, 4096), 0.5, ssmax_scale=torch.ones(8),
+        key_valid=key_valid,
+    )
+    assert shapes == [(1, 8, 1, 4)]
+
+
 @pytest.mark.parametrize("ssmax", [True, False])
 def test_float32_prior_gradient_with_single_key_rows_and_negative_beta(ssmax):
     """float32, beta = -3: the prior at distance 0 is ~-1e15 and its beta-gradient ~1e16, so a row that sees only
