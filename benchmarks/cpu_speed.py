@@ -50,6 +50,7 @@ import transformers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM  # noqa: E402
+from bam_llama.modeling_bam import CACHE_NAME  # noqa: E402  (the installed Transformers' name of the KV cache)
 
 
 SIZES = dict(
@@ -98,7 +99,7 @@ def prefill(model, ids):
     model.eval()
     with torch.no_grad():
         output = model(ids, use_cache=True)
-    return output.past_key_values, output.logits[:, -1:].argmax(-1)
+    return getattr(output, CACHE_NAME), output.logits[:, -1:].argmax(-1)
 
 
 def run_decode(model, cache, next_token) -> float:
@@ -106,8 +107,8 @@ def run_decode(model, cache, next_token) -> float:
     start = time.perf_counter()
     with torch.no_grad():
         for _ in range(DECODE_TOKENS):
-            output = model(next_token, past_key_values=cache, use_cache=True)
-            cache, next_token = output.past_key_values, output.logits[:, -1:].argmax(-1)
+            output = model(next_token, **{CACHE_NAME: cache}, use_cache=True)
+            cache, next_token = getattr(output, CACHE_NAME), output.logits[:, -1:].argmax(-1)
     return time.perf_counter() - start
 
 

@@ -44,7 +44,8 @@ def main(argv=None) -> int:
     parser.add_argument("--old", required=True, help="the earlier commit")
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--cases", nargs="+", choices=[c for c in cpu_speed.CASES if c != "llama"], default=["bam"])
-    parser.add_argument("--modes", nargs="+", choices=["fwd", "fwd+bwd"], default=["fwd", "fwd+bwd"])
+    parser.add_argument("--modes", nargs="+", choices=cpu_speed.MODES, default=["fwd", "fwd+bwd"],
+                        help="decode: the time of 64 greedy steps after the prompt (prefill untimed)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     if args.length < 2 or args.repeats < 1:
