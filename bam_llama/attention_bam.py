@@ -328,15 +328,20 @@ def _blocks(q_len: int, block: int, last: int):
 
 def _attend_reusing_masks(query: torch.Tensor, block: int, head_block: int, last: int):
     """`_attend_block` writing every materialized block mask into one buffer, allocated at the first (the largest:
-    it sees every key) block: a fresh multi-MiB mask per block would be page-faulted in every time."""
-    workspace = _Workspace(1, query.shape[0] * head_block * block * (last + 1), query)
+    it sees every key) block: a fresh multi-MiB mask per block would be page-faulted in every time. A single block
+    (a decoding step) has nothing to reuse."""
+    batch, heads, q_len, _ = query.shape
+    if q_len <= block and heads <= head_block:
+        return _attend_block
+    workspace = _Workspace(1, batch * head_block * block * (last + 1), query)
     return functools.partial(_attend_block, take=functools.partial(workspace.take, 0))
 
 
 def _attend_blocks(attend, q_len, block, heads, head_block, last, scaling, dropout, *tensors) -> torch.Tensor:
-    """`attend(*tensors, start, rows, keys, head_slice, scaling, dropout)` over every block of rows and heads,
-    joined into (B, Lq, H, D), reversed rows."""
+    """`attend(*tensors, start, rows, keys, head_slice, scaling, dropout)` over every block of rows and heads (None:
+    every head), joined into (B, Lq, H, D), reversed rows."""
     head_slices = [slice(first, min(first + head_block, heads)) for first in range(0, heads, head_block)]
+    head_slices = head_slices if len(head_slices) > 1 else [None]
     outputs = []
     for start, rows, keys in _blocks(q_len, block, last):
         parts = [attend(*tensors, start, rows, keys, head_slice, scaling, dropout) for head_slice in head_slices]
@@ -403,14 +408,16 @@ def _attend_block(
     query, key, value, table, prior_factor, key_mask, query_documents, document_ids,
     start, rows, keys, heads, scaling, dropout, take=None,
 ) -> torch.Tensor:
-    """Reversed query rows start..start+rows of query heads `heads` (a slice of whole key/value groups) against
-    keys 0..keys-1: (B, rows, heads, D). take: see `_block_mask`."""
-    group = query.shape[1] // key.shape[1]
-    key_heads = slice(heads.start // group, heads.stop // group)
-    factor = None if prior_factor is None else prior_factor[:, heads]
-    mask = _block_mask(table[heads], factor, key_mask, query_documents, document_ids, start, rows, keys, take)
+    """Reversed query rows start..start+rows of query heads `heads` (a slice of whole key/value groups, or None for
+    all) against keys 0..keys-1: (B, rows, heads, D). take: see `_block_mask`."""
+    if heads is not None:
+        group = query.shape[1] // key.shape[1]
+        key_heads = slice(heads.start // group, heads.stop // group)
+        query, key, value, table = query[:, heads], key[:, key_heads], value[:, key_heads], table[heads]
+        prior_factor = None if prior_factor is None else prior_factor[:, heads]
+    mask = _block_mask(table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys, take)
     output = F.scaled_dot_product_attention(
-        query[:, heads, start : start + rows], key[:, key_heads, :keys], value[:, key_heads, :keys], attn_mask=mask,
+        query[:, :, start : start + rows], key[:, :, :keys], value[:, :, :keys], attn_mask=mask,
         dropout_p=dropout, scale=scaling, enable_gqa=True,
     )
     return output.transpose(1, 2)
