@@ -7,6 +7,13 @@ the same BamLlama model runs with the earlier commit's `attention_bam.bam_attent
 inputs as in `cpu_speed.py`).
 
     python benchmarks/cpu_speed_ab.py --old e3d8249 --length 4096 --cases bam bam+ssmax --repeats 5
+
+`--attention` times the attention alone instead, on one layer's shapes (batch `--batch`, 8 heads, 4 KV heads, head
+size 32, the prior and q/k/v trained in fwd+bwd), against Llama's causal SDPA on the same q/k/v; `--padded` pads
+the keys of the last batch row (its first eighth), which makes every block's mask a materialized one (Llama's SDPA
+stays unpadded, is_causal):
+
+    python benchmarks/cpu_speed_ab.py --old cbd198b --attention --length 4096 --cases bam bam+ssmax --padded
 """
 
 import argparse
@@ -17,10 +24,18 @@ import sys
 import tempfile
 from pathlib import Path
 
+import time
+
 import cpu_speed
+import torch
+import torch.nn.functional as F
 from cpu_speed import REPO_ROOT, build_model, input_ids, timed
 
 from bam_llama import modeling_bam
+from bam_llama.attention_bam import ggd_bias
+
+
+HEADS, KV_HEADS, HEAD_SIZE = 8, 4, 32
 
 
 def attention_at(commit: str, folder: Path):
@@ -39,22 +54,71 @@ def attention_at(commit: str, folder: Path):
     return module.bam_attention_blocked
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--old", required=True, help="the earlier commit")
-    parser.add_argument("--length", type=int, default=4096)
-    parser.add_argument("--cases", nargs="+", choices=[c for c in cpu_speed.CASES if c != "llama"], default=["bam"])
-    parser.add_argument("--modes", nargs="+", choices=cpu_speed.MODES, default=["fwd", "fwd+bwd"],
-                        help="decode: the time of 64 greedy steps after the prompt (prefill untimed)")
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
-    if args.length < 2 or args.repeats < 1:
-        parser.error("--length must be >= 2 and --repeats >= 1")
-    with tempfile.TemporaryDirectory() as folder:
-        try:
-            versions = {args.old: attention_at(args.old, Path(folder)), "current": modeling_bam.bam_attention_blocked}
-        except ValueError as error:
-            parser.error(str(error))
+class AttentionInputs:
+    """One layer's q, k, v (laid out as the model passes them), prior parameters and key padding."""
+
+    def __init__(self, length: int, batch: int, padded: bool, trained: bool):
+        generator = torch.Generator().manual_seed(0)
+
+        def projection(heads):
+            return torch.randn(batch, length, heads, HEAD_SIZE, generator=generator).transpose(1, 2)
+
+        self.query, self.key, self.value = projection(HEADS), projection(KV_HEADS), projection(KV_HEADS)
+        self.theta_alpha = torch.full((HEADS,), -2.0)
+        self.theta_beta = torch.linspace(-1.0, 1.0, HEADS)
+        self.ssmax_scale = torch.ones(HEADS)
+        for tensor in (self.query, self.key, self.value, self.theta_alpha, self.theta_beta, self.ssmax_scale):
+            tensor.requires_grad_(trained)
+        self.positions = torch.arange(length)
+        self.key_valid = None
+        if padded:
+            self.key_valid = torch.ones(batch, length, dtype=torch.long)
+            self.key_valid[-1, : length // 8] = 0
+
+
+def attention_call(attention, inputs: AttentionInputs, ssmax: bool) -> torch.Tensor:
+    length = inputs.positions.numel()
+    table = ggd_bias(torch.arange(-(length - 1), 1), inputs.theta_alpha, inputs.theta_beta, torch.zeros(HEADS))
+    return attention(
+        inputs.query, inputs.key, inputs.value, inputs.positions, table, HEAD_SIZE**-0.5,
+        ssmax_scale=inputs.ssmax_scale if ssmax else None, key_valid=inputs.key_valid,
+    )
+
+
+def llama_attention_call(inputs: AttentionInputs) -> torch.Tensor:
+    query, key, value = (t.contiguous() for t in (inputs.query, inputs.key, inputs.value))
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+
+
+def timed_attention(call, mode: str) -> float:
+    start = time.perf_counter()
+    if mode == "fwd":
+        with torch.no_grad():
+            call()
+    else:
+        output = call()
+        output.backward(torch.ones_like(output))
+    return time.perf_counter() - start
+
+
+def attention_timings(versions, args) -> dict:
+    times = {}
+    inputs = {mode: AttentionInputs(args.length, args.batch, args.padded, mode == "fwd+bwd") for mode in args.modes}
+    calls = {("llama", "-"): lambda mode: llama_attention_call(inputs[mode])}
+    for case in args.cases:
+        for version, attention in versions.items():
+            calls[case, version] = lambda mode, a=attention, s="ssmax" in case: attention_call(a, inputs[mode], s)
+    for mode in args.modes:  # warm-up
+        for call in calls.values():
+            timed_attention(lambda: call(mode), mode)
+    for _ in range(args.repeats):
+        for mode in args.modes:
+            for (case, version), call in calls.items():
+                times.setdefault((mode, case, version), []).append(timed_attention(lambda: call(mode), mode))
+    return times
+
+
+def model_timings(versions, args) -> dict:
     models = {case: build_model(case) for case in ["llama", *args.cases]}
     ids = input_ids(args.length)
     for model in models.values():
@@ -68,10 +132,38 @@ def main(argv=None) -> int:
                         modeling_bam.bam_attention_blocked = attention
                     times.setdefault((mode, case, version), []).append(timed(model, mode, ids))
     modeling_bam.bam_attention_blocked = versions["current"]
-    print(f"L={args.length}, {args.repeats} interleaved repeats; median (min) ms, ratio of medians to Llama's")
+    return times
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--old", required=True, help="the earlier commit")
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--cases", nargs="+", choices=[c for c in cpu_speed.CASES if c != "llama"], default=["bam"])
+    parser.add_argument("--modes", nargs="+", choices=cpu_speed.MODES, default=["fwd", "fwd+bwd"],
+                        help="decode: the time of 64 greedy steps after the prompt (prefill untimed)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--attention", action="store_true", help="time the attention alone, not the model")
+    parser.add_argument("--batch", type=int, default=1, help="--attention: batch size")
+    parser.add_argument("--padded", action="store_true", help="--attention: pad the keys of the last batch row")
+    args = parser.parse_args(argv)
+    if args.length < 2 or args.repeats < 1 or args.batch < 1:
+        parser.error("--length must be >= 2, --repeats and --batch >= 1")
+    if args.attention and "decode" in args.modes:
+        parser.error("--attention times fwd and fwd+bwd only")
+    if (args.batch != 1 or args.padded) and not args.attention:
+        parser.error("--batch and --padded apply to --attention only")
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            versions = {args.old: attention_at(args.old, Path(folder)), "current": modeling_bam.bam_attention_blocked}
+        except ValueError as error:
+            parser.error(str(error))
+    times = (attention_timings if args.attention else model_timings)(versions, args)
+    what = f"attention alone, batch {args.batch}{', padded' if args.padded else ''}" if args.attention else "model"
+    print(f"L={args.length}, {what}, {args.repeats} interleaved repeats; median (min) ms, ratio of medians to Llama's")
     for (mode, case, version), seconds in times.items():
         ratio = statistics.median(seconds) / statistics.median(times[mode, "llama", "-"])
-        print(f"{mode:8} {case:20} {version:8} {statistics.median(seconds) * 1000:6.0f} ({min(seconds) * 1000:.0f})"
+        print(f"{mode:8} {case:20} {version:8} {statistics.median(seconds) * 1000:7.1f} ({min(seconds) * 1000:.1f})"
               f"  {ratio:.2f}x")
     return 0
 
