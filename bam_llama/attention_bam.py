@@ -287,10 +287,8 @@ def bam_attention_blocked(
     prior_trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (table, prior_factor))
     if prior_trains and dropout == 0.0:
         output = _PriorGradientAttention.apply((block, head_block, backward_block), last, scaling, *tensors)
-    elif prior_trains:
-        output = _attend_blocks(_RecomputedBlock.apply, q_len, block, heads, head_block, last, scaling, dropout, *tensors)
     else:
-        attend = _attend_reusing_masks(query, block, head_block, last)
+        attend = _RecomputedBlock.apply if prior_trains else _attend_reusing_masks(query, block, head_block, last)
         output = _attend_blocks(attend, q_len, block, heads, head_block, last, scaling, dropout, *tensors)
     output = output.flip(1) if q_len > 1 else output  # (B, Lq, H, D), natural order
     if key_valid is not None:  # rows that see no key (queries on padding) give zeros
