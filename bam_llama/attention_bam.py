@@ -314,7 +314,9 @@ def default_block_shape(
         return min(queries, VIEW_BLOCK_ROWS), heads
     group_row = batch * group * keys  # mask elements of one query row of one head group
     rows = max(1, min(queries, MASK_BLOCK_ROWS, MASK_BLOCK_ELEMENTS // group_row))
-    return rows, min(heads, group * max(1, MASK_BLOCK_ELEMENTS // (rows * group_row)))
+    groups, groups_per_call = heads // group, max(1, MASK_BLOCK_ELEMENTS // (rows * group_row))
+    calls = -(-groups // groups_per_call)
+    return rows, group * -(-groups // calls)  # calls of equal size: 4 groups at most 3 a call make 2 + 2, not 3 + 1
 
 
 def _blocks(q_len: int, block: int, last: int):
