@@ -306,14 +306,19 @@ def default_block_shape(
     batch: int, heads: int, group: int, queries: int, keys: int, mask_is_view: bool
 ) -> tuple[int, int]:
     """(queries, query heads) of one SDPA call. Where the mask is a view of the prior table (it costs no memory):
-    a fixed tile of queries, every head. Else MASK_BLOCK_ROWS queries (fewer for very long keys) and as many
-    groups of `group` heads (those sharing a key/value head) as keep the materialized (batch x heads x rows x
-    keys) mask within MASK_BLOCK_ELEMENTS: fewer heads rather than fewer queries, which SDPA handles worse. A
-    decoding step (one query) is one call of every head up to very long keys."""
+    a fixed tile of queries, every head. Else the materialized (batch x heads x rows x keys) mask stays within
+    MASK_BLOCK_ELEMENTS. Long keys: MASK_BLOCK_ROWS queries (SDPA's CPU kernel tiles 64 at a time from there on)
+    over as many groups of `group` heads (those sharing a key/value head) as fit, since every call re-reads its
+    heads' keys and values; fewer queries only for very long keys. Short keys: every head, and fewer queries."""
     if mask_is_view:
         return min(queries, VIEW_BLOCK_ROWS), heads
+    # a block of R rows computes ~R / 2 future keys per row, which a float mask cannot skip: R <= keys / 8, but
+    # at least 32 (a short prompt in one call, not one call per few rows)
+    rows = max(1, min(queries, MASK_BLOCK_ROWS, max(32, keys // 8)))
+    if rows < MASK_BLOCK_ROWS:  # fewer heads would not reach SDPA's larger tiles
+        return max(1, min(rows, MASK_BLOCK_ELEMENTS // (batch * heads * keys))), heads
     group_row = batch * group * keys  # mask elements of one query row of one head group
-    rows = max(1, min(queries, MASK_BLOCK_ROWS, MASK_BLOCK_ELEMENTS // group_row))
+    rows = max(1, min(rows, MASK_BLOCK_ELEMENTS // group_row))
     groups, groups_per_call = heads // group, max(1, MASK_BLOCK_ELEMENTS // (rows * group_row))
     calls = -(-groups // groups_per_call)
     return rows, group * -(-groups // calls)  # calls of equal size: 4 groups at most 3 a call make 2 + 2, not 3 + 1
