@@ -565,10 +565,12 @@ class _RecomputedBlock(torch.autograd.Function):
     """`_attend_block` that keeps only its inputs: the backward pass recomputes the block with autograd on,
     replaying the random state for dropout. Gradients come from `torch.autograd.grad`, so `.grad()` works."""
 
+    TENSORS = 8  # query, key, value, table, prior_factor, key_mask, query_documents, document_ids
+
     @staticmethod
     def forward(ctx, *arguments):
         # arguments: the tensors of `_attend_block`, then start, rows, keys, heads, scaling, dropout
-        tensors, ctx.block = arguments[:8], arguments[8:]
+        tensors, ctx.block = arguments[: _RecomputedBlock.TENSORS], arguments[_RecomputedBlock.TENSORS :]
         dropout = ctx.block[-1]
         ctx.device = tensors[0].device
         ctx.rng_state = _rng_state(ctx.device) if dropout > 0.0 else None
@@ -579,7 +581,7 @@ class _RecomputedBlock(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        needs_grad = ctx.needs_input_grad[:8]
+        needs_grad = ctx.needs_input_grad[: _RecomputedBlock.TENSORS]
         tensors = [
             t.detach().requires_grad_(wanted) if t is not None else None
             for t, wanted in zip(ctx.saved_tensors, needs_grad)
@@ -590,7 +592,7 @@ class _RecomputedBlock(torch.autograd.Function):
             output = _attend_block(*tensors, *ctx.block)
         wanted = [t for t, flag in zip(tensors, needs_grad) if flag]
         grads = iter(torch.autograd.grad(output, wanted, grad_output))
-        return tuple(next(grads) if flag else None for flag in needs_grad) + (None,) * 6
+        return tuple(next(grads) if flag else None for flag in needs_grad) + (None,) * len(ctx.block)
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:

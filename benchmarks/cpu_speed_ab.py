@@ -22,9 +22,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
-
 import time
+from pathlib import Path
 
 import cpu_speed
 import torch
