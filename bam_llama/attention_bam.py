@@ -263,10 +263,10 @@ def bam_attention_blocked(
     if head_block % group:
         raise ValueError(f"block_heads={head_block} must be a multiple of the {group} query heads of a key/value head")
     backward_block = min(q_len, BACKWARD_BLOCK_ROWS)
-    # table[m] = prior at distance m - P; entries past P are future keys: -inf, or 0 when the row factor
-    # multiplies the prior (c = 0 or c < 0 would turn -inf into NaN / +inf; those are masked separately).
+    # table[m] = prior at distance m - P; entries past P are future keys: -inf (times a row factor c > 0 still
+    # -inf; blocks with a factor c <= 0 are masked again, see `_write_block_mask`)
     padding = max(block, backward_block) - 1  # windows of the last row of a block reach this far past distance 0
-    table = F.pad(prior_table.to(compute_dtype), (0, padding), value=0.0 if scale_prior else float("-inf"))
+    table = F.pad(prior_table.to(compute_dtype), (0, padding), value=float("-inf"))
 
     query = query.flip(2).contiguous() if q_len > 1 else query.contiguous()
     key, value = key.contiguous(), value.contiguous()  # SDPA's CPU kernel is much slower on (B, L, H, D) layouts
@@ -359,7 +359,7 @@ def _block_mask(
 ) -> torch.Tensor:
     """Float mask of reversed rows start..start+rows against keys 0..keys-1: (1 or B, H, rows, keys).
 
-    prior_factor: the SSMax factor (B, H, Lq, 1) where it scales the prior (the table's future padding is then 0).
+    prior_factor: the SSMax factor (B, H, Lq, 1) where it scales the prior.
     A mask that is not a view of the table is written into `take(shape)` (a reused buffer) if given."""
     windows = _table_windows(table, start, rows, keys)[None]  # (1, H, rows, keys) view
     if prior_factor is None and key_mask is None and query_documents is None:
@@ -368,8 +368,8 @@ def _block_mask(
     shape = (batch, *windows.shape[1:])
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (table, prior_factor)):
         mask = windows.new_empty(shape).copy_(windows)  # out= has no autograd
-        if prior_factor is not None:
-            mask = mask.mul_(prior_factor[:, :, start : start + rows])
+        if prior_factor is not None:  # the factor's gradient sums mask * dS: 0 on future keys, not -inf * 0 = NaN
+            mask = _hide_future_(mask, rows, keys, 0.0).mul_(prior_factor[:, :, start : start + rows])
         return _hide_keys_(mask, key_mask, query_documents, document_ids, start, rows, keys)
     out = windows.new_empty(shape) if take is None else take(shape)
     return _write_block_mask(out, table, prior_factor, key_mask, query_documents, document_ids, start, rows, keys)
@@ -381,21 +381,33 @@ def _write_block_mask(
     """`_block_mask` written into `out`, a contiguous (B, H, rows, keys) tensor the scores are then added to."""
     windows = _table_windows(table, start, rows, keys)[None].expand(out.shape)
     if prior_factor is None:
-        out.copy_(windows)
+        out.copy_(windows)  # future keys: the table's -inf
+        future_hidden = True
     else:
-        torch.mul(windows, prior_factor[:, :, start : start + rows], out=out)
-    return _hide_keys_(out, key_mask, query_documents, document_ids, start, rows, keys)
+        factor = prior_factor[:, :, start : start + rows]
+        torch.mul(windows, factor, out=out)
+        future_hidden = bool(factor.min() > 0)  # c * -inf is -inf for c > 0 only (NaN for c = 0)
+    return _hide_keys_(out, key_mask, query_documents, document_ids, start, rows, keys, future_hidden)
 
 
-def _hide_keys_(scores, key_mask, query_documents, document_ids, start, rows, keys) -> torch.Tensor:
-    """In place on a block's (B or 1, H, rows, keys) scores or mask: -inf on future keys, HIDDEN on padding and
-    on keys of other documents."""
-    if rows > 1:  # a single query sees every key of its block
-        scores[..., keys - rows :].masked_fill_(_future(rows, rows, scores.device), float("-inf"))
+def _hide_keys_(
+    scores, key_mask, query_documents, document_ids, start, rows, keys, future_hidden=False
+) -> torch.Tensor:
+    """In place on a block's (B or 1, H, rows, keys) scores or mask: -inf on future keys (unless `future_hidden`
+    says they already are), HIDDEN on padding and on keys of other documents."""
+    if not future_hidden:
+        _hide_future_(scores, rows, keys, float("-inf"))
     if key_mask is not None:
         scores.add_(key_mask[..., :keys])
     if query_documents is not None:
         scores.masked_fill_(_other_documents(query_documents, document_ids, start, rows, keys), HIDDEN)
+    return scores
+
+
+def _hide_future_(scores: torch.Tensor, rows: int, keys: int, value: float) -> torch.Tensor:
+    """In place: `value` on the future keys of a block's (..., rows, keys) reversed rows."""
+    if rows > 1:  # a single query sees every key of its block
+        scores[..., keys - rows :].masked_fill_(_future(rows, rows, scores.device), value)
     return scores
 
 
