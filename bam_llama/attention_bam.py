@@ -386,7 +386,8 @@ def _write_block_mask(
     else:
         factor = prior_factor[:, :, start : start + rows]
         torch.mul(windows, factor, out=out)
-        future_hidden = bool(factor.min() > 0)  # c * -inf is -inf for c > 0 only (NaN for c = 0)
+        # c * -inf is -inf for c > 0 only (NaN for c = 0); on a GPU the check would stall every block: fill there
+        future_hidden = factor.device.type == "cpu" and bool(factor.min() > 0)
     return _hide_keys_(out, key_mask, query_documents, document_ids, start, rows, keys, future_hidden)
 
 
