@@ -559,14 +559,13 @@ def _diagonal_windows(values: torch.Tensor, first: int, count: int) -> torch.Ten
 def _diagonal_sums(diagonals: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:
     """(B, H, R, T) diagonals -> (H, T): the sum over batch and rows, each row weighted by w[b, :, r] (a matmul).
     row_weights: (B or 1, H, R, 1), or None for ones."""
-    batch, heads, _, width = diagonals.shape
-    out = diagonals.new_zeros(heads, 1, width)
-    for b in range(batch):
-        if row_weights is None:
-            out[:, 0] += diagonals[b].sum(1)
-        else:
-            out.baddbmm_(row_weights[b if row_weights.shape[0] > 1 else 0].transpose(1, 2), diagonals[b])
-    return out[:, 0]
+    if row_weights is None:
+        return diagonals.sum(dim=(0, 2))
+    total = None
+    for b in range(diagonals.shape[0]):
+        weights = row_weights[b if row_weights.shape[0] > 1 else 0].transpose(1, 2)  # (H, 1, R)
+        total = torch.bmm(weights, diagonals[b]) if total is None else total.baddbmm_(weights, diagonals[b])
+    return total[:, 0]
 
 
 def _window_dots(diagonals: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
