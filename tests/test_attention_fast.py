@@ -147,6 +147,9 @@ BLOCKED_CASES = {
     "packed_documents": dict(ssmax=True, packed=True),
     "cache_offset": dict(ssmax=True, offset=7),
     "frozen_prior": dict(ssmax=False, frozen=True),
+    # a frozen prior with a materialized mask: SDPA keeps each block's mask for the q/k/v gradients
+    "frozen_prior_padded": dict(ssmax=False, frozen=True, padded=True),
+    "frozen_ssmax_packed": dict(ssmax=True, frozen=True, packed=True),
 }
 
 

@@ -110,6 +110,27 @@ def test_eager_and_sdpa_agree_with_gradients(variant):
         torch.testing.assert_close(grads["eager"][name], grads["sdpa"][name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("ssmax", [False, True])
+def test_frozen_prior_trains_the_rest_on_a_padded_batch_of_several_query_blocks(ssmax):
+    """Fine-tuning with the prior (and SSMax scales) frozen, as PEFT does without modules_to_save: 80 left-padded
+    tokens are 3 query blocks, whose masks SDPA keeps for the q/k/v gradients. Same gradients as eager."""
+    input_ids = torch.randint(0, 97, (2, 80))
+    attention_mask = torch.ones(2, 80, dtype=torch.long)
+    attention_mask[1, :23] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    grads = {}
+    for implementation in ("eager", "sdpa"):
+        model = tiny_model(implementation, ssmax=ssmax).train()
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_("prior" not in name and "ssmax" not in name)
+        model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+        grads[implementation] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["eager"].keys() == grads["sdpa"].keys()
+    assert not any("prior" in name or "ssmax" in name for name in grads["sdpa"])
+    for name in grads["eager"]:
+        torch.testing.assert_close(grads["eager"][name], grads["sdpa"][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_triton_implementation_falls_back_off_gpu(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU tensor without the interpreter: the SDPA path runs
     input_ids = torch.randint(0, 97, (2, 11))
