@@ -281,15 +281,18 @@ def bam_attention_blocked(
     # Training a prior: SDPA has no gradient for its mask, so the blocks run without autograd (fused kernel) and
     # a flash-style backward recomputes each block's probabilities once for every gradient; no block's scores
     # are kept, memory stays O(L). With dropout, each block is replayed under autograd instead. A frozen prior
-    # (only q, k, v need gradients) keeps SDPA's own fused backward.
+    # (only q, k, v need gradients) keeps SDPA's own fused backward where the mask is a view of the table; a
+    # materialized mask would be kept by SDPA for every block (O(L^2) a layer), so those take the same paths.
     prior_factor = row_factor if scale_prior else None
     tensors = (query, key, value, table, prior_factor, key_mask, query_documents, document_ids)
-    prior_trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (table, prior_factor))
-    if prior_trains and dropout == 0.0:
+    trained = [t.requires_grad for t in (query, key, value, table, prior_factor) if t is not None]
+    prior_trains = torch.is_grad_enabled() and any(trained[3:])
+    own_backward = prior_trains or (torch.is_grad_enabled() and any(trained) and not mask_is_view)
+    if own_backward and dropout == 0.0:
         output = _PriorGradientAttention.apply((block, head_block, backward_block), last, scaling, *tensors)
     else:
-        attend = _RecomputedBlock.apply  # the prior trains with dropout: each block replayed under autograd
-        if not prior_trains:
+        attend = _RecomputedBlock.apply  # with dropout: each block replayed under autograd
+        if not own_backward:
             attend = _attend_reusing_masks(query, key, value, block, head_block, last)
         output = _attend_blocks(attend, q_len, block, heads, head_block, last, scaling, dropout, *tensors)
     output = output.flip(1) if q_len > 1 else output  # (B, Lq, H, D), natural order

@@ -208,6 +208,42 @@ def test_blocked_attention_and_gradients_match_float64_reference(case, block_sha
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"gradient of {name}: {m}")
 
 
+@pytest.mark.parametrize("ssmax", [False, True])
+def test_a_frozen_prior_keeps_no_block_masks_for_the_backward(ssmax):
+    """q, k, v train, the prior and SSMax scales are frozen, keys are padded (every block's mask is materialized):
+    what autograd keeps for the backward is O(L) (about the inputs), not a mask per block (O(L^2): 8x the inputs
+    here). Same gradients as the float64 reference."""
+    heads, kv_heads, length, head_dim = 4, 2, 256, 8
+    query, key, value = random_qkv(2, heads, kv_heads, length, length, head_dim, torch.float32, seed=5)
+    for tensor in (query, key, value):
+        tensor.requires_grad_(True)
+    positions = torch.arange(length)
+    theta = dict(theta_alpha=torch.linspace(-1.0, 1.0, heads), theta_beta=torch.linspace(-0.5, 1.5, heads),
+                 theta_mu=torch.zeros(heads))
+    ssmax_scale = torch.linspace(0.8, 1.2, heads) if ssmax else None
+    key_valid = torch.ones(2, length, dtype=torch.long)
+    key_valid[1, :40] = 0
+    saved_bytes = []
+
+    def pack(tensor):
+        saved_bytes.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        table = ggd_bias(torch.arange(-(length - 1), 1), theta["theta_alpha"], theta["theta_beta"], theta["theta_mu"])
+        actual = bam_attention_blocked(
+            query, key, value, positions, table, head_dim**-0.5, ssmax_scale=ssmax_scale, key_valid=key_valid
+        )
+    input_bytes = sum(t.numel() * t.element_size() for t in (query, key, value))
+    assert sum(saved_bytes) < 2 * input_bytes
+    expected = reference_attention(query, key, value, positions, **theta, ssmax_scale=ssmax_scale, key_valid=key_valid)
+    weights = torch.randn(expected.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    actual_grads = torch.autograd.grad((actual.double() * weights).sum(), (query, key, value))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (query, key, value))
+    for name, got, want in zip("qkv", actual_grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3, msg=lambda m: f"gradient of {name}: {m}")
+
+
 def test_blocks_that_split_a_key_value_group_are_refused():
     query, key, value = random_qkv(1, 4, 2, 5, 5, 8, torch.float32)
     table = torch.zeros(4, 5)
