@@ -285,15 +285,15 @@ def bam_attention_blocked(
     # materialized mask would be kept by SDPA for every block (O(L^2) a layer), so those take the same paths.
     prior_factor = row_factor if scale_prior else None
     tensors = (query, key, value, table, prior_factor, key_mask, query_documents, document_ids)
-    trained = [t.requires_grad for t in (query, key, value, table, prior_factor) if t is not None]
-    prior_trains = torch.is_grad_enabled() and any(trained[3:])
-    own_backward = prior_trains or (torch.is_grad_enabled() and any(trained) and not mask_is_view)
+    prior_trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (table, prior_factor))
+    inputs_train = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    own_backward = prior_trains or (inputs_train and not mask_is_view)
     if own_backward and dropout == 0.0:
         output = _PriorGradientAttention.apply((block, head_block, backward_block), last, scaling, *tensors)
     else:
         attend = _RecomputedBlock.apply  # with dropout: each block replayed under autograd
-        if not own_backward:
-            attend = _attend_reusing_masks(query, key, value, block, head_block, last)
+        if not own_backward:  # no gradient, or SDPA's own backward with a view mask (which reuses no buffer)
+            attend = _attend_reusing_masks(query, block, head_block, last)
         output = _attend_blocks(attend, q_len, block, heads, head_block, last, scaling, dropout, *tensors)
     output = output.flip(1) if q_len > 1 else output  # (B, Lq, H, D), natural order
     if key_valid is not None:  # rows that see no key (queries on padding) give zeros
@@ -336,14 +336,13 @@ def _blocks(q_len: int, block: int, last: int):
         yield start, min(block, q_len - start), last - start + 1
 
 
-def _attend_reusing_masks(query, key, value, block: int, head_block: int, last: int):
+def _attend_reusing_masks(query: torch.Tensor, block: int, head_block: int, last: int):
     """`_attend_block` writing every materialized block mask into one buffer, allocated at the first (the largest:
     it sees every key) block: a fresh multi-MiB mask per block would be page-faulted in every time. A single block
-    (a decoding step) has nothing to reuse. Where q, k or v need gradients, SDPA keeps each block's mask for its
-    backward, so every block gets its own."""
+    (a decoding step) has nothing to reuse. Never under autograd with a materialized mask: SDPA would keep each
+    block's mask for its backward (`bam_attention_blocked` routes those blocks to its own backward)."""
     batch, heads, q_len, _ = query.shape
-    masks_kept = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if masks_kept or (q_len <= block and heads <= head_block):
+    if q_len <= block and heads <= head_block:
         return _attend_block
     workspace = _Workspace(1, batch * head_block * block * (last + 1), query)
     return functools.partial(_attend_block, take=functools.partial(workspace.take, 0))
@@ -468,7 +467,7 @@ class _PriorGradientAttention(torch.autograd.Function):
         detached = [t.detach() if t is not None else None for t in tensors]  # else SDPA avoids its fused kernel
         ctx.block = (backward_block, last, scaling)
         ctx.save_for_backward(*tensors)
-        attend = _attend_reusing_masks(*detached[:3], block, head_block, last)
+        attend = _attend_reusing_masks(detached[0], block, head_block, last)
         return _attend_blocks(attend, q_len, block, heads, head_block, last, scaling, 0.0, *detached)
 
     @staticmethod
