@@ -41,6 +41,7 @@ from .io_bam import (
     current_umask,
     exit_on_sigterm,
     load_tokenizer,
+    read_utf8_text,
     staged_output_dir,
 )
 from .lock_bam import OutputDirHold, hold_output_dir
@@ -205,7 +206,7 @@ def _text_files(folder: Path) -> list[Path]:
 
 
 def _read_text_file(path: Path, text_field: str) -> list[str]:
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8_text(path)
     if path.suffix == ".txt":
         return [document.strip() for document in re.split(r"\n\s*\n", text)]
     documents = []

@@ -617,3 +617,22 @@ def test_a_stale_merged_model_is_refused_before_training(workspace, tmp_path):
     with pytest.raises(ValueError, match=r"merged holds a merged model from an earlier run.*--merge"):
         finetune(arguments(workspace["base"], workspace["data"], tmp_path / "out", resume_from_checkpoint="latest"))
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["checkpoint-6", "merged"]
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "records.jsonl"])
+def test_a_binary_file_in_a_data_folder_is_named(workspace, tmp_path, capsys, name):
+    """A data folder with a non-UTF-8 file: the error names the file and line (as the JSON-lines errors do), one
+    line, exit 2. Before: "'utf-8' codec can't decode byte 0xd0 in position 24", naming neither."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.txt").write_text("a fine first document\n\nand a second one\n")
+    binary = folder / name
+    binary.write_bytes(b'{"text": "fine"}\n{"text": "x"}\n\xd0\xcf\x11\xe0 binary \x00\xff')
+    with pytest.raises(ValueError, match=re.escape(f"{binary}:3 is not UTF-8 text (byte 0xd0 at offset 31)")):
+        load_documents(str(folder))
+    argv = ["--model", str(workspace["base"]), "--data", str(folder), "--output-dir", str(tmp_path / "out"),
+            "--context-length", str(TARGET_LENGTH)]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"bam-finetune: error: {binary}:3 is not UTF-8 text") and "\n" not in error
+    assert not (tmp_path / "out").exists()
