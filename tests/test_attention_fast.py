@@ -344,11 +344,7 @@ def test_blocked_attention_with_dropout_has_the_gradient_of_its_own_random_masks
 # Several forward blocks (5 query rows) and several backward blocks (4 rows, not aligned with the forward's), so
 # that every block boundary of the prior-gradient backward is crossed; a cache offset shifts every position.
 SEVERAL_BLOCK_CASES = {
-    "prior": dict(ssmax=False),
-    "ssmax": dict(ssmax=True),
-    "ssmax_unscaled_prior": dict(ssmax=True, ssmax_prior=False),
-    "left_padding": dict(ssmax=True, padded=True),
-    "packed_documents": dict(ssmax=True, packed=True),
+    **{name: options for name, options in BLOCKED_CASES.items() if not options.get("frozen")},
     "padded_packed_cache_offset": dict(ssmax=True, padded=True, packed=True, offset=6),
 }
 
@@ -408,6 +404,23 @@ def assert_gradients_per_head(names, actual_grads, expected_grads, atol=1e-5, rt
             )
 
 
+def assert_output_and_gradients_match_reference(
+    actual, query, key, value, positions, parameters, options, key_valid, document_ids, seed, **dropout
+):
+    """`actual` (B, H, Lq, D) float64 and its gradients (a random projection of the output) against the float64
+    reference's, for q, k, v and every (H,) parameter in `parameters`."""
+    expected = reference_attention(
+        query, key, value, positions, *(parameters[n] for n in ("theta_alpha", "theta_beta", "theta_mu")),
+        parameters.get("ssmax_scale"), options.get("ssmax_prior", True), key_valid, document_ids, **dropout,
+    )
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    inputs = [query, key, value, *parameters.values()]
+    weights = torch.randn(expected.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    actual_grads = torch.autograd.grad((actual * weights).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
+    assert_gradients_per_head(["q", "k", "v", *parameters], actual_grads, expected_grads)
+
+
 @pytest.mark.parametrize("case", list(SEVERAL_BLOCK_CASES))
 def test_prior_gradients_across_several_forward_and_backward_blocks(monkeypatch, case):
     """The prior-gradient backward walks the queries in blocks of BACKWARD_BLOCK_ROWS (64 by default) and adds each
@@ -420,16 +433,9 @@ def test_prior_gradients_across_several_forward_and_backward_blocks(monkeypatch,
     options = SEVERAL_BLOCK_CASES[case]
     query, key, value, positions, parameters, key_valid, document_ids = several_block_inputs(options)
     actual = blocked_output(query, key, value, positions, parameters, options, key_valid, document_ids, block_rows=5)
-    expected = reference_attention(
-        query, key, value, positions, *(parameters[n] for n in ("theta_alpha", "theta_beta", "theta_mu")),
-        parameters.get("ssmax_scale"), options.get("ssmax_prior", True), key_valid, document_ids,
+    assert_output_and_gradients_match_reference(
+        actual, query, key, value, positions, parameters, options, key_valid, document_ids, seed=12
     )
-    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
-    inputs = [query, key, value, *parameters.values()]
-    weights = torch.randn(expected.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
-    actual_grads = torch.autograd.grad((actual * weights).sum(), inputs)
-    expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
-    assert_gradients_per_head(["q", "k", "v", *parameters], actual_grads, expected_grads)
 
 
 @pytest.mark.parametrize("padded_packed", [False, True])
@@ -490,13 +496,7 @@ def test_dropout_gradients_with_padding_and_documents_under_the_same_random_mask
     assert 0.6 < keep.sum() / nonzero.sum() < 0.8  # about 1 - p of the non-zero probabilities kept
     torch.manual_seed(seed)
     actual = blocked_output(query, key, value, positions, parameters, options, key_valid, document_ids, **blocks)
-    expected = reference_attention(
-        query, key, value, positions, *(parameters[n] for n in ("theta_alpha", "theta_beta", "theta_mu")),
-        parameters["ssmax_scale"], True, key_valid, document_ids, dropout=p, dropout_keep=keep,
+    assert_output_and_gradients_match_reference(
+        actual, query, key, value, positions, parameters, options, key_valid, document_ids, seed=16,
+        dropout=p, dropout_keep=keep,
     )
-    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
-    inputs = [query, key, value, *parameters.values()]
-    weights = torch.randn(expected.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(16))
-    actual_grads = torch.autograd.grad((actual * weights).sum(), inputs)
-    expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
-    assert_gradients_per_head(["q", "k", "v", *parameters], actual_grads, expected_grads)
