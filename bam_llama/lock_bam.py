@@ -42,15 +42,16 @@ class OutputDirInUse(OutputDirError):
 
 class OutputDirHold:
     """What `hold_output_dir` yields: the folder, and the earlier results this run replaces (empty unless
-    overwriting; always empty on ranks other than 0)."""
+    overwriting). Every rank knows them; only the main process (the owner) deletes them."""
 
-    def __init__(self, folder: Path, replaced: list[str]):
-        self.folder, self.replaced = folder, replaced
+    def __init__(self, folder: Path, replaced: list[str], owner: bool):
+        self.folder, self.replaced, self.owner = folder, replaced, owner
 
     def clear_earlier_results(self) -> None:
         """Delete the replaced results (call it after the inputs loaded, before writing anything)."""
-        for name in self.replaced:
-            _remove(self.folder / name)
+        if self.owner:
+            for name in self.replaced:
+                _remove(self.folder / name)
         self.replaced = []
 
 
@@ -68,8 +69,8 @@ def hold_output_dir(
     (names matching `results`) and the run neither continues them nor overwrites them. A folder this call created
     and that is still empty afterwards (the run stopped before writing anything) is removed again."""
     folder = Path(folder)
-    if not is_main_process():
-        yield OutputDirHold(folder, [])
+    if not is_main_process():  # the other ranks check the same (so that all refuse together), lock nothing
+        yield OutputDirHold(folder, _replaced_results(folder, results, continuing, overwrite), owner=False)
         return
     created = not folder.exists()
     try:
@@ -78,18 +79,24 @@ def hold_output_dir(
         raise OutputDirError(f"cannot create the output folder {folder}: {error.strerror}") from None
     try:
         with _folder_lock(folder, command):
-            earlier = [] if continuing else earlier_results(folder, results)
-            if earlier and not overwrite:
-                shown = ", ".join(earlier[:4]) + (", ..." if len(earlier) > 4 else "")
-                raise OutputDirError(
-                    f"{folder} holds the results of an earlier run ({shown}): pass --resume-from-checkpoint latest "
-                    "to continue that run, --overwrite-output-dir to replace them, or choose another --output-dir"
-                )
-            yield OutputDirHold(folder, earlier)
+            yield OutputDirHold(folder, _replaced_results(folder, results, continuing, overwrite), owner=True)
     finally:
         if created:
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only if empty
+
+
+def _replaced_results(folder: Path, results: Iterable[str], continuing: bool, overwrite: bool) -> list[str]:
+    """The earlier results a run replaces; an OutputDirError if there are some and it neither continues them nor
+    overwrites them."""
+    earlier = [] if continuing else earlier_results(folder, results)
+    if earlier and not overwrite:
+        shown = ", ".join(earlier[:4]) + (", ..." if len(earlier) > 4 else "")
+        raise OutputDirError(
+            f"{folder} holds the results of an earlier run ({shown}): pass --resume-from-checkpoint latest to "
+            "continue that run, --overwrite-output-dir to replace them, or choose another --output-dir"
+        )
+    return earlier
 
 
 def earlier_results(folder: Path, patterns: Iterable[str]) -> list[str]:

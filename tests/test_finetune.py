@@ -420,6 +420,12 @@ def test_ddp_on_two_cpu_processes(workspace, tmp_path):
     with torch.no_grad():
         assert torch.isfinite(merged(torch.tensor([[1, 40, 41, 42]])).logits).all()
 
+    # The same command again: every rank refuses the finished run's folder (none waits for a rank that quit)
+    again = subprocess.run(command, capture_output=True, text=True, timeout=240, env=environment)
+    assert again.returncode != 0
+    assert f"bam-finetune: error: {output_dir} holds the results of an earlier run" in again.stderr, again.stderr[-3000:]
+    assert json.loads((output_dir / "summary.json").read_text()) == summary
+
 
 # --------------------------------------------------------------------------------------------------------
 # Interruptions, bad data, stale outputs

@@ -107,8 +107,16 @@ def test_a_folder_created_for_a_run_that_wrote_nothing_is_removed(tmp_path):
     assert not (tmp_path / "new" / "out").exists()
 
 
-def test_ranks_other_than_0_hold_nothing(tmp_path, monkeypatch):
+def test_ranks_other_than_0_check_alike_but_lock_and_delete_nothing(tmp_path, monkeypatch):
+    """Under torchrun every rank refuses the same folder (so that none waits for a rank that quit) and knows what
+    rank 0 replaces (bam-finetune's stale merged/ check), but only rank 0 locks and deletes."""
     earlier_run(tmp_path)
+    before = sorted(os.listdir(tmp_path))
     monkeypatch.setenv("RANK", "1")
-    with hold_output_dir(tmp_path, "bam-finetune", RESULTS) as hold:
-        assert hold.replaced == [] and not (tmp_path / LOCK_NAME).exists()
+    with pytest.raises(OutputDirError, match="holds the results of an earlier run"):
+        with hold_output_dir(tmp_path, "bam-finetune", RESULTS):
+            pass
+    with hold_output_dir(tmp_path, "bam-finetune", RESULTS, overwrite=True) as hold:
+        assert hold.replaced == ["adapter", "checkpoint-4", "summary.json"] and not (tmp_path / LOCK_NAME).exists()
+        hold.clear_earlier_results()
+    assert sorted(os.listdir(tmp_path)) == before
