@@ -44,7 +44,7 @@ from .io_bam import (
     read_utf8_text,
     staged_output_dir,
 )
-from .lock_bam import OutputDirHold, hold_output_dir
+from .lock_bam import OutputDirHold, hold_output_dir, resumes_in
 
 
 if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used, so that --help does not load them
@@ -559,11 +559,9 @@ def finetune(args: FinetuneArguments) -> FinetuneSummary:
     """Fine-tune `args.model` at `args.context_length` on `args.data`; returns (and on rank 0 writes and prints)
     the summary. The output folder is held for the run: a second live run into it, or a new run over an earlier
     run's results, is refused before anything loads."""
-    continuing = args.resume_from_checkpoint not in (None, "") and (
-        args.resume_from_checkpoint == "latest"
-        or Path(args.resume_from_checkpoint).resolve().parent == Path(args.output_dir).resolve()
-    )
-    with hold_output_dir(args.output_dir, "bam-finetune", FINETUNE_RESULTS, continuing, args.overwrite_output_dir) as hold:
+    continuing = resumes_in(args.output_dir, args.resume_from_checkpoint)
+    overwrite = args.overwrite_output_dir
+    with hold_output_dir(args.output_dir, "bam-finetune", FINETUNE_RESULTS, continuing, overwrite) as hold:
         return _finetune(args, hold)
 
 

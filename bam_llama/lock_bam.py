@@ -104,6 +104,13 @@ def earlier_results(folder: Path, patterns: Iterable[str]) -> list[str]:
     return sorted({path.name for pattern in patterns for path in folder.glob(pattern)})
 
 
+def resumes_in(folder: str | os.PathLike, resume_from_checkpoint: str | None) -> bool:
+    """Whether --resume-from-checkpoint continues the run in `folder`: 'latest', or one of its checkpoints."""
+    if resume_from_checkpoint in (None, ""):
+        return False
+    return resume_from_checkpoint == "latest" or Path(resume_from_checkpoint).resolve().parent == Path(folder).resolve()
+
+
 def is_main_process() -> bool:
     """True unless a launcher (torchrun, accelerate, deepspeed) says this process is a rank other than 0."""
     return int(os.environ.get("RANK", "0") or 0) == 0

@@ -11,7 +11,7 @@ import threading
 import pytest
 from conftest import checkout_environment
 
-from bam_llama.lock_bam import LOCK_NAME, OutputDirError, OutputDirInUse, hold_output_dir
+from bam_llama.lock_bam import LOCK_NAME, OutputDirError, OutputDirInUse, hold_output_dir, resumes_in
 
 
 HOLDER = """
@@ -120,3 +120,9 @@ def test_ranks_other_than_0_check_alike_but_lock_and_delete_nothing(tmp_path, mo
         assert hold.replaced == ["adapter", "checkpoint-4", "summary.json"] and not (tmp_path / LOCK_NAME).exists()
         hold.clear_earlier_results()
     assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_only_a_checkpoint_of_the_folder_continues_its_run(tmp_path):
+    assert resumes_in(tmp_path, "latest") and resumes_in(tmp_path, str(tmp_path / "checkpoint-4"))
+    assert not resumes_in(tmp_path, None) and not resumes_in(tmp_path, "")
+    assert not resumes_in(tmp_path / "out", str(tmp_path / "other-run" / "checkpoint-4"))
