@@ -48,6 +48,21 @@ def read_config(model_dir: Path) -> dict:
     return config
 
 
+def check_weights(model_dir: Path) -> None:
+    """The folder must hold its weights, every shard its index names included: a card for a folder without them
+    would count 0 parameters and explain how to load a model that cannot load."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values()))
+        missing = [shard for shard in shards if not (model_dir / shard).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{model_dir} lacks the weight shards {', '.join(missing)} that {index.name} names")
+    elif not any(model_dir.glob("*.safetensors")):
+        raise FileNotFoundError(
+            f"{model_dir} holds no weights (no .safetensors file); save the model there with save_pretrained first"
+        )
+
+
 def remote_code_files(model_dir: Path) -> list[str]:
     return sorted(path.name for path in model_dir.glob("*.py"))
 
@@ -61,8 +76,7 @@ def check_uploadable(model_dir: Path) -> None:
     missing = sorted(needed - set(remote_code_files(model_dir)))
     if missing:
         raise FileNotFoundError(f"{model_dir} lacks the remote code {', '.join(missing)}; save it with save_pretrained")
-    if not any(model_dir.glob("*.safetensors")):
-        raise FileNotFoundError(f"{model_dir} has no .safetensors weights; save the model with save_pretrained")
+    check_weights(model_dir)
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -271,10 +285,11 @@ def write_model_card(
     metadata only when it is a Hub id, local paths are named in the text. `eval_results` are PasskeyResults /
     PerplexityResults (objects, their `to_dict()`, or bam-eval .json files), shown as tables; `plots` are image files,
     copied into `model_dir/plots/` unless already inside the folder, and linked relatively. Everything is checked
-    before anything is written.
+    before anything is written: a folder without weights is refused.
     """
     model_dir = Path(model_dir).resolve()
     config = read_config(model_dir)
+    check_weights(model_dir)
     if repo_id is not None:
         check_repo_id(repo_id)
     datasets = [datasets] if isinstance(datasets, str) else list(datasets)

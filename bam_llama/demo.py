@@ -32,7 +32,7 @@ from .evaluation_bam import (
     random_passkey,
     save_passkey_template,
 )
-from .io_bam import exit_on_sigterm, staged_output_dir
+from .io_bam import OutputError, exit_on_sigterm, staged_output_dir
 
 
 if TYPE_CHECKING:  # torch, Transformers and the model are imported where used, so that --help does not load them
@@ -353,23 +353,34 @@ def accuracy_table(results: dict[str, PasskeyResults], train_length: int) -> str
 
 
 def run_demo(argv: list[str] | None = None) -> dict[str, PasskeyResults]:
-    """Train, evaluate and save as the command line says; returns each model's passkey results."""
+    """Train, evaluate and save as the command line says; returns each model's passkey results.
+
+    Everything is written into a staging folder beside --output-dir, which replaces it only once complete: an
+    interrupted run leaves no partial result, and an earlier complete one survives it."""
     args = parse_args(argv)
+    output_dir = Path(args.output_dir)
+    check_replaceable(output_dir)
     import torch  # after parsing: --help and bad arguments need none of the model stack
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    start = time.perf_counter()
+    with staged_output_dir(output_dir, force=True) as staging:
+        results, summary, table = train_evaluate_and_save(args, staging, start)
+    print(f"\n{summary}\n\n{table}\n\nHeatmaps, prior plot and the trained BAM model are in {output_dir}/")
+    return results
+
+
+def train_evaluate_and_save(args: argparse.Namespace, folder: Path, start: float):
+    """Every model trained and evaluated, its outputs written to `folder`: (results, summary line, table)."""
     from transformers import set_seed
 
     from .tokenization_bam import build_byte_tokenizer
 
     settings = settings_from_args(args)
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    torch.use_deterministic_algorithms(True, warn_only=True)
     tokenizer = build_byte_tokenizer()
     bam_overrides = dict(prior_scope=args.prior_scope, ssmax=args.ssmax)
     train_length = settings.data.train_length
-
     results = {}
-    start = time.perf_counter()
     for name in args.models.split(","):
         set_seed(args.seed)  # identical initialization stream and identical batches for every model
         model = build_model(name, settings.size, train_length, **(bam_overrides if name == "bam" else {}))
@@ -379,25 +390,47 @@ def run_demo(argv: list[str] | None = None) -> dict[str, PasskeyResults]:
             template=DEMO_TEMPLATE, add_bos=settings.data.add_bos,
         )
         title = f"{MODEL_LABELS[name]}, trained at {train_length} tokens"
-        results[name].save_heatmap(output_dir / f"passkey-{name}.png", title=title)
+        results[name].save_heatmap(folder / f"passkey-{name}.png", title=title)
         if name == "bam":
             save_passkey_template(model, DEMO_TEMPLATE, settings.data.add_bos)  # bam-eval passkey's default prompt
-            save_bam(model, tokenizer, output_dir)
+            save_bam(model, tokenizer, folder)
     minutes = (time.perf_counter() - start) / 60
 
     table = accuracy_table(results, train_length)
     summary = f"Passkey retrieval accuracy, trained at {train_length} tokens ({minutes:.1f} min on {args.device}):"
-    print(f"\n{summary}\n\n{table}\n\nHeatmaps, prior plot and the trained BAM model are in {output_dir}/")
-    (output_dir / "results.md").write_text(f"{summary}\n\n{table}\n")
+    (folder / "results.md").write_text(f"{summary}\n\n{table}\n")
     run = {"minutes": minutes, "device": args.device, "argv": args.argv, "settings": asdict(settings)}
     outputs = {"run": run, **{name: result.to_dict() for name, result in results.items()}}
-    (output_dir / "results.json").write_text(json.dumps(outputs, indent=2))
-    return results
+    (folder / "results.json").write_text(json.dumps(outputs, indent=2))
+    return results, summary, table
+
+
+DEMO_RESULT_MARKER = "results.json"
+
+
+def check_replaceable(output_dir: Path) -> None:
+    """A re-run replaces --output-dir as a whole: only an empty folder or an earlier bam-demo result (it holds
+    results.json) may be replaced, never a folder of the user's other files."""
+    if output_dir.is_symlink() or (output_dir.exists() and not output_dir.is_dir()):
+        raise OutputError(f"--output-dir {output_dir} is not a folder")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not (output_dir / DEMO_RESULT_MARKER).is_file():
+        raise OutputError(
+            f"--output-dir {output_dir} holds files that are not a bam-demo result (no {DEMO_RESULT_MARKER}), which "
+            "a run would replace: choose another folder"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
+    """bam-demo. Ctrl-C: one line and exit 130 (128 + SIGINT), the staged output already removed; SIGTERM: 143."""
     exit_on_sigterm()
-    run_demo(argv)
+    try:
+        run_demo(argv)
+    except OutputError as error:
+        print(f"bam-demo: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("bam-demo: interrupted; nothing was written (an earlier complete result is kept)", file=sys.stderr)
+        return 130
     return 0
 
 

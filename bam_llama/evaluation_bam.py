@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .arguments_bam import device_name, length_list, non_negative_int, positive_int
-from .io_bam import check_model_path, check_safetensors_files, load_tokenizer
+from .io_bam import check_model_path, check_safetensors_files, load_tokenizer, read_utf8_text
 
 
 if TYPE_CHECKING:  # torch and Transformers are imported where used, so that --help does not load them
@@ -482,7 +482,7 @@ def load_text_documents(name_or_path, config_name=None, split="test", text_colum
     are read)."""
     path = Path(name_or_path)
     if path.is_file():
-        return [path.read_text(encoding="utf-8")]
+        return [read_utf8_text(path)]
     import datasets
 
     if path.is_dir() and (path / "state.json").exists():
@@ -746,7 +746,7 @@ def run_passkey(args) -> None:
 def run_perplexity(args) -> None:
     model, tokenizer = _load_for_cli(args)
     if args.data:
-        documents = [Path(args.data).read_text(encoding="utf-8")]
+        documents = [read_utf8_text(Path(args.data))]
     else:
         documents = load_text_documents(
             args.dataset, args.dataset_config, args.split, args.text_column, args.max_documents

@@ -41,8 +41,10 @@ from .io_bam import (
     current_umask,
     exit_on_sigterm,
     load_tokenizer,
+    read_utf8_text,
     staged_output_dir,
 )
+from .lock_bam import OutputDirHold, hold_output_dir, resumes_in
 
 
 if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used, so that --help does not load them
@@ -95,6 +97,7 @@ class FinetuneArguments:
     save_steps: int = 64
     save_total_limit: int | None = 2
     resume_from_checkpoint: str | None = None
+    overwrite_output_dir: bool = False
     merge: bool = False
     logging_steps: int = 8
     seed: int = 42
@@ -203,7 +206,7 @@ def _text_files(folder: Path) -> list[Path]:
 
 
 def _read_text_file(path: Path, text_field: str) -> list[str]:
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8_text(path)
     if path.suffix == ".txt":
         return [document.strip() for document in re.split(r"\n\s*\n", text)]
     documents = []
@@ -489,11 +492,11 @@ def save_final(model, tokenizer, args: FinetuneArguments, train_context_length_b
     return str(final_dir), str(merged_dir)
 
 
-def check_no_stale_merged_model(args: FinetuneArguments) -> None:
-    """A merged/ folder that this run will not rewrite belongs to an earlier run and would not match the new
-    adapter: refuse before training rather than leave the two side by side."""
+def check_no_stale_merged_model(args: FinetuneArguments, replaced: list[str]) -> None:
+    """A merged/ folder that this run will not rewrite (nor delete: `replaced`, see `lock_bam`) belongs to an
+    earlier run and would not match the new adapter: refuse before training rather than leave the two side by side."""
     merged_dir = Path(args.output_dir) / "merged"
-    if (merged_dir.exists() or merged_dir.is_symlink()) and not (args.lora and args.merge):
+    if (merged_dir.exists() or merged_dir.is_symlink()) and not (args.lora and args.merge) and "merged" not in replaced:
         raise ValueError(
             f"{merged_dir} holds a merged model from an earlier run, which this run would leave out of date: pass "
             "--merge to replace it, or move it away"
@@ -547,9 +550,22 @@ def build_training_data(args: FinetuneArguments, tokenizer, pad_token_id: int, s
     return len(documents), PackedRows(train_rows), eval_rows, eval_split
 
 
+# What a run leaves in --output-dir: a later run continues it (--resume-from-checkpoint) or replaces it
+# (--overwrite-output-dir), never writes over it silently (see `lock_bam`).
+FINETUNE_RESULTS = ("checkpoint-*", "adapter", "model", "merged", "summary.json")
+
+
 def finetune(args: FinetuneArguments) -> FinetuneSummary:
     """Fine-tune `args.model` at `args.context_length` on `args.data`; returns (and on rank 0 writes and prints)
-    the summary."""
+    the summary. The output folder is held for the run: a second live run into it, or a new run over an earlier
+    run's results, is refused before anything loads."""
+    continuing = resumes_in(args.output_dir, args.resume_from_checkpoint)
+    overwrite = args.overwrite_output_dir
+    with hold_output_dir(args.output_dir, "bam-finetune", FINETUNE_RESULTS, continuing, overwrite) as hold:
+        return _finetune(args, hold)
+
+
+def _finetune(args: FinetuneArguments, hold: OutputDirHold) -> FinetuneSummary:
     from transformers import set_seed
 
     from .trainer_bam import BamTrainer, mean_token_loss, training_arguments
@@ -558,7 +574,7 @@ def finetune(args: FinetuneArguments) -> FinetuneSummary:
     base_config = check_model_config(args.model, args.context_length)
     checkpoint = resolve_checkpoint(args)
     resumed_from_step = 0 if checkpoint is None else checkpoint_step(checkpoint)  # rotation may delete it later
-    check_no_stale_merged_model(args)
+    check_no_stale_merged_model(args, hold.replaced)
     training_args = training_arguments(args)
     is_main = training_args.process_index == 0
     show_progress = is_main and not args.disable_progress_bars
@@ -593,6 +609,7 @@ def finetune(args: FinetuneArguments) -> FinetuneSummary:
         model, eval_rows, args.per_device_train_batch_size, training_args.device, training_args.bf16, show_progress
     )
     loss_before = evaluate() if is_main else math.nan
+    hold.clear_earlier_results()  # --overwrite-output-dir: only now that every input has loaded
     train_output = trainer.train(resume_from_checkpoint=checkpoint)
     loss_after = evaluate() if is_main else math.nan
 
@@ -673,6 +690,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-steps", type=positive_int, default=defaults.save_steps)
     parser.add_argument("--save-total-limit", type=positive_int, default=defaults.save_total_limit)
     parser.add_argument("--resume-from-checkpoint", default=None, help="a checkpoint folder, or 'latest' in --output-dir")
+    parser.add_argument(
+        "--overwrite-output-dir", action="store_true",
+        help="delete an earlier run's results in --output-dir (checkpoints, adapter/model/merged, summary.json) "
+        "and start afresh; without it such a folder is refused unless --resume-from-checkpoint continues that run",
+    )
     parser.add_argument("--merge", action="store_true", help="also write OUTPUT_DIR/merged: LoRA merged into a BamLlama folder")
     parser.add_argument("--logging-steps", type=positive_int, default=defaults.logging_steps)
     parser.add_argument("--seed", type=int, default=defaults.seed)

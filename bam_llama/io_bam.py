@@ -296,6 +296,20 @@ def check_model_path(path) -> None:
         raise FileNotFoundError(f"no model folder at {text}")
 
 
+def read_utf8_text(path: Path) -> str:
+    """The text of a user's data file; a file that is not UTF-8 (a binary file in a data folder) is a ValueError
+    naming the file, the line and the byte, like the JSON-lines errors (Python names neither file nor line)."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ValueError(
+            f"{path}:{line} is not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}): a binary "
+            "file? Only UTF-8 text files can be read as training or evaluation text"
+        ) from None
+
+
 def check_safetensors_files(model_path) -> None:
     """Every safetensors file of a local model folder must open: a corrupt or truncated one is named (safetensors
     itself only says "Error while deserializing header")."""

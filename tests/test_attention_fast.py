@@ -21,11 +21,12 @@ HALF_TOLERANCE = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dic
 
 def reference_attention(
     query, key, value, positions, theta_alpha, theta_beta, theta_mu, ssmax_scale=None, ssmax_prior=True,
-    key_valid=None, document_ids=None,
+    key_valid=None, document_ids=None, dropout=0.0, dropout_keep=None,
 ):
     """float64 GGD-BAM attention; query (B, H, Lq, D), key/value (B, Hkv, Lk, D) -> (B, H, Lq, D).
 
-    The theta_* and ssmax_scale (H,) tensors may require gradients."""
+    The theta_* and ssmax_scale (H,) tensors may require gradients. Attention dropout (inverted: kept
+    probabilities are divided by 1 - p) takes its keep pattern, bool (B, H, Lq, Lk), from the caller."""
     query, key, value = query.double(), key.double(), value.double()
     theta_alpha, theta_beta, theta_mu = theta_alpha.double(), theta_beta.double(), theta_mu.double()
     batch, heads, q_len, head_dim = query.shape
@@ -50,6 +51,8 @@ def reference_attention(
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         probs = torch.where(visible.any(-1, keepdim=True), probs, torch.zeros_like(probs))
+        if dropout_keep is not None:
+            probs = probs * dropout_keep[:, h] / (1.0 - dropout)
         outputs.append(probs @ value[:, h // group])
     return torch.stack(outputs, dim=1)
 
@@ -336,3 +339,164 @@ def test_blocked_attention_with_dropout_has_the_gradient_of_its_own_random_masks
         shifted = [loss(theta_beta, ssmax_scale, query + sign * 1e-5 * direction) for sign in (1, -1)]
         numeric = (shifted[0] - shifted[1]) / 2e-5
         torch.testing.assert_close((grads[2] * direction).sum(), numeric, atol=1e-5, rtol=1e-5)
+
+
+# Several forward blocks (5 query rows) and several backward blocks (4 rows, not aligned with the forward's), so
+# that every block boundary of the prior-gradient backward is crossed; a cache offset shifts every position.
+SEVERAL_BLOCK_CASES = {
+    **{name: options for name, options in BLOCKED_CASES.items() if not options.get("frozen")},
+    "padded_packed_cache_offset": dict(ssmax=True, padded=True, packed=True, offset=6),
+}
+
+
+def several_block_inputs(options, q_len=23, seed=11):
+    """float64 q, k, v, positions, trained prior/SSMax parameters (theta_mu included), key_valid, document_ids."""
+    heads, kv_heads, head_dim, offset = 4, 2, 8, options.get("offset", 0)
+    k_len = q_len + offset
+    query, key, value = random_qkv(2, heads, kv_heads, q_len, k_len, head_dim, torch.float64, seed=seed)
+    parameters = {
+        "theta_alpha": torch.tensor([-1.2, -0.3, 0.4, 0.9], dtype=torch.float64),
+        "theta_beta": torch.tensor([-1.5, -0.4, 0.6, 1.8], dtype=torch.float64),
+        "theta_mu": torch.tensor([0.25, -0.35, 0.0, 0.15], dtype=torch.float64),
+        "ssmax_scale": torch.tensor([0.8, 1.2, 0.6, 1.1], dtype=torch.float64),
+    }
+    if not options["ssmax"]:
+        del parameters["ssmax_scale"]
+    for tensor in [query, key, value, *parameters.values()]:
+        tensor.requires_grad_(True)
+    key_valid = document_ids = None
+    if options.get("padded"):
+        key_valid = torch.ones(2, k_len, dtype=torch.long)
+        key_valid[0, :3] = 0
+        key_valid[1, :9] = 0  # crosses the first forward and backward blocks
+    if options.get("packed"):
+        cuts = [(0, 7, 15, k_len), (0, 11, 12, k_len)]  # a one-token document in row 1
+        document_ids = torch.stack([
+            torch.cat([torch.full((end - begin,), d) for d, (begin, end) in enumerate(zip(c[:-1], c[1:]))])
+            for c in cuts
+        ])
+    return query, key, value, torch.arange(offset, k_len), parameters, key_valid, document_ids
+
+
+def blocked_output(query, key, value, positions, parameters, options, key_valid, document_ids, **kwargs):
+    table = ggd_bias(
+        torch.arange(-int(positions[-1]), 1), parameters["theta_alpha"], parameters["theta_beta"],
+        parameters["theta_mu"],
+    ).double()
+    return bam_attention_blocked(
+        query, key, value, positions, table, query.shape[-1] ** -0.5, ssmax_scale=parameters.get("ssmax_scale"),
+        ssmax_prior=options.get("ssmax_prior", True), key_valid=key_valid, document_ids=document_ids, **kwargs,
+    )
+
+
+def assert_gradients_per_head(names, actual_grads, expected_grads, atol=1e-5, rtol=1e-4):
+    """q, k, v per element; every (H,) parameter per head, so that one wrong head cannot hide behind the others."""
+    for name, got, want in zip(names, actual_grads, expected_grads):
+        if got.dim() == 1:
+            for head in range(got.shape[0]):
+                torch.testing.assert_close(
+                    got[head].double(), want[head].double(), atol=atol * (1 + float(want.abs().max())), rtol=rtol,
+                    msg=lambda m: f"gradient of {name}, head {head}: {m}",
+                )
+        else:
+            torch.testing.assert_close(
+                got.double(), want.double(), atol=atol, rtol=rtol, msg=lambda m: f"gradient of {name}: {m}"
+            )
+
+
+def assert_output_and_gradients_match_reference(
+    actual, query, key, value, positions, parameters, options, key_valid, document_ids, seed, **dropout
+):
+    """`actual` (B, H, Lq, D) float64 and its gradients (a random projection of the output) against the float64
+    reference's, for q, k, v and every (H,) parameter in `parameters`."""
+    expected = reference_attention(
+        query, key, value, positions, *(parameters[n] for n in ("theta_alpha", "theta_beta", "theta_mu")),
+        parameters.get("ssmax_scale"), options.get("ssmax_prior", True), key_valid, document_ids, **dropout,
+    )
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    inputs = [query, key, value, *parameters.values()]
+    weights = torch.randn(expected.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    actual_grads = torch.autograd.grad((actual * weights).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
+    assert_gradients_per_head(["q", "k", "v", *parameters], actual_grads, expected_grads)
+
+
+@pytest.mark.parametrize("case", list(SEVERAL_BLOCK_CASES))
+def test_prior_gradients_across_several_forward_and_backward_blocks(monkeypatch, case):
+    """The prior-gradient backward walks the queries in blocks of BACKWARD_BLOCK_ROWS (64 by default) and adds each
+    block's dS diagonals into the prior table: with 4 rows a block here, 23 queries cross 5 backward boundaries and
+    4 forward ones (5 rows a block). Every trained parameter (theta_alpha, theta_beta, theta_mu, SSMax scale) and
+    q, k, v against the float64 reference."""
+    import bam_llama.attention_bam as attention
+
+    monkeypatch.setattr(attention, "BACKWARD_BLOCK_ROWS", 4)
+    options = SEVERAL_BLOCK_CASES[case]
+    query, key, value, positions, parameters, key_valid, document_ids = several_block_inputs(options)
+    actual = blocked_output(query, key, value, positions, parameters, options, key_valid, document_ids, block_rows=5)
+    assert_output_and_gradients_match_reference(
+        actual, query, key, value, positions, parameters, options, key_valid, document_ids, seed=12
+    )
+
+
+@pytest.mark.parametrize("padded_packed", [False, True])
+def test_model_sdpa_prior_gradients_at_default_blocks_on_a_long_sequence(padded_packed):
+    """The model's own sdpa call at its default block sizes, float32: 150 queries are 3 backward blocks (64 rows)
+    and, with a materialized mask (padding / packed documents with SSMax), 5 forward blocks. theta_mu trains."""
+    module, prior = attention_module(theta_beta=0.0, ssmax=True)
+    with torch.no_grad():
+        prior.theta_beta.copy_(torch.tensor([-0.8, 0.3, 0.9, 1.4]))
+    prior.theta_mu.requires_grad_(True)
+    length = 150
+    query, key, value = random_qkv(2, 4, 2, length, length, 8, torch.float32, seed=13)
+    for tensor in (query, key, value):
+        tensor.requires_grad_(True)
+    positions = torch.arange(length)
+    key_valid = document_ids = None
+    if padded_packed:
+        key_valid = torch.ones(2, length, dtype=torch.long)
+        key_valid[1, :70] = 0  # row 1's queries start in the second backward block
+        document_ids = torch.tensor([[0] * 50 + [1] * 100, [0] * 120 + [1] * 30])
+    parameters = [prior.theta_alpha, prior.theta_beta, prior.theta_mu, module.ssmax.scale]
+    weights = torch.randn(2, 4, length, 8, generator=torch.Generator().manual_seed(14))
+    actual = run_sdpa_path(module, prior, query, key, value, positions, key_valid, document_ids)
+    expected = reference_for(module, prior, query, key, value, positions, key_valid, document_ids)
+    torch.testing.assert_close(actual.double(), expected, atol=2e-5, rtol=1e-4)
+    inputs = [query, key, value, *parameters]
+    actual_grads = torch.autograd.grad((actual * weights).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected * weights.double()).sum(), inputs)
+    names = ["q", "k", "v", "theta_alpha", "theta_beta", "theta_mu", "ssmax_scale"]
+    assert_gradients_per_head(names, actual_grads, expected_grads, atol=1e-4, rtol=1e-3)
+
+
+def dropout_keep_pattern(query, key, parameters, positions, options, key_valid, document_ids, seed, **kwargs):
+    """Which probabilities the code's dropout kept, (B, H, Lq, Lk) bool: the same call under the same seed, with
+    values that are one-hot per key (value = identity), so that its output IS the dropped probability matrix.
+    The random draws depend on the probabilities' shapes and the call order only, not on the values."""
+    batch, kv_heads, k_len, _ = key.shape
+    one_hot = torch.eye(k_len, dtype=torch.float64).expand(batch, kv_heads, k_len, k_len)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        dropped = blocked_output(query, key, one_hot, positions, parameters, options, key_valid, document_ids, **kwargs)
+    return dropped != 0
+
+
+@pytest.mark.parametrize("case", ["left_padding", "packed_documents", "padded_packed_cache_offset"])
+def test_dropout_gradients_with_padding_and_documents_under_the_same_random_masks(case):
+    """Attention dropout with a trained prior, on padded / packed sequences of several blocks: output and gradients
+    (every theta, SSMax scale, q, k, v) against the float64 reference given the code's own keep pattern. The keep
+    pattern is read off a forward with one-hot values under the same seed (see `dropout_keep_pattern`); the
+    reference hides padded keys itself, so a dropout path that forgets the padding mask fails."""
+    options = SEVERAL_BLOCK_CASES[case]
+    query, key, value, positions, parameters, key_valid, document_ids = several_block_inputs(options, seed=15)
+    p, seed, blocks = 0.3, 1234, dict(block_rows=5, block_heads=2, dropout=0.3)
+    keep = dropout_keep_pattern(query, key, parameters, positions, options, key_valid, document_ids, seed, **blocks)
+    nonzero = dropout_keep_pattern(
+        query, key, parameters, positions, options, key_valid, document_ids, seed, **{**blocks, "dropout": 0.0}
+    )
+    assert 0.6 < keep.sum() / nonzero.sum() < 0.8  # about 1 - p of the non-zero probabilities kept
+    torch.manual_seed(seed)
+    actual = blocked_output(query, key, value, positions, parameters, options, key_valid, document_ids, **blocks)
+    assert_output_and_gradients_match_reference(
+        actual, query, key, value, positions, parameters, options, key_valid, document_ids, seed=16,
+        dropout=p, dropout_keep=keep,
+    )

@@ -257,3 +257,25 @@ def test_a_corrupt_safetensors_file_is_named(model_dir, capsys):
         main([str(model_dir)])
     assert exit_info.value.code == 2
     assert f"bam-card: error: {weights} is not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_a_folder_without_weights_gets_no_card(model_dir, capsys):
+    """bam-card on a folder with config.json but no weights: one error line, exit 2, no README.md (before, a card
+    claiming "Parameters | 0" with loading instructions). A sharded folder missing a shard is named too."""
+    weights = model_dir / "model.safetensors"
+    weights.rename(model_dir / "elsewhere.bin")
+    before = listing(model_dir)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(model_dir)])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error == f"bam-card: error: {model_dir} holds no weights (no .safetensors file); save the model there " \
+                    "with save_pretrained first\n"
+    assert listing(model_dir) == before and not (model_dir / "README.md").exists()
+
+    (model_dir / "elsewhere.bin").rename(model_dir / "model-00001-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="lacks the weight shards model-00002-of-00002.safetensors"):
+        write_model_card(model_dir)
+    assert not (model_dir / "README.md").exists()

@@ -4,6 +4,8 @@ import json
 import os
 import random
 import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -135,3 +137,85 @@ def test_help_shows_the_defaults(capsys):
 def test_unknown_model_is_refused():
     with pytest.raises(SystemExit):
         main(["--models", "bam,gpt"])
+
+
+# bam-demo --quick that stops where it saves the BAM model (its heatmap already written) and waits for SIGINT.
+DEMO_INTERRUPTED_WHILE_SAVING = """
+import sys, time
+from bam_llama import demo
+
+def save_bam_then_wait(*args, **kwargs):
+    print("saving", flush=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    sys.exit("no SIGINT came while saving")
+
+demo.save_bam = save_bam_then_wait
+sys.exit(demo.main(sys.argv[1:]))
+"""
+
+
+def folder_contents(folder):
+    return {path.relative_to(folder).as_posix(): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.parametrize("earlier_result", [False, True])
+def test_ctrl_c_leaves_no_partial_result_and_keeps_an_earlier_one(tmp_path, earlier_result):
+    """Ctrl-C in the middle of a run (a heatmap already written): one line on stderr, no traceback, exit 130, no
+    output folder (or the earlier complete result, byte for byte) and nothing staged left beside it."""
+    import queue
+    import signal
+    import threading
+
+    from conftest import checkout_environment
+
+    output = tmp_path / "runs" / "bam-demo-output"
+    output.parent.mkdir()
+    if earlier_result:
+        output.mkdir()
+        (output / "results.json").write_text('{"run": {"earlier": true}}')
+        (output / "results.md").write_text("earlier table\n")
+        (output / "passkey-bam.png").write_bytes(b"\x89PNG earlier")
+    before = folder_contents(output) if earlier_result else None
+    (tmp_path / "demo.py").write_text(DEMO_INTERRUPTED_WHILE_SAVING)
+    process = subprocess.Popen(
+        [sys.executable, str(tmp_path / "demo.py"), "--quick", "--models", "bam", "--output-dir", str(output)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=checkout_environment(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"),
+    )
+    lines, errors = queue.Queue(), []
+    threading.Thread(target=lambda: [lines.put(line.strip()) for line in process.stdout], daemon=True).start()
+    threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 300
+        while (line := lines.get(timeout=max(0.1, deadline - time.monotonic()))) != "saving":
+            pass
+        staged = [path.name for path in output.parent.iterdir() if path.name.endswith(".partial")]
+        assert len(staged) == 1 and any((output.parent / staged[0]).glob("passkey-bam.png"))  # a partial result
+    except queue.Empty:
+        pytest.fail(f"the demo never reached its save: {''.join(errors)[-3000:]}")
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            returncode = process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            pytest.fail(f"the demo did not stop after SIGINT: {''.join(errors)[-3000:]}")
+    stderr = "".join(errors)
+    assert returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == "bam-demo: interrupted; nothing was written (an earlier complete result is kept)"
+    assert "Traceback" not in stderr
+    assert sorted(path.name for path in output.parent.iterdir()) == (["bam-demo-output"] if earlier_result else [])
+    if earlier_result:
+        assert folder_contents(output) == before
+
+
+def test_a_folder_of_other_files_is_not_replaced(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["--quick", "--models", "bam", "--output-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"bam-demo: error: --output-dir {tmp_path} holds files that are not a bam-demo result (no results.json), "
+        "which a run would replace: choose another folder"
+    )
+    assert os.listdir(tmp_path) == ["notes.txt"]

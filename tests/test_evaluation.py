@@ -496,3 +496,12 @@ def test_a_model_without_tokenizer_and_a_foreign_vocabulary_is_a_clear_error(tmp
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert "no tokenizer found" in error and "vocab_size is 97" in error and "Traceback" not in error
+
+
+def test_a_binary_evaluation_text_is_named(tmp_path):
+    from bam_llama.evaluation_bam import load_text_documents
+
+    binary = tmp_path / "text.txt"
+    binary.write_bytes(b"first line\n\x89PNG\r\n")
+    with pytest.raises(ValueError, match=re.escape(f"{binary}:2 is not UTF-8 text (byte 0x89 at offset 11)")):
+        load_text_documents(str(binary))

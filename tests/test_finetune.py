@@ -3,11 +3,15 @@ adapter reload and merge, resume, the CLI and a 2-process DDP run on CPU (gloo).
 
 import json
 import os
+import queue
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -416,6 +420,12 @@ def test_ddp_on_two_cpu_processes(workspace, tmp_path):
     with torch.no_grad():
         assert torch.isfinite(merged(torch.tensor([[1, 40, 41, 42]])).logits).all()
 
+    # The same command again: every rank refuses the finished run's folder (none waits for a rank that quit)
+    again = subprocess.run(command, capture_output=True, text=True, timeout=240, env=environment)
+    assert again.returncode != 0
+    assert f"bam-finetune: error: {output_dir} holds the results of an earlier run" in again.stderr, again.stderr[-3000:]
+    assert json.loads((output_dir / "summary.json").read_text()) == summary
+
 
 # --------------------------------------------------------------------------------------------------------
 # Interruptions, bad data, stale outputs
@@ -443,7 +453,8 @@ def test_resume_latest_skips_incomplete_checkpoints_and_says_so(tmp_path, caplog
         resolve_checkpoint(args)
 
 
-# Runs bam-finetune with the second checkpoint save stopped half-way (weights written, no trainer_state.json).
+# Runs bam-finetune with the second checkpoint save stopped half-way (weights written, no trainer_state.json): it
+# prints "saving" and waits there for the test's SIGINT (KeyboardInterrupt from the sleep), at most WAIT_SECONDS.
 FINETUNE_INTERRUPTED_WHILE_SAVING = """
 import sys, time
 from transformers import Trainer
@@ -455,37 +466,114 @@ def save_rng_state_then_wait(self, output_dir):
     saves.append(output_dir)
     if len(saves) == 2:
         print("saving", flush=True)
-        time.sleep(60)
+        deadline = time.monotonic() + float(sys.argv[1])
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        sys.exit("no SIGINT came while saving")
     return save_rng_state(self, output_dir)
 
 Trainer._save_rng_state = save_rng_state_then_wait
-sys.exit(finetune_bam.main(sys.argv[1:]))
+sys.exit(finetune_bam.main(sys.argv[2:]))
 """
+WAIT_SECONDS = 300
 
 
-def test_ctrl_c_while_saving_a_checkpoint_then_resume_latest(workspace, tmp_path):
-    import signal
+class ChildProcess:
+    """A subprocess whose stdout and stderr are drained by threads (a full pipe cannot block it): its stdout lines
+    come with a deadline, and its stderr is kept for failure messages."""
 
+    def __init__(self, command, environment):
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
+        self.lines, self.stderr = queue.Queue(), []
+        threading.Thread(target=self._read, args=(self.process.stdout, self.lines.put), daemon=True).start()
+        threading.Thread(target=self._read, args=(self.process.stderr, self.stderr.append), daemon=True).start()
+
+    @staticmethod
+    def _read(stream, keep):
+        for line in stream:
+            keep(line)
+
+    def error_output(self) -> str:
+        return "".join(self.stderr)[-4000:]
+
+    def wait_for_line(self, expected: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                if self.lines.get(timeout=min(left, 1.0)).strip() == expected:
+                    return
+            except queue.Empty:
+                if self.process.poll() is not None and self.lines.empty():
+                    break
+        self.process.kill()
+        self.process.wait(timeout=60)
+        pytest.fail(f"no {expected!r} line within {timeout} s (exit {self.process.returncode}):\n{self.error_output()}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=60)
+            pytest.fail(f"did not exit within {timeout} s:\n{self.error_output()}")
+
+
+def test_ctrl_c_while_saving_a_checkpoint_then_resume_latest(workspace, tmp_path, capsys):
+    """The child stops inside its second checkpoint save and waits for SIGINT. Meanwhile a second bam-finetune
+    into the same folder is refused, naming the running one. After the interrupt, `latest` skips the incomplete
+    checkpoint-4 and resumes from checkpoint-2."""
     output_dir = tmp_path / "out"
     (tmp_path / "finetune.py").write_text(FINETUNE_INTERRUPTED_WHILE_SAVING)
-    command = [
-        sys.executable, str(tmp_path / "finetune.py"), "--model", str(workspace["base"]), "--data", str(workspace["data"]),
-        "--output-dir", str(output_dir), "--context-length", str(TARGET_LENGTH), "--max-steps", "6", "--save-steps", "2",
-        "--batch-size", "4", "--lora-rank", "4", "--eval-rows", "4", "--disable-progress-bars",
+    options = [
+        "--model", str(workspace["base"]), "--data", str(workspace["data"]), "--output-dir", str(output_dir),
+        "--context-length", str(TARGET_LENGTH), "--max-steps", "6", "--save-steps", "2", "--batch-size", "4",
+        "--lora-rank", "4", "--eval-rows", "4", "--disable-progress-bars",
     ]
     environment = checkout_environment(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
-    for line in process.stdout:
-        if line.strip() == "saving":
-            break
-    process.send_signal(signal.SIGINT)
-    process.communicate(timeout=120)
-    assert process.returncode != 0
+    child = ChildProcess([sys.executable, str(tmp_path / "finetune.py"), str(WAIT_SECONDS), *options], environment)
+    try:
+        child.wait_for_line("saving", timeout=WAIT_SECONDS)
+        capsys.readouterr()
+        assert main(options) == 2
+        error = capsys.readouterr().err.strip()
+        assert error.startswith(f"bam-finetune: error: {output_dir} is in use by another run (bam-finetune, pid "
+                                f"{child.process.pid} on "), error
+        assert "\n" not in error
+    finally:
+        child.process.send_signal(signal.SIGINT)
+    assert child.wait(timeout=120) not in (0, None), child.error_output()
+    assert "KeyboardInterrupt" in child.error_output()  # interrupted by the signal, not by its own deadline
     assert (output_dir / "checkpoint-4").is_dir() and not (output_dir / "checkpoint-4" / "trainer_state.json").exists()
 
     summary = finetune(arguments(workspace["base"], workspace["data"], output_dir, max_steps=6, save_steps=2,
                                  resume_from_checkpoint="latest"))
     assert summary.resumed_from_step == 2 and summary.steps == 6
+
+
+def test_a_new_run_over_earlier_results_is_refused_unless_asked_to_overwrite(workspace, tmp_path, capsys):
+    """A finished run's folder: a second run without --resume-from-checkpoint / --overwrite-output-dir is refused
+    before anything loads (the model path does not even exist here); with --overwrite-output-dir and bad input,
+    nothing is deleted; with --overwrite-output-dir, the earlier results are replaced, never mixed."""
+    output_dir = tmp_path / "out"
+    (output_dir / "checkpoint-6").mkdir(parents=True)
+    (output_dir / "checkpoint-6" / "trainer_state.json").write_text(json.dumps({"global_step": 6}))
+    (output_dir / "adapter").mkdir()
+    (output_dir / "summary.json").write_text('{"earlier": true}')
+    argv = ["--data", str(workspace["data"]), "--output-dir", str(output_dir), "--context-length", str(TARGET_LENGTH),
+            "--max-steps", "2", "--save-steps", "2", "--batch-size", "4", "--lora-rank", "4", "--eval-rows", "4",
+            "--disable-progress-bars"]
+    before = sorted(os.listdir(output_dir))
+    assert main(["--model", str(tmp_path / "missing"), *argv]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == (f"bam-finetune: error: {output_dir} holds the results of an earlier run (adapter, checkpoint-6, "
+                     "summary.json): pass --resume-from-checkpoint latest to continue that run, --overwrite-output-dir "
+                     "to replace them, or choose another --output-dir")
+    assert main(["--model", str(tmp_path / "missing"), "--overwrite-output-dir", *argv]) == 2
+    assert "missing" in capsys.readouterr().err and sorted(os.listdir(output_dir)) == before
+
+    assert main(["--model", str(workspace["base"]), "--overwrite-output-dir", *argv]) == 0
+    assert sorted(os.listdir(output_dir)) == ["adapter", "checkpoint-2", "summary.json"]
+    assert json.loads((output_dir / "summary.json").read_text())["steps"] == 2
 
 
 def test_a_resumed_run_whose_checkpoint_is_rotated_away_still_writes_its_summary(lora_run, tmp_path):
@@ -529,7 +617,28 @@ def test_a_mistyped_local_data_path_is_named_without_asking_the_hub(workspace, t
 
 
 def test_a_stale_merged_model_is_refused_before_training(workspace, tmp_path):
+    """Resuming without --merge would leave the earlier merged/ beside the new adapter."""
     (tmp_path / "out" / "merged").mkdir(parents=True)
+    write_checkpoint_state(tmp_path / "out" / "checkpoint-6", 6)
     with pytest.raises(ValueError, match=r"merged holds a merged model from an earlier run.*--merge"):
-        finetune(arguments(workspace["base"], workspace["data"], tmp_path / "out"))
-    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["merged"]
+        finetune(arguments(workspace["base"], workspace["data"], tmp_path / "out", resume_from_checkpoint="latest"))
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["checkpoint-6", "merged"]
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "records.jsonl"])
+def test_a_binary_file_in_a_data_folder_is_named(workspace, tmp_path, capsys, name):
+    """A data folder with a non-UTF-8 file: the error names the file and line (as the JSON-lines errors do), one
+    line, exit 2. Before: "'utf-8' codec can't decode byte 0xd0 in position 24", naming neither."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.txt").write_text("a fine first document\n\nand a second one\n")
+    binary = folder / name
+    binary.write_bytes(b'{"text": "fine"}\n{"text": "x"}\n\xd0\xcf\x11\xe0 binary \x00\xff')
+    with pytest.raises(ValueError, match=re.escape(f"{binary}:3 is not UTF-8 text (byte 0xd0 at offset 31)")):
+        load_documents(str(folder))
+    argv = ["--model", str(workspace["base"]), "--data", str(folder), "--output-dir", str(tmp_path / "out"),
+            "--context-length", str(TARGET_LENGTH)]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"bam-finetune: error: {binary}:3 is not UTF-8 text") and "\n" not in error
+    assert not (tmp_path / "out").exists()

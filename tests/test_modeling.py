@@ -159,6 +159,41 @@ def test_step_by_step_decoding_equals_full_forward(implementation, cache_class):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("cache_class", ["dynamic", "static"])
+@pytest.mark.parametrize("ssmax_prior", [True, False])
+def test_left_padded_ssmax_prefill_then_cached_steps_equal_the_uncached_model(implementation, cache_class, ssmax_prior):
+    """SSMax counts the keys a query sees: padding excluded, at prefill and at every cached decoding step (one query
+    against the cache). Logits of a left-padded batch (prefill, then 5 steps with given tokens) against the uncached
+    forward of the whole padded sequence, and each row against itself alone, unpadded."""
+    model = tiny_model(implementation, ssmax=True, ssmax_prior=ssmax_prior)
+    rows = [torch.randint(3, 97, (n,)) for n in (11, 4)]  # 7 padded keys in row 1: a count off by them shows
+    steps = torch.randint(3, 97, (2, 5))
+    width = max(len(r) for r in rows)
+    prompt = torch.zeros(2, width, dtype=torch.long)
+    prompt_mask = torch.zeros(2, width, dtype=torch.long)
+    for b, row in enumerate(rows):
+        prompt[b, width - len(row) :], prompt_mask[b, width - len(row) :] = row, 1
+    full_ids = torch.cat([prompt, steps], dim=1)
+    full_mask = torch.cat([prompt_mask, torch.ones_like(steps)], dim=1)
+    uncached = logits(model, full_ids, attention_mask=full_mask)
+    if cache_class == "dynamic":
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=24)
+    with torch.no_grad():
+        cached = [model(prompt, attention_mask=prompt_mask, past_key_values=cache, use_cache=True).logits]
+        for t in range(steps.shape[1]):
+            mask = full_mask[:, : width + t + 1]
+            cached.append(model(steps[:, t : t + 1], attention_mask=mask, past_key_values=cache, use_cache=True).logits)
+    cached = torch.cat(cached, dim=1)
+    real = full_mask.bool()
+    torch.testing.assert_close(cached[real], uncached[real], atol=1e-5, rtol=1e-5)
+    for b, row in enumerate(rows):
+        alone = logits(model, torch.cat([row, steps[b]])[None])[0]
+        torch.testing.assert_close(uncached[b, width - len(row) :], alone, atol=1e-5, rtol=1e-5)
+
+
 def test_chunked_prefill_equals_full_forward():
     model = tiny_model("sdpa", ssmax=True, prior_scope="layer")
     input_ids = torch.randint(0, 97, (1, 23))
