@@ -5,6 +5,8 @@ Rank 0 writes, per case, the loss (each rank's sum over its tokens / all tokens,
 (gathered chunks) and every parameter's gradient summed over ranks; and the error of every refused setup.
 """
 
+import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +29,9 @@ CASES = {
     "right_padding_ssmax": ("sdpa", dict(prior_scope="global", ssmax=True), "right_padded"),
     "one_kv_head_replicated": ("sdpa", dict(num_key_value_heads=1, ssmax=True), "packed"),
 }
+
+
+DEEPSPEED_CASE = "packed_ssmax_prior_global"
 
 
 def build_model(name: str):
@@ -83,6 +88,42 @@ def run_case(name: str, rank: int, size: int) -> dict:
     return {"loss": loss, "logits": torch.cat(logits, dim=1), "gradients": gradients}
 
 
+def run_deepspeed_ulysses(name: str, rank: int, size: int) -> dict:
+    """As Accelerate wires `ParallelismConfig(sp_backend="deepspeed")`: DeepSpeed registers its Ulysses wrapper for
+    the model's attention name and shards the batch with its data-loader adapter (shift_labels included); the
+    loss is aggregated over the ranks by their token counts, as Trainer's `deepspeed_sp_compute_loss` does.
+    Nothing tells BamLlama about it: the model finds DeepSpeed's group itself."""
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build_model(name)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=size,
+        micro_batch_size=2, seq_length_is_variable=True,
+    )
+    loader = torch.utils.data.DataLoader([build_batch(name)], batch_size=None)
+    adapter = UlyssesSPDataLoaderAdapter(
+        loader, sp_rank=mpu.get_sequence_parallel_rank(), sp_group=mpu.get_sequence_parallel_group(),
+        sp_world_size=mpu.get_sequence_parallel_world_size(), device=torch.device("cpu"),
+    )
+    inputs = next(iter(adapter))  # this rank's chunk of the first rank's batch
+    # Trainer moves the chunks (views, on the CPU) to the GPU, which makes them contiguous; ForCausalLMLoss needs that
+    inputs = {key: value.contiguous() for key, value in inputs.items()}
+    output = model(**inputs, labels=inputs["shift_labels"])
+    tokens = (inputs["shift_labels"] != -100).sum()
+    total = tokens.clone()
+    dist.all_reduce(total)
+    (output.loss * tokens / total).backward()
+    loss = (output.loss * tokens / total).detach()
+    dist.all_reduce(loss)
+    gradients = {}
+    for parameter_name, parameter in model.named_parameters():
+        dist.all_reduce(parameter.grad)
+        gradients[parameter_name] = parameter.grad
+    return {"loss": loss, "gradients": gradients}
+
+
 def refusals(rank: int, size: int) -> dict[str, str]:
     """The one-line error of every setup that would see wrong positions or drop the prior."""
     from bam_llama.sequence_parallel_bam import enable_ulysses
@@ -132,6 +173,8 @@ def main():
     torch.set_num_threads(1)
     results = {name: run_case(name, rank, size) for name in CASES}
     results["refusals"] = refusals(rank, size)
+    if importlib.util.find_spec("deepspeed") is not None:  # last: DeepSpeed's wrapper stays registered
+        results["deepspeed:" + DEEPSPEED_CASE] = run_deepspeed_ulysses(DEEPSPEED_CASE, rank, size)
     if rank == 0:
         torch.save(results, sys.argv[1])
     dist.barrier()
@@ -139,4 +182,5 @@ def main():
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     main()

@@ -2,12 +2,14 @@
 gradients of one process holding all of it; and every setup that would see wrong positions or drop the prior is
 refused with one error. The workers run in tests/sequence_parallel_worker.py (one torchrun for all cases)."""
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 from distributed_launch import torchrun
-from sequence_parallel_worker import CASES, build_batch, build_model
+from sequence_parallel_worker import CASES, DEEPSPEED_CASE, build_batch, build_model
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
@@ -50,6 +52,14 @@ def test_two_ranks_give_the_one_process_loss_logits_and_gradients(sharded, name)
             prior_gradients += 1
             assert gradient.abs().min() > 0, f"{parameter}: every head's gradient is compared, none is trivially 0"
     assert prior_gradients >= 3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+def test_deepspeed_ulysses_registered_as_accelerate_does_gives_the_one_process_gradients(sharded):
+    got, expected = sharded["deepspeed:" + DEEPSPEED_CASE], one_process(DEEPSPEED_CASE)
+    assert abs(got["loss"].item() - expected["loss"].item()) < LOSS_TOLERANCE
+    for parameter, gradient in expected["gradients"].items():
+        torch.testing.assert_close(got["gradients"][parameter], gradient, **GRADIENT_TOLERANCE, msg=parameter)
 
 
 def test_the_sharded_positions_matter(sharded):
