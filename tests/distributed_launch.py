@@ -1,11 +1,23 @@
 """Start a worker script under torchrun: gloo on CPU, a free loopback port, bounded in time."""
 
+import importlib.util
+import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import checkout_environment
+
+
+def require_deepspeed() -> None:
+    """Skip without DeepSpeed, except under CI=true, where it is in the `dev` extra: fail there."""
+    if importlib.util.find_spec("deepspeed") is not None:
+        return
+    if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+        pytest.fail("DeepSpeed is not installed; CI=true requires it (pip install -e '.[dev]')", pytrace=False)
+    pytest.skip("DeepSpeed is not installed (pip install -e '.[deepspeed]')")
 
 
 def free_port() -> int:

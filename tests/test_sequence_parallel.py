@@ -2,13 +2,15 @@
 gradients of one process holding all of it; and every setup that would see wrong positions or drop the prior is
 refused with one error. The workers run in tests/sequence_parallel_worker.py (one torchrun for all cases)."""
 
-import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
-from distributed_launch import torchrun
+from conftest import checkout_environment, tiny_model
+from distributed_launch import require_deepspeed, torchrun
 from sequence_parallel_worker import CASES, DEEPSPEED_CASE, build_batch, build_model
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -54,8 +56,8 @@ def test_two_ranks_give_the_one_process_loss_logits_and_gradients(sharded, name)
     assert prior_gradients >= 3
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 def test_deepspeed_ulysses_registered_as_accelerate_does_gives_the_one_process_gradients(sharded):
+    require_deepspeed()
     got, expected = sharded["deepspeed:" + DEEPSPEED_CASE], one_process(DEEPSPEED_CASE)
     assert abs(got["loss"].item() - expected["loss"].item()) < LOSS_TOLERANCE
     for parameter, gradient in expected["gradients"].items():
@@ -107,3 +109,18 @@ def test_an_attention_wrapper_the_model_never_calls_is_refused():
     finally:
         del ALL_ATTENTION_FUNCTIONS["sdpa"]
     model(input_ids=inputs)  # Transformers' own entry again: runs
+
+
+def test_the_model_imports_no_deepspeed():
+    """DeepSpeed is optional: the model (and its sequence-parallel guard) only reads it from sys.modules."""
+    code = (
+        "import sys, torch\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from conftest import tiny_model\n"
+        "tiny_model('sdpa')(input_ids=torch.ones(1, 4, dtype=torch.long))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                               env=checkout_environment(), cwd=Path(__file__).parents[1])
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert completed.stdout.strip().endswith("[]"), completed.stdout[-500:]

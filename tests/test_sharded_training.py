@@ -3,11 +3,9 @@ the root, which holds the global prior) and DeepSpeed ZeRO-2 / ZeRO-3 on 2 gloo 
 of the global batch, for full fine-tuning and for LoRA with the prior and SSMax trained. The sharded FSDP2 model
 saves to an ordinary folder that reloads. Workers: tests/sharded_training_worker.py (one torchrun per engine)."""
 
-import importlib.util
-
 import pytest
 import torch
-from distributed_launch import torchrun
+from distributed_launch import require_deepspeed, torchrun
 from sharded_training_worker import LEARNING_RATE, STEPS, VARIANTS, base_model, build_model, global_batch
 
 
@@ -88,14 +86,9 @@ def test_fsdp2_lora_adapter_saves_and_reloads_onto_the_base_model(fsdp2, referen
         torch.testing.assert_close(reloaded.eval()(**batch).logits, expected.eval()(**batch).logits, rtol=0, atol=1e-5)
 
 
-requires_deepspeed = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed (CI: .ci/deepspeed-tests)"
-)
-
-
-@requires_deepspeed
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_trains_the_one_process_model(tmp_path_factory, references, stage):
+    require_deepspeed()
     results = sharded_run(f"zero{stage}", tmp_path_factory)
     for variant in VARIANTS:
         assert_same_training(results[variant], references[variant])
