@@ -95,7 +95,7 @@ def train_zero(stage: int, variant: str, rank: int, size: int) -> dict:
 
     model = build_model(variant)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero_config(stage, ROWS // size))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero_config(stage, ROWS // size, 1, False))
     losses = []
     for _ in range(STEPS):
         loss = engine(**rank_batch(rank, size)).loss
