@@ -57,6 +57,9 @@ class UlyssesAttention:
         # fewer key/value heads than ranks: each rank gets a copy of the one its query heads share
         self.kv_replication = max(1, self.size // config.num_key_value_heads)
 
+    def __deepcopy__(self, memo):
+        return self  # a copied model stays in the same group (a process group cannot be copied)
+
     def active(self, training: bool) -> bool:
         return training or not self.disable_in_eval
 
