@@ -99,6 +99,9 @@ class FinetuneArguments:
     resume_from_checkpoint: str | None = None
     overwrite_output_dir: bool = False
     merge: bool = False
+    fsdp: bool = False
+    deepspeed: str | None = None
+    sp_size: int = 1
     logging_steps: int = 8
     seed: int = 42
     disable_progress_bars: bool = False
@@ -408,17 +411,20 @@ def prepare_model(model: BamLlamaForCausalLM, args: FinetuneArguments):
     return model
 
 
-def prior_values(model: torch.nn.Module) -> dict[str, dict[str, list[float]]]:
-    """The prior / SSMax values the model computes with, by BamLlama module name (PEFT's wrapping removed)."""
+def prior_values(model: torch.nn.Module, state_dict: dict | None = None) -> dict[str, dict[str, list[float]]]:
+    """The prior / SSMax values the model computes with, by BamLlama module name (PEFT's wrapping removed); read
+    from `state_dict` when given (a sharded model's, gathered)."""
     from .modeling_bam import BamPrior, BamScalableSoftmax
 
     values: dict[str, dict[str, list[float]]] = {}
     for name, module in model.named_modules():
         if not isinstance(module, (BamPrior, BamScalableSoftmax)) or ".original_module" in name:
             continue
-        name = re.sub(r"\.modules_to_save\.[^.]+$", "", name).removeprefix("base_model.model.")
         parameters = ("theta_alpha", "theta_beta", "theta_mu") if isinstance(module, BamPrior) else ("scale",)
-        values[name] = {key: getattr(module, key).detach().float().cpu().tolist() for key in parameters}
+        read = (lambda key: getattr(module, key)) if state_dict is None else (lambda key: state_dict[f"{name}.{key}"])
+        values[re.sub(r"\.modules_to_save\.[^.]+$", "", name).removeprefix("base_model.model.")] = {
+            key: read(key).detach().float().cpu().tolist() for key in parameters
+        }
     return values
 
 
@@ -467,8 +473,11 @@ def checkpoint_step(checkpoint: str | os.PathLike) -> int | None:
 # --------------------------------------------------------------------------------------------------------
 
 
-def save_final(model, tokenizer, args: FinetuneArguments, train_context_length_before: int) -> tuple[str, str | None]:
-    """Save the adapter (LoRA) or the model (full), and the merged model on request; rank 0 only."""
+def save_final(
+    model, tokenizer, args: FinetuneArguments, train_context_length_before: int, state_dict: dict | None = None
+) -> tuple[str, str | None]:
+    """Save the adapter (LoRA) or the model (full), and the merged model on request; rank 0 only. state_dict: the
+    gathered one of a sharded model (FSDP, ZeRO-3)."""
     output_dir = Path(args.output_dir)
     final_dir = output_dir / ("adapter" if args.lora else "model")
     base_config = model.get_base_model().config if args.lora else model.config
@@ -476,7 +485,7 @@ def save_final(model, tokenizer, args: FinetuneArguments, train_context_length_b
     if not args.lora:
         record_extension(model.config, args)
     with staged_output_dir(final_dir, force=True) as staging:
-        model.save_pretrained(staging)
+        model.save_pretrained(staging, state_dict=state_dict)
         tokenizer.save_pretrained(staging)
         if not args.lora:
             write_finetuned_card(staging, args, train_context_length_before)
@@ -568,6 +577,7 @@ def finetune(args: FinetuneArguments) -> FinetuneSummary:
 def _finetune(args: FinetuneArguments, hold: OutputDirHold) -> FinetuneSummary:
     from transformers import set_seed
 
+    from .distributed_bam import gathered_state_dict, parameters_sharded
     from .trainer_bam import BamTrainer, mean_token_loss, training_arguments
 
     started = time.perf_counter()
@@ -611,12 +621,14 @@ def _finetune(args: FinetuneArguments, hold: OutputDirHold) -> FinetuneSummary:
     loss_before = evaluate() if is_main else math.nan
     hold.clear_earlier_results()  # --overwrite-output-dir: only now that every input has loaded
     train_output = trainer.train(resume_from_checkpoint=checkpoint)
-    loss_after = evaluate() if is_main else math.nan
+    sharded = parameters_sharded(trainer)  # FSDP / ZeRO-3: forward and state dict need every rank
+    loss_after = evaluate() if is_main or sharded else math.nan
+    state_dict = gathered_state_dict(trainer)
 
     final_dir, merged_dir = str(Path(args.output_dir) / ("adapter" if args.lora else "model")), None
-    prior_after = prior_values(model)
+    prior_after = prior_values(model, state_dict) if is_main or not sharded else {}
     if is_main:
-        final_dir, merged_dir = save_final(model, tokenizer, args, base_config.train_context_length)
+        final_dir, merged_dir = save_final(model, tokenizer, args, base_config.train_context_length, state_dict)
     summary = FinetuneSummary(
         model=args.model,
         data=args.data,
@@ -696,6 +708,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and start afresh; without it such a folder is refused unless --resume-from-checkpoint continues that run",
     )
     parser.add_argument("--merge", action="store_true", help="also write OUTPUT_DIR/merged: LoRA merged into a BamLlama folder")
+    parallel = parser.add_argument_group("sharding and sequence parallelism (CUDA; launch with accelerate launch / torchrun)")
+    parallel.add_argument("--fsdp", action="store_true", help="FSDP2: shard parameters, gradients and optimizer state")
+    parallel.add_argument("--deepspeed", default=None, metavar="zero2|zero3|CONFIG", help="DeepSpeed ZeRO (pip install 'bam-llama[deepspeed]')")
+    parallel.add_argument("--sp-size", type=positive_int, default=defaults.sp_size, help="Ulysses sequence parallelism over N GPUs (needs --deepspeed, --attn-implementation sdpa)")
     parser.add_argument("--logging-steps", type=positive_int, default=defaults.logging_steps)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--disable-progress-bars", action="store_true")

@@ -42,6 +42,7 @@ from .attention_bam import (
     visibility_from_positions,
 )
 from .configuration_bam import BamLlamaConfig
+from .sequence_parallel_bam import active_sequence_parallel
 from .triton_bam import TRITON_AVAILABLE, ggd_attention, triton_usable
 
 
@@ -395,6 +396,9 @@ class BamAttention(nn.Module):
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
         attention_interface: Callable = BAM_ATTENTION_FUNCTIONS[self._implementation_for_call(kwargs)]
+        sequence_parallel = kwargs.pop("sequence_parallel", None)
+        if sequence_parallel is not None:  # the whole sequence for this rank's heads (sequence_parallel_bam.py)
+            attention_interface = sequence_parallel.wrap(attention_interface)
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -563,6 +567,7 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         self.layers = nn.ModuleList([BamDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = BamRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.prior = BamPrior(config) if config.prior_scope == "global" else None
+        self.sequence_parallel = None  # Ulysses state (sequence_parallel_bam.enable_ulysses), not saved
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -597,13 +602,21 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
 
         # Absolute query positions, read from the cache BEFORE any layer updates it.
         past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-        query_positions = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+        sequence_parallel = active_sequence_parallel(self)
+        if sequence_parallel is not None:
+            # each rank holds one chunk of every sequence: masks, documents and positions are the whole sequence's
+            position_ids, attention_mask = sequence_parallel.gather_inputs(position_ids, attention_mask, past_seen_tokens)
+            mask_embeds = inputs_embeds[:, :1].expand(-1, position_ids.shape[1], -1)  # what the masks read
+            kwargs["sequence_parallel"], use_cache = sequence_parallel, False
+        else:
+            mask_embeds = inputs_embeds
+        query_positions = torch.arange(mask_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
         if position_ids is None:
             position_ids = query_positions.unsqueeze(0)
-        document_ids = self._packed_document_ids(inputs_embeds, attention_mask, position_ids, cache)
+        document_ids = self._packed_document_ids(mask_embeds, attention_mask, position_ids, cache)
 
         causal_mask = _create_causal_mask(
-            self.config, inputs_embeds, attention_mask, cache, position_ids, query_positions
+            self.config, mask_embeds, attention_mask, cache, position_ids, query_positions
         )
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)

@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainingArguments
 
+from .distributed_bam import parallel_training_arguments
 from .finetune_bam import IGNORE_INDEX, FinetuneArguments, collate_packed_rows, is_prior_parameter
 
 
@@ -99,6 +100,10 @@ def training_arguments(args: FinetuneArguments) -> TrainingArguments:
         ddp_find_unused_parameters=False,
         disable_tqdm=args.disable_progress_bars,
         dataloader_pin_memory=torch.cuda.is_available(),
+        **parallel_training_arguments(
+            fsdp=args.fsdp, deepspeed=args.deepspeed, sp_size=args.sp_size,
+            attn_implementation=args.attn_implementation, merge=args.lora and args.merge,
+        ),
     )
 
 
