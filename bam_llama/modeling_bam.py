@@ -436,6 +436,7 @@ class BamDecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         query_positions: torch.Tensor,
+        prior_table: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         shared_prior: BamPrior | None = None,
@@ -443,8 +444,12 @@ class BamDecoderLayer(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """The cache comes as `cache` or, before Transformers 5.24, as `past_key_values`: the name the installed
-        `GradientCheckpointingLayer` clears when it recomputes the layer (see `CACHE_NAME`)."""
+        """prior_table: the global prior's `table(P)`, computed once by the model for all layers. It comes
+        positionally, like hidden_states: gradient checkpointing hands positional arguments to `checkpoint` as the
+        layer's inputs, so a reentrant replay returns the table's gradient instead of backpropagating through the
+        graph all layers share (which fails on the second layer). The cache comes as `cache` or, before
+        Transformers 5.24, as `past_key_values`: the name the installed `GradientCheckpointingLayer` clears when it
+        recomputes the layer (see `CACHE_NAME`)."""
         residual = hidden_states
         hidden_states, _ = self.self_attn(
             self.input_layernorm(hidden_states),
@@ -453,6 +458,7 @@ class BamDecoderLayer(GradientCheckpointingLayer):
             cache=_one_cache(cache, past_key_values),
             shared_prior=shared_prior,
             document_ids=document_ids,
+            prior_table=prior_table,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -607,15 +613,15 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         )
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        if self.prior is not None:
-            # The global prior depends on j - i only: one (H, P + 1) table, computed once for all layers.
-            kwargs["prior_table"] = self.prior.table(int(query_positions[-1]))
+        # The global prior depends on j - i only: one (H, P + 1) table, computed once for all layers.
+        prior_table = self.prior.table(int(query_positions[-1])) if self.prior is not None else None
 
         hidden_states = inputs_embeds
         for decoder_layer in self.layers:
             hidden_states = decoder_layer(
                 hidden_states,
-                query_positions=query_positions,
+                query_positions,
+                prior_table,  # positional: an input of each checkpointed layer (see BamDecoderLayer.forward)
                 attention_mask=causal_mask,
                 shared_prior=self.prior,
                 document_ids=document_ids,
