@@ -29,6 +29,7 @@ from transformers.masking_utils import (
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -324,6 +325,37 @@ def bam_attention_name(requested: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------------------
+# The KV cache's name
+# --------------------------------------------------------------------------------------------------------
+
+# Transformers 5.24 renamed the KV cache `past_key_values` -> `cache`: in model arguments, output fields,
+# `create_causal_mask` and the argument `GradientCheckpointingLayer` clears. The old name still works there, with a
+# deprecation warning. BamLlama takes either and answers in the installed version's name.
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+PAST_KEY_VALUES_REMOVAL = "5.40.0"  # the release Transformers 5.24's own models announce for `past_key_values`
+
+
+def deprecated_past_key_values(forward: Callable) -> Callable:
+    """Where the cache is named `cache` (Transformers >= 5.24), `past_key_values` passed to `forward` is renamed
+    with the FutureWarning Transformers' own models give (their `deprecate_kwarg`). Earlier releases know only
+    `past_key_values`: it passes through silently, and `_one_cache` takes it."""
+    if CACHE_NAME == "past_key_values":
+        return forward
+    return deprecate_kwarg("past_key_values", PAST_KEY_VALUES_REMOVAL, new_name="cache")(forward)
+
+
+def _one_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    """The KV cache passed under either name (before 5.24 `cache` is BamLlama's own forward-compatible name);
+    both at once is an error there. From 5.24 `deprecated_past_key_values` has already renamed it."""
+    if past_key_values is None:
+        return cache
+    if cache is not None:
+        raise ValueError("Pass the KV cache once: as `cache` or as `past_key_values` (its name before Transformers "
+                         "5.24), not both")
+    return past_key_values
+
+
+# --------------------------------------------------------------------------------------------------------
 # Layers
 # --------------------------------------------------------------------------------------------------------
 
@@ -578,6 +610,7 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
+    @deprecated_past_key_values
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -593,7 +626,7 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         """`output_hidden_states` / `output_attentions` (kwargs or config) are collected by `capture_outputs`;
         `use_cache` defaults to the config's (off under gradient checkpointing). The KV cache is `cache` or, its
-        name before Transformers 5.24, `past_key_values`."""
+        name before Transformers 5.24, `past_key_values` (deprecated there, with Transformers' warning)."""
         cache = _one_cache(cache, past_key_values)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -643,22 +676,6 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
 
 
 _CAUSAL_MASK_PARAMETERS = inspect.signature(create_causal_mask).parameters
-# Transformers 5.24 renamed the KV cache `past_key_values` -> `cache`: in model arguments, output fields,
-# `create_causal_mask` and the argument `GradientCheckpointingLayer` clears. The old name still works there, with a
-# deprecation warning. BamLlama takes either and answers in the installed version's name.
-CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-def _one_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
-    """The KV cache passed under either name; both at once is an error (Transformers refuses it too)."""
-    if past_key_values is None:
-        return cache
-    if cache is not None:
-        raise ValueError("Pass the KV cache once: as `cache` or as `past_key_values` (its name before Transformers "
-                         "5.24), not both")
-    return past_key_values
-
-
 class _MaskingConfig:
     """The model's config as `create_causal_mask` sees it: every field is the config's, except the attention name,
     which is the private name BAM's mask function is registered under (the global "eager" / "sdpa" mask
@@ -706,6 +723,7 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
 
+    @deprecated_past_key_values
     @can_return_tuple
     def forward(
         self,
@@ -721,13 +739,13 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """`return_dict=False` (kwarg or config) gives the tuple of the non-None fields, like any Transformers model.
-        The KV cache is `cache` or, its name before Transformers 5.24, `past_key_values`."""
+        The KV cache is `cache` or, its name before Transformers 5.24, `past_key_values` (deprecated there, with
+        Transformers' warning)."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache,
-            past_key_values=past_key_values,  # the base model takes either name, once
+            cache=_one_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             return_dict=True,  # whatever config.return_dict says; `can_return_tuple` converts at the end

@@ -10,11 +10,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from conftest import randomize_prior, tiny_config, tiny_model
+from packaging import version
 from transformers import (
     AutoModelForCausalLM,
     CompileConfig,
@@ -361,11 +364,48 @@ def test_kv_cache_under_either_name_gives_the_uncached_logits(name):
     torch.testing.assert_close(torch.cat(steps, dim=1), no_grad_logits(model, input_ids), atol=1e-5, rtol=1e-5)
 
 
-def test_kv_cache_under_both_names_is_refused():
+CACHE_RENAMED = version.parse(transformers.__version__) >= version.parse("5.24")  # `past_key_values` -> `cache`
+
+
+def past_key_values_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, FutureWarning) and "past_key_values" in str(w.message)]
+
+
+@pytest.mark.parametrize("model_class", [BamLlamaForCausalLM, BamLlamaModel])
+def test_past_key_values_warns_as_deprecated_only_where_cache_is_its_name(model_class):
+    """Transformers 5.24's models warn (FutureWarning, `deprecate_kwarg`) when the cache comes as `past_key_values`,
+    and their common tests look for it; before 5.24 it is the only name, and a warning would be wrong."""
+    model = model_class(tiny_config()).eval()
+    input_ids = torch.randint(3, VOCAB, (1, 4))
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        model(input_ids, use_cache=True, past_key_values=DynamicCache(config=model.config))
+    messages = past_key_values_warnings(caught)
+    if CACHE_RENAMED:
+        assert messages == [f"`past_key_values` is deprecated and will be removed in version 5.40.0 for "
+                            f"`{model_class.__name__}.forward`. Use `cache` instead."]
+    else:
+        assert messages == []
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        model(input_ids, use_cache=True, **({"cache": DynamicCache(config=model.config)} if CACHE_RENAMED else {}))
+        if isinstance(model, BamLlamaForCausalLM):
+            model.generate(input_ids, max_new_tokens=3, do_sample=False, **NO_EOS)
+    assert past_key_values_warnings(caught) == []
+
+
+def test_kv_cache_under_both_names():
+    """From 5.24 as Transformers' models do: a warning, and `cache` is used; before, BamLlama refuses it."""
     model = tiny_model("sdpa")
+    input_ids = torch.randint(3, VOCAB, (1, 4))
     caches = dict(cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
-    with pytest.raises(ValueError, match="`cache` or as `past_key_values`"):
-        model(torch.randint(3, VOCAB, (1, 4)), **caches)
+    if not CACHE_RENAMED:
+        with pytest.raises(ValueError, match="`cache` or as `past_key_values`"):
+            model(input_ids, **caches)
+        return
+    with pytest.warns(FutureWarning, match="Both `past_key_values` and `cache` are set"), torch.no_grad():
+        model(input_ids, use_cache=True, **caches)
+    assert caches["cache"].get_seq_length() == 4 and caches["past_key_values"].get_seq_length() == 0
 
 
 def test_checkpointed_layers_leave_a_passed_cache_as_llama_does():
