@@ -317,9 +317,10 @@ def bam_attention_name(requested: str) -> str:
     """The name the config keeps for a requested implementation; a clear error for any that would drop the prior."""
     name = ATTENTION_ALIASES.get(requested, requested)
     if name not in BAM_ATTENTION_FUNCTIONS:
-        raise ValueError(
-            f"attn_implementation={requested!r} is not supported by BamLlama: other backends (flash, flex, paged, "
-            f"kernels from the Hub) would drop the positional prior. Choose one of {sorted(BAM_ATTENTION_FUNCTIONS)}."
+        raise ValueError(  # Transformers' own wording first: tools and tests match on it
+            f'Specified `attn_implementation="{requested}"` is not supported. BamLlama runs only its own attention: '
+            "other backends (flash, flex, paged, kernels from the Hub) would drop the positional prior. Choose one of "
+            f"{sorted(BAM_ATTENTION_FUNCTIONS)}."
         )
     return name
 
