@@ -28,7 +28,8 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.utils import can_return_tuple, logging
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
@@ -475,7 +476,7 @@ class BamDecoderLayer(GradientCheckpointingLayer):
         shared_prior: BamPrior | None = None,
         document_ids: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         """prior_table: the global prior's `table(P)`, computed once by the model for all layers. It comes
         positionally, like hidden_states: gradient checkpointing hands positional arguments to `checkpoint` as the
@@ -623,7 +624,7 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         past_key_values: Cache | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         """`output_hidden_states` / `output_attentions` (kwargs or config) are collected by `capture_outputs`;
         `use_cache` defaults to the config's (off under gradient checkpointing). The KV cache is `cache` or, its
@@ -737,7 +738,7 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values: Cache | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         """`return_dict=False` (kwarg or config) gives the tuple of the non-None fields, like any Transformers model.
         The KV cache is `cache` or, its name before Transformers 5.24, `past_key_values` (deprecated there, with

@@ -6,11 +6,13 @@ under test. Models are tiny (2 layers, hidden 32) so the whole file runs in well
 """
 
 import logging
+import inspect
 import os
 import re
 import subprocess
 import sys
 import textwrap
+import typing
 import warnings
 
 import pytest
@@ -31,6 +33,7 @@ from transformers import (
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.processing_utils import Unpack
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM, BamLlamaModel
 from bam_llama.tokenization_bam import BYTE_VOCAB_SIZE, build_byte_tokenizer
@@ -72,6 +75,23 @@ def reset_warning_once():
 
 
 # ---------------------------------------------------------------------------------------------- outputs
+
+
+def typed_kwargs(forward) -> set[str]:
+    """The keywords `forward` declares through `**kwargs: Unpack[SomeTypedDict]`: what Transformers' tooling reads
+    to learn, e.g., that a model can return attention weights (untyped **kwargs declare nothing)."""
+    annotation = inspect.signature(forward).parameters["kwargs"].annotation
+    if typing.get_origin(annotation) is not Unpack:
+        return set()
+    (typed_dict,) = typing.get_args(annotation)
+    return set(typed_dict.__annotations__)
+
+
+@pytest.mark.parametrize("model_class", [BamLlamaModel, BamLlamaForCausalLM])
+def test_forward_kwargs_are_typed_as_in_llama(model_class):
+    declared = typed_kwargs(model_class.forward)
+    assert {"output_attentions", "output_hidden_states", "num_items_in_batch"} <= declared
+    assert declared == typed_kwargs(LlamaForCausalLM.forward)
 
 
 def test_return_dict_false_gives_tuples_with_and_without_loss():
