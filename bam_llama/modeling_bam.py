@@ -628,7 +628,7 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         """`output_hidden_states` / `output_attentions` (kwargs or config) are collected by `capture_outputs`;
         `use_cache` defaults to the config's (off under gradient checkpointing). The KV cache is `cache` or, its
-        name before Transformers 5.24, `past_key_values` (deprecated there, with Transformers' warning)."""
+        name before Transformers 5.24, `past_key_values` (deprecated from 5.24 on, with Transformers' warning)."""
         cache = _one_cache(cache, past_key_values)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -741,8 +741,8 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         """`return_dict=False` (kwarg or config) gives the tuple of the non-None fields, like any Transformers model.
-        The KV cache is `cache` or, its name before Transformers 5.24, `past_key_values` (deprecated there, with
-        Transformers' warning)."""
+        The KV cache is `cache` or, its name before Transformers 5.24, `past_key_values` (deprecated from 5.24 on,
+        with Transformers' warning)."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
