@@ -92,6 +92,7 @@ class FinetuneArguments:
     per_device_train_batch_size: int = 1
     gradient_accumulation_steps: int = 1
     gradient_checkpointing: bool = False
+    reentrant_checkpointing: bool = False  # torch's reentrant variant; implies gradient_checkpointing
     bf16: bool | None = None
     attn_implementation: str | None = None
     save_steps: int = 64
@@ -696,7 +697,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-train-epochs", type=positive_float, default=defaults.num_train_epochs)
     parser.add_argument("--per-device-train-batch-size", "--batch-size", type=positive_int, default=defaults.per_device_train_batch_size)
     parser.add_argument("--gradient-accumulation-steps", type=positive_int, default=defaults.gradient_accumulation_steps)
-    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument(
+        "--gradient-checkpointing", action="store_true",
+        help="recompute each layer in the backward pass (torch's non-reentrant checkpoint, Transformers' default)",
+    )
+    parser.add_argument(
+        "--reentrant-checkpointing", action="store_true",
+        help="gradient checkpointing with use_reentrant=True, as many PEFT / QLoRA recipes pass (same gradients)",
+    )
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on where the GPU supports it")
     parser.add_argument("--attn-implementation", default=None, help="sdpa, eager or bam_triton (default: fastest available)")
     parser.add_argument("--save-steps", type=positive_int, default=defaults.save_steps)

@@ -28,7 +28,9 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.utils import can_return_tuple, logging
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -317,11 +319,43 @@ def bam_attention_name(requested: str) -> str:
     """The name the config keeps for a requested implementation; a clear error for any that would drop the prior."""
     name = ATTENTION_ALIASES.get(requested, requested)
     if name not in BAM_ATTENTION_FUNCTIONS:
-        raise ValueError(
-            f"attn_implementation={requested!r} is not supported by BamLlama: other backends (flash, flex, paged, "
-            f"kernels from the Hub) would drop the positional prior. Choose one of {sorted(BAM_ATTENTION_FUNCTIONS)}."
+        raise ValueError(  # Transformers' own wording first: tools and tests match on it
+            f'Specified `attn_implementation="{requested}"` is not supported. BamLlama runs only its own attention: '
+            "other backends (flash, flex, paged, kernels from the Hub) would drop the positional prior. Choose one of "
+            f"{sorted(BAM_ATTENTION_FUNCTIONS)}."
         )
     return name
+
+
+# --------------------------------------------------------------------------------------------------------
+# The KV cache's name
+# --------------------------------------------------------------------------------------------------------
+
+# Transformers 5.24 renamed the KV cache `past_key_values` -> `cache`: in model arguments, output fields,
+# `create_causal_mask` and the argument `GradientCheckpointingLayer` clears. The old name still works there, with a
+# deprecation warning. BamLlama takes either and answers in the installed version's name.
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+PAST_KEY_VALUES_REMOVAL = "5.40.0"  # the release Transformers 5.24's own models announce for `past_key_values`
+
+
+def deprecated_past_key_values(forward: Callable) -> Callable:
+    """Where the cache is named `cache` (Transformers >= 5.24), `past_key_values` passed to `forward` is renamed
+    with the FutureWarning Transformers' own models give (their `deprecate_kwarg`). Earlier releases know only
+    `past_key_values`: it passes through silently, and `_one_cache` takes it."""
+    if CACHE_NAME == "past_key_values":
+        return forward
+    return deprecate_kwarg("past_key_values", PAST_KEY_VALUES_REMOVAL, new_name="cache")(forward)
+
+
+def _one_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    """The KV cache passed under either name (before 5.24 `cache` is BamLlama's own forward-compatible name);
+    both at once is an error there. From 5.24 `deprecated_past_key_values` has already renamed it."""
+    if past_key_values is None:
+        return cache
+    if cache is not None:
+        raise ValueError("Pass the KV cache once: as `cache` or as `past_key_values` (its name before Transformers "
+                         "5.24), not both")
+    return past_key_values
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -440,15 +474,20 @@ class BamDecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         query_positions: torch.Tensor,
+        prior_table: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         shared_prior: BamPrior | None = None,
         document_ids: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        """The cache comes as `cache` or, before Transformers 5.24, as `past_key_values`: the name the installed
-        `GradientCheckpointingLayer` clears when it recomputes the layer (see `CACHE_NAME`)."""
+        """prior_table: the global prior's `table(P)`, computed once by the model for all layers. It comes
+        positionally, like hidden_states: gradient checkpointing hands positional arguments to `checkpoint` as the
+        layer's inputs, so a reentrant replay returns the table's gradient instead of backpropagating through the
+        graph all layers share (which fails on the second layer). The cache comes as `cache` or, before
+        Transformers 5.24, as `past_key_values`: the name the installed `GradientCheckpointingLayer` clears when it
+        recomputes the layer (see `CACHE_NAME`)."""
         residual = hidden_states
         hidden_states, _ = self.self_attn(
             self.input_layernorm(hidden_states),
@@ -457,6 +496,7 @@ class BamDecoderLayer(GradientCheckpointingLayer):
             cache=_one_cache(cache, past_key_values),
             shared_prior=shared_prior,
             document_ids=document_ids,
+            prior_table=prior_table,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -577,6 +617,7 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
+    @deprecated_past_key_values
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -588,11 +629,11 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         past_key_values: Cache | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         """`output_hidden_states` / `output_attentions` (kwargs or config) are collected by `capture_outputs`;
         `use_cache` defaults to the config's (off under gradient checkpointing). The KV cache is `cache` or, its
-        name before Transformers 5.24, `past_key_values`."""
+        name before Transformers 5.24, `past_key_values` (deprecated from 5.24 on, with Transformers' warning)."""
         cache = _one_cache(cache, past_key_values)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -620,15 +661,15 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         )
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        if self.prior is not None:
-            # The global prior depends on j - i only: one (H, P + 1) table, computed once for all layers.
-            kwargs["prior_table"] = self.prior.table(int(query_positions[-1]))
+        # The global prior depends on j - i only: one (H, P + 1) table, computed once for all layers.
+        prior_table = self.prior.table(int(query_positions[-1])) if self.prior is not None else None
 
         hidden_states = inputs_embeds
         for decoder_layer in self.layers:
             hidden_states = decoder_layer(
                 hidden_states,
-                query_positions=query_positions,
+                query_positions,
+                prior_table,  # positional: an input of each checkpointed layer (see BamDecoderLayer.forward)
                 attention_mask=causal_mask,
                 shared_prior=self.prior,
                 document_ids=document_ids,
@@ -650,22 +691,6 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
 
 
 _CAUSAL_MASK_PARAMETERS = inspect.signature(create_causal_mask).parameters
-# Transformers 5.24 renamed the KV cache `past_key_values` -> `cache`: in model arguments, output fields,
-# `create_causal_mask` and the argument `GradientCheckpointingLayer` clears. The old name still works there, with a
-# deprecation warning. BamLlama takes either and answers in the installed version's name.
-CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-def _one_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
-    """The KV cache passed under either name; both at once is an error (Transformers refuses it too)."""
-    if past_key_values is None:
-        return cache
-    if cache is not None:
-        raise ValueError("Pass the KV cache once: as `cache` or as `past_key_values` (its name before Transformers "
-                         "5.24), not both")
-    return past_key_values
-
-
 class _MaskingConfig:
     """The model's config as `create_causal_mask` sees it: every field is the config's, except the attention name,
     which is the private name BAM's mask function is registered under (the global "eager" / "sdpa" mask
@@ -713,6 +738,7 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
 
+    @deprecated_past_key_values
     @can_return_tuple
     def forward(
         self,
@@ -725,16 +751,16 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values: Cache | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         """`return_dict=False` (kwarg or config) gives the tuple of the non-None fields, like any Transformers model.
-        The KV cache is `cache` or, its name before Transformers 5.24, `past_key_values`."""
+        The KV cache is `cache` or, its name before Transformers 5.24, `past_key_values` (deprecated from 5.24 on,
+        with Transformers' warning)."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache,
-            past_key_values=past_key_values,  # the base model takes either name, once
+            cache=_one_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             return_dict=True,  # whatever config.return_dict says; `can_return_tuple` converts at the end

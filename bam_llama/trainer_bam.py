@@ -84,7 +84,7 @@ def training_arguments(args: FinetuneArguments) -> TrainingArguments:
         warmup_steps=args.warmup_steps,
         lr_scheduler_type=args.lr_scheduler_type,
         bf16=bf16,
-        **checkpointing_arguments(args.gradient_checkpointing),
+        **checkpointing_arguments(args.gradient_checkpointing or args.reentrant_checkpointing, args.reentrant_checkpointing),
         save_strategy="steps",
         save_steps=args.save_steps,
         save_total_limit=args.save_total_limit,
@@ -107,13 +107,14 @@ def training_arguments(args: FinetuneArguments) -> TrainingArguments:
     )
 
 
-def checkpointing_arguments(enabled: bool) -> dict:
-    """Gradient checkpointing under the name this Transformers release uses (newer ones call it activation_*)."""
+def checkpointing_arguments(enabled: bool, reentrant: bool = False) -> dict:
+    """Gradient checkpointing under the name this Transformers release uses (newer ones call it activation_*);
+    torch's non-reentrant checkpoint unless `reentrant`."""
     if not enabled:
         return {}
     fields = {field.name for field in dataclasses.fields(TrainingArguments)}
     prefix = "activation" if "activation_checkpointing" in fields else "gradient"
-    return {f"{prefix}_checkpointing": True, f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}}
+    return {f"{prefix}_checkpointing": True, f"{prefix}_checkpointing_kwargs": {"use_reentrant": reentrant}}
 
 
 def distributed_on_cpu() -> bool:

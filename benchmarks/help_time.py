@@ -4,6 +4,8 @@ processes, for this checkout and optionally another one (e.g. the main branch) o
     python benchmarks/help_time.py                              # this checkout, 5 runs per command
     python benchmarks/help_time.py --compare /path/to/other/checkout --out benchmarks/results/help-time.md
 
+Columns name each checkout by its commit (with "+ uncommitted changes" where its tracked files differ).
+
 CPU time (user + system, from the children's rusage) is what a loaded machine multiplies: the tests that run
 `bam-eval --help` used to time out at 60 s with several jobs sharing two cores.
 """
@@ -52,6 +54,15 @@ def measure(checkout: Path, runs: int) -> dict[str, tuple[float, float]]:
     return medians
 
 
+def checkout_label(checkout: Path) -> str:
+    """A checkout named by its commit (and whether its files differ from it), never by its local path."""
+    def git(*arguments: str) -> str:
+        return subprocess.run(["git", "-C", str(checkout), *arguments], capture_output=True, text=True, check=True).stdout
+
+    label = git("rev-parse", "--short", "HEAD").strip()
+    return f"{label} + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no").strip() else label
+
+
 def versions() -> str:
     import torch
     import transformers
@@ -84,9 +95,9 @@ def main() -> None:
     parser.add_argument("--compare", type=Path, help="another checkout to measure the same way")
     parser.add_argument("--out", type=Path, help="write the Markdown table here too")
     args = parser.parse_args()
-    results = {"this checkout": measure(REPOSITORY, args.runs)}
+    results = {checkout_label(REPOSITORY): measure(REPOSITORY, args.runs)}
     if args.compare:
-        results[f"{args.compare}"] = measure(args.compare.resolve(), args.runs)
+        results[checkout_label(args.compare.resolve())] = measure(args.compare.resolve(), args.runs)
     table = report(results, args.runs)
     print(table)
     if args.out:

@@ -359,6 +359,27 @@ def test_full_finetuning_with_gradient_checkpointing(workspace, tmp_path):
     assert "(full fine-tuning)" in (tmp_path / "full" / "model" / "README.md").read_text()
 
 
+def test_cli_lora_with_reentrant_checkpointing_trains_as_without(workspace, tmp_path):
+    """`--reentrant-checkpointing` (use_reentrant=True, as PEFT / QLoRA recipes pass) on the default global,
+    trained prior: the Trainer takes the reentrant path and the run trains the adapters and the prior as the same
+    run without checkpointing does."""
+    reentrant = arguments(workspace["base"], workspace["data"], tmp_path / "reentrant", max_steps=3, save_steps=100,
+                          reentrant_checkpointing=True)
+    settings = vars(training_arguments(reentrant))  # 5.24 keeps gradient_* as an alias of activation_*
+    kwargs = [value for name, value in settings.items() if name.endswith("checkpointing_kwargs")]
+    assert kwargs and all(value == {"use_reentrant": True} for value in kwargs)
+    flags = ["--model", reentrant.model, "--data", reentrant.data, "--context-length", str(TARGET_LENGTH), "--max-steps", "3",
+             "--save-steps", "100", "--batch-size", "4", "--learning-rate", "1e-2", "--prior-learning-rate", "5e-2",
+             "--lora-rank", "4", "--eval-rows", "4", "--disable-progress-bars"]
+    assert main([*flags, "--output-dir", reentrant.output_dir, "--reentrant-checkpointing"]) == 0
+    assert main([*flags, "--output-dir", str(tmp_path / "plain")]) == 0
+    plain = load_file(tmp_path / "plain" / "adapter" / "adapter_model.safetensors")
+    checkpointed = load_file(tmp_path / "reentrant" / "adapter" / "adapter_model.safetensors")
+    assert checkpointed.keys() == plain.keys() and any("theta_alpha" in name for name in plain)
+    for name, tensor in plain.items():
+        torch.testing.assert_close(checkpointed[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_cli_help_lists_the_options(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])

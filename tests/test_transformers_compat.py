@@ -6,15 +6,21 @@ under test. Models are tiny (2 layers, hidden 32) so the whole file runs in well
 """
 
 import logging
+import inspect
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import typing
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from conftest import randomize_prior, tiny_config, tiny_model
+from packaging import version
 from transformers import (
     AutoModelForCausalLM,
     CompileConfig,
@@ -27,6 +33,7 @@ from transformers import (
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.processing_utils import Unpack
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM, BamLlamaModel
 from bam_llama.tokenization_bam import BYTE_VOCAB_SIZE, build_byte_tokenizer
@@ -68,6 +75,23 @@ def reset_warning_once():
 
 
 # ---------------------------------------------------------------------------------------------- outputs
+
+
+def typed_kwargs(forward) -> set[str]:
+    """The keywords `forward` declares through `**kwargs: Unpack[SomeTypedDict]`: what Transformers' tooling reads
+    to learn, e.g., that a model can return attention weights (untyped **kwargs declare nothing)."""
+    annotation = inspect.signature(forward).parameters["kwargs"].annotation
+    if typing.get_origin(annotation) is not Unpack:
+        return set()
+    (typed_dict,) = typing.get_args(annotation)
+    return set(typed_dict.__annotations__)
+
+
+@pytest.mark.parametrize("model_class", [BamLlamaModel, BamLlamaForCausalLM])
+def test_forward_kwargs_are_typed_as_in_llama(model_class):
+    declared = typed_kwargs(model_class.forward)
+    assert {"output_attentions", "output_hidden_states", "num_items_in_batch"} <= declared
+    assert declared == typed_kwargs(LlamaForCausalLM.forward)
 
 
 def test_return_dict_false_gives_tuples_with_and_without_loss():
@@ -361,11 +385,48 @@ def test_kv_cache_under_either_name_gives_the_uncached_logits(name):
     torch.testing.assert_close(torch.cat(steps, dim=1), no_grad_logits(model, input_ids), atol=1e-5, rtol=1e-5)
 
 
-def test_kv_cache_under_both_names_is_refused():
+CACHE_RENAMED = version.parse(transformers.__version__) >= version.parse("5.24")  # `past_key_values` -> `cache`
+
+
+def past_key_values_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, FutureWarning) and "past_key_values" in str(w.message)]
+
+
+@pytest.mark.parametrize("model_class", [BamLlamaForCausalLM, BamLlamaModel])
+def test_past_key_values_warns_as_deprecated_only_where_cache_is_its_name(model_class):
+    """Transformers 5.24's models warn (FutureWarning, `deprecate_kwarg`) when the cache comes as `past_key_values`,
+    and their common tests look for it; before 5.24 it is the only name, and a warning would be wrong."""
+    model = model_class(tiny_config()).eval()
+    input_ids = torch.randint(3, VOCAB, (1, 4))
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        model(input_ids, use_cache=True, past_key_values=DynamicCache(config=model.config))
+    messages = past_key_values_warnings(caught)
+    if CACHE_RENAMED:
+        assert messages == [f"`past_key_values` is deprecated and will be removed in version 5.40.0 for "
+                            f"`{model_class.__name__}.forward`. Use `cache` instead."]
+    else:
+        assert messages == []
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        model(input_ids, use_cache=True, **({"cache": DynamicCache(config=model.config)} if CACHE_RENAMED else {}))
+        if isinstance(model, BamLlamaForCausalLM):
+            model.generate(input_ids, max_new_tokens=3, do_sample=False, **NO_EOS)
+    assert past_key_values_warnings(caught) == []
+
+
+def test_kv_cache_under_both_names():
+    """From 5.24 as Transformers' models do: a warning, and `cache` is used; before, BamLlama refuses it."""
     model = tiny_model("sdpa")
+    input_ids = torch.randint(3, VOCAB, (1, 4))
     caches = dict(cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
-    with pytest.raises(ValueError, match="`cache` or as `past_key_values`"):
-        model(torch.randint(3, VOCAB, (1, 4)), **caches)
+    if not CACHE_RENAMED:
+        with pytest.raises(ValueError, match="`cache` or as `past_key_values`"):
+            model(input_ids, **caches)
+        return
+    with pytest.warns(FutureWarning, match="Both `past_key_values` and `cache` are set"), torch.no_grad():
+        model(input_ids, use_cache=True, **caches)
+    assert caches["cache"].get_seq_length() == 4 and caches["past_key_values"].get_seq_length() == 0
 
 
 def test_checkpointed_layers_leave_a_passed_cache_as_llama_does():
@@ -570,26 +631,32 @@ def test_bam_attention_names_do_not_leak_into_other_models():
         llama.set_attn_implementation("bam_sdpa")
 
 
+def refused(backend: str) -> str:
+    """The error begins with Transformers' own wording (tools and Transformers' tests match on it), then BAM's why."""
+    transformers_wording = re.escape(f'Specified `attn_implementation="{backend}"` is not supported. ')
+    return f"^{transformers_wording}.*would drop the positional prior"
+
+
 @pytest.mark.parametrize(
     "backend",
-    ["flash_attention_2", "flash_attention_3", "flex_attention", "paged|eager", "kernels-community/flash-attn3"],
+    ["flash_attention_2", "flash_attention_3", "flex_attention", "paged|eager", "kernels-community/flash-attn3", "foo"],
 )
 def test_backends_that_drop_the_prior_are_refused(tmp_path, backend):
     model = tiny_model("sdpa")
-    with pytest.raises(ValueError, match="would drop the positional prior"):
+    with pytest.raises(ValueError, match=refused(backend)):
         model.set_attn_implementation(backend)
     assert model.config._attn_implementation == "sdpa"
     model.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="would drop the positional prior"):
+    with pytest.raises(ValueError, match=refused(backend)):
         AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=backend)
-    with pytest.raises(ValueError, match="would drop the positional prior"):
+    with pytest.raises(ValueError, match=refused(backend)):
         BamLlamaForCausalLM._from_config(tiny_config(), attn_implementation=backend)
 
 
 def test_a_backend_name_written_into_the_config_is_refused_at_the_forward():
     model = tiny_model("sdpa")
     model.config._attn_implementation = "flex_attention"  # bypasses every check Transformers makes
-    with pytest.raises(ValueError, match="would drop the positional prior"):
+    with pytest.raises(ValueError, match=refused("flex_attention")):
         model(torch.randint(3, VOCAB, (1, 4)))
 
 
