@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .arguments_bam import non_negative_float, non_negative_int, positive_float, positive_int, probability
+from .checkpoints_bam import checkpoint_step, resolve_checkpoint
+from .data_bam import load_documents, tokenize_documents
 from .io_bam import (
     check_model_path,
     check_safetensors_files,
@@ -43,6 +45,7 @@ from .io_bam import (
     load_tokenizer,
     staged_output_dir,
 )
+from .packing_bam import PackedRows, collate_packed_rows, pack_documents, split_eval_rows
 
 
 if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used, so that --help does not load them
@@ -56,11 +59,6 @@ logger = logging.getLogger(__name__)
 
 LORA_ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-TEXT_SUFFIXES = (".txt", ".jsonl")
-DATASETS_FILE_BUILDERS = {".json": "json", ".csv": "csv", ".parquet": "parquet"}
-# Parameters of the prior and SSMax modules, also inside PEFT's `modules_to_save` wrappers.
-PRIOR_PARAMETER = re.compile(r"(^|\.)(prior|ssmax)\.(.+\.)?(theta_alpha|theta_beta|theta_mu|scale)$")
-IGNORE_INDEX = -100
 
 
 @dataclasses.dataclass
@@ -163,164 +161,6 @@ class FinetuneSummary:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Data: documents from files, folders or `datasets`, tokenized and packed
-# --------------------------------------------------------------------------------------------------------
-
-
-def load_documents(source: str, text_field: str = "text", split: str = "train", config_name: str | None = None) -> list[str]:
-    """The non-empty documents of `source`; a ValueError naming `source` when there are none."""
-    path = Path(source)
-    if looks_like_a_local_path(source) and not path.exists():
-        raise FileNotFoundError(f"no training data at {source} (the file or folder does not exist)")
-    if path.is_dir() and not _is_saved_dataset(path):
-        documents = [document for file in _text_files(path) for document in _read_text_file(file, text_field)]
-    elif path.is_file() and path.suffix in TEXT_SUFFIXES:
-        documents = _read_text_file(path, text_field)
-    else:
-        documents = _read_dataset(source, text_field, split, config_name)
-    documents = [document for document in documents if document.strip()]
-    if not documents:
-        raise ValueError(f"no training text found in {source!r} (field {text_field!r} for JSON lines and datasets)")
-    return documents
-
-
-def looks_like_a_local_path(source: str) -> bool:
-    """A data source that can only be local: absolute, ./ ../ ~, more than one '/', or a data-file extension. Hub
-    dataset names ('wikitext', 'user/name') are none of these."""
-    return (
-        source.startswith((os.sep, "/", ".", "~"))
-        or source.count("/") > 1
-        or (os.sep != "/" and os.sep in source)
-        or Path(source).suffix.lower() in (*TEXT_SUFFIXES, *DATASETS_FILE_BUILDERS)
-    )
-
-
-def _text_files(folder: Path) -> list[Path]:
-    files = sorted(file for file in folder.rglob("*") if file.is_file() and file.suffix in TEXT_SUFFIXES)
-    if not files:
-        raise ValueError(f"no training text found in {str(folder)!r}: the folder holds no .txt or .jsonl files")
-    return files
-
-
-def _read_text_file(path: Path, text_field: str) -> list[str]:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".txt":
-        return [document.strip() for document in re.split(r"\n\s*\n", text)]
-    documents = []
-    for line_number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{line_number} is not valid JSON ({error})") from None
-        if not isinstance(record, dict) or text_field not in record:
-            raise ValueError(f"{path}:{line_number} has no field {text_field!r} (choose it with --text-field)")
-        documents.append(checked_text(record[text_field], f"{path}:{line_number}", text_field))
-    return documents
-
-
-def checked_text(value, where: str, text_field: str) -> str:
-    """`value` if it is text; otherwise a ValueError naming where it is and its type (never train on "None")."""
-    if not isinstance(value, str):
-        kind = "null" if value is None else type(value).__name__
-        raise ValueError(f"{where}: field {text_field!r} is {kind} ({value!r:.40}), not text")
-    return value
-
-
-def _is_saved_dataset(folder: Path) -> bool:
-    return any((folder / name).is_file() for name in ("dataset_info.json", "dataset_dict.json", "state.json"))
-
-
-def _read_dataset(source: str, text_field: str, split: str, config_name: str | None) -> list[str]:
-    import datasets
-
-    path = Path(source)
-    if path.is_dir():
-        dataset = datasets.load_from_disk(source)
-    elif path.is_file() and path.suffix in DATASETS_FILE_BUILDERS:
-        dataset = datasets.load_dataset(DATASETS_FILE_BUILDERS[path.suffix], data_files=source, split="train")
-    elif path.exists():
-        raise ValueError(f"cannot read training data from {source!r}: use .txt, .jsonl, .json, .csv or .parquet")
-    else:
-        dataset = datasets.load_dataset(source, config_name, split=split)
-    if isinstance(dataset, datasets.DatasetDict):
-        if split not in dataset:
-            raise ValueError(f"{source!r} has no split {split!r} (it has {sorted(dataset)}); choose one with --dataset-split")
-        dataset = dataset[split]
-    if len(dataset) and text_field not in dataset.column_names:
-        raise ValueError(f"{source!r} has no column {text_field!r} (it has {dataset.column_names}); use --text-field")
-    texts = dataset[text_field] if len(dataset) else []
-    return [checked_text(text, f"{source} row {index}", text_field) for index, text in enumerate(texts)]
-
-
-def tokenize_documents(documents: list[str], tokenizer, show_progress: bool = True, batch_size: int = 512) -> list[list[int]]:
-    """Token ids per document, framed by the tokenizer's <s> and </s> when it has them."""
-    from tqdm.auto import tqdm
-
-    prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    suffix = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    tokenized = []
-    for start in tqdm(range(0, len(documents), batch_size), desc="tokenizing", unit="batch", disable=not show_progress):
-        batch = tokenizer(documents[start : start + batch_size], add_special_tokens=False)["input_ids"]
-        tokenized.extend(prefix + ids + suffix for ids in batch)
-    return tokenized
-
-
-def pack_documents(documents: list[list[int]], context_length: int, pad_token_id: int) -> list[dict[str, list[int]]]:
-    """Pack documents end to end into rows of `context_length` tokens.
-
-    A document that does not fit continues in the next row. `position_ids` restart at 0 for every document (and
-    every row), which is what makes the model mask attention per document. The first token of each piece is not a
-    target: it must not be predicted from the previous document. The last row is padded (label -100).
-    """
-    rows = []
-    row = _empty_row()
-    for tokens in documents:
-        start = 0
-        while start < len(tokens):
-            piece = tokens[start : start + context_length - len(row["input_ids"])]
-            _append_piece(row, piece, piece[1:])
-            start += len(piece)
-            if len(row["input_ids"]) == context_length:
-                rows.append(row)
-                row = _empty_row()
-    if row["input_ids"]:
-        padding = [pad_token_id] * (context_length - len(row["input_ids"]))
-        _append_piece(row, padding, padding[1:], targets=False)
-        rows.append(row)
-    return rows
-
-
-def _empty_row() -> dict[str, list[int]]:
-    return {"input_ids": [], "position_ids": [], "labels": []}
-
-
-def _append_piece(row: dict[str, list[int]], piece: list[int], next_tokens: list[int], targets: bool = True) -> None:
-    row["input_ids"] += piece
-    row["position_ids"] += range(len(piece))
-    row["labels"] += [IGNORE_INDEX] + (list(next_tokens) if targets else [IGNORE_INDEX] * len(next_tokens))
-
-
-def collate_packed_rows(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-    """Stack packed rows: input_ids, position_ids and labels, and deliberately no attention_mask."""
-    import torch
-
-    return {key: torch.tensor([row[key] for row in rows], dtype=torch.long) for key in ("input_ids", "position_ids", "labels")}
-
-
-def split_eval_rows(rows: list[dict], eval_rows: int) -> tuple[list[dict], list[dict], str]:
-    """Hold out up to `eval_rows` rows (at most a tenth, at least one) for the loss before/after.
-
-    With a single row nothing can be held out, and the loss is measured on the training row.
-    """
-    if len(rows) < 2 or eval_rows <= 0:
-        return rows, rows, "train"
-    held_out = min(eval_rows, max(1, len(rows) // 10))
-    return rows[:-held_out], rows[-held_out:], "held-out"
-
-
-# --------------------------------------------------------------------------------------------------------
 # Model, tokenizer, LoRA
 # --------------------------------------------------------------------------------------------------------
 
@@ -375,10 +215,6 @@ def load_model(args: FinetuneArguments) -> BamLlamaForCausalLM:
     return model
 
 
-def is_prior_parameter(name: str) -> bool:
-    return PRIOR_PARAMETER.search(name) is not None
-
-
 def prepare_model(model: BamLlamaForCausalLM, args: FinetuneArguments):
     """Wrap `model` for training: LoRA with the prior / SSMax in `modules_to_save`, or everything trainable.
 
@@ -417,46 +253,6 @@ def prior_values(model: torch.nn.Module) -> dict[str, dict[str, list[float]]]:
         parameters = ("theta_alpha", "theta_beta", "theta_mu") if isinstance(module, BamPrior) else ("scale",)
         values[name] = {key: getattr(module, key).detach().float().cpu().tolist() for key in parameters}
     return values
-
-
-# --------------------------------------------------------------------------------------------------------
-# Training
-# --------------------------------------------------------------------------------------------------------
-
-
-def resolve_checkpoint(args: FinetuneArguments) -> str | None:
-    """The checkpoint folder to resume from: the given one, or with 'latest' the newest complete one in the output
-    folder (a checkpoint interrupted while saving is skipped, with a warning)."""
-    if args.resume_from_checkpoint in (None, ""):
-        return None
-    if args.resume_from_checkpoint != "latest":
-        if not Path(args.resume_from_checkpoint).is_dir():
-            raise ValueError(f"checkpoint folder {args.resume_from_checkpoint} does not exist")
-        if checkpoint_step(args.resume_from_checkpoint) is None:
-            raise ValueError(f"checkpoint {args.resume_from_checkpoint} is incomplete (no readable trainer_state.json)")
-        return args.resume_from_checkpoint
-    folders = sorted(Path(args.output_dir).glob("checkpoint-*"), key=checkpoint_number, reverse=True)
-    folders = [folder for folder in folders if folder.is_dir() and checkpoint_number(folder) >= 0]
-    for folder in folders:
-        if checkpoint_step(folder) is not None:
-            return str(folder)
-        logger.warning("skipping %s: it is incomplete (no readable trainer_state.json; interrupted while saving?)", folder)
-    found = f"only incomplete checkpoints ({', '.join(folder.name for folder in folders)})" if folders else "no checkpoint-* folder"
-    raise ValueError(f"--resume-from-checkpoint latest: {found} in {args.output_dir}")
-
-
-def checkpoint_number(folder: Path) -> int:
-    match = re.fullmatch(r"checkpoint-(\d+)", folder.name)
-    return int(match.group(1)) if match else -1
-
-
-def checkpoint_step(checkpoint: str | os.PathLike) -> int | None:
-    """The step a checkpoint was saved at, from its trainer_state.json (written last by Trainer); None when the
-    file is missing or unreadable, i.e. the save did not finish."""
-    try:
-        return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -538,8 +334,6 @@ def write_summary(summary: FinetuneSummary, output_dir: str) -> None:
 
 
 def build_training_data(args: FinetuneArguments, tokenizer, pad_token_id: int, show_progress: bool):
-    from .trainer_bam import PackedRows
-
     documents = load_documents(args.data, args.text_field, args.dataset_split, args.dataset_config)
     tokenized = tokenize_documents(documents, tokenizer, show_progress)
     rows = pack_documents(tokenized, args.context_length, pad_token_id)
