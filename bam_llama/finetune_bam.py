@@ -23,29 +23,35 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import math
 import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .arguments_bam import non_negative_float, non_negative_int, positive_float, positive_int, probability
+from .arguments_bam import (
+    add_data_arguments,
+    add_dataset_arguments,
+    add_run_arguments,
+    add_trainer_arguments,
+    positive_float,
+    positive_int,
+    probability,
+)
 from .checkpoints_bam import checkpoint_step, resolve_checkpoint
 from .data_bam import load_documents, tokenize_documents
 from .io_bam import (
     check_model_path,
     check_safetensors_files,
-    current_umask,
     exit_on_sigterm,
     load_tokenizer,
     staged_output_dir,
 )
 from .packing_bam import PackedRows, collate_packed_rows, pack_documents, split_eval_rows
+from .summary_bam import TrainingSummary, format_rows, training_rows, write_summary
 
 
 if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used, so that --help does not load them
@@ -106,49 +112,23 @@ class FinetuneArguments:
 
 
 @dataclasses.dataclass
-class FinetuneSummary:
+class FinetuneSummary(TrainingSummary):
     model: str
-    data: str
-    output_dir: str
     mode: str
     train_context_length_before: int
-    context_length: int
-    documents: int
-    train_rows: int
-    eval_rows: int
-    eval_split: str
-    steps: int
-    resumed_from_step: int
-    tokens_seen: int
-    train_loss: float | None
-    loss_before: float
-    loss_after: float
-    world_size: int
-    runtime_seconds: float
-    final_dir: str
     merged_dir: str | None
     trainable_parameters: int
     prior_before: dict[str, dict[str, list[float]]]
     prior_after: dict[str, dict[str, list[float]]]
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
-
     def format_table(self) -> str:
         rows = [
             ("mode", self.mode),
-            ("steps", f"{self.steps}" + (f" (resumed from {self.resumed_from_step})" if self.resumed_from_step else "")),
-            ("tokens seen", f"{self.tokens_seen:,}"),
             ("context length", f"{self.train_context_length_before} -> {self.context_length}"),
-            ("documents / rows", f"{self.documents} documents, {self.train_rows} train + {self.eval_rows} eval rows"),
-            (f"loss ({self.eval_split} rows)", f"{self.loss_before:.4f} -> {self.loss_after:.4f}"),
-            ("train loss", "-" if self.train_loss is None else f"{self.train_loss:.4f}"),
-            ("processes", str(self.world_size)),
-            ("runtime", f"{self.runtime_seconds:.1f} s"),
+            *training_rows(self),
             ("saved", self.final_dir + (f", merged: {self.merged_dir}" if self.merged_dir else "")),
         ]
-        width = max(len(name) for name, _ in rows)
-        lines = ["bam-finetune summary"] + [f"  {name:<{width}}  {value}" for name, value in rows]
+        lines = [format_rows("bam-finetune summary", rows)]
         lines.append("  learned prior per head (before -> after)")
         for module, after in self.prior_after.items():
             before = self.prior_before[module]
@@ -320,14 +300,6 @@ def record_extension(config: BamLlamaConfig, args: FinetuneArguments) -> None:
     config.base_model = args.model
 
 
-def write_summary(summary: FinetuneSummary, output_dir: str) -> None:
-    handle, temporary = tempfile.mkstemp(prefix=".summary.", suffix=".json", dir=output_dir)
-    with os.fdopen(handle, "w") as file:
-        file.write(summary.to_json() + "\n")
-    os.chmod(temporary, 0o666 & ~current_umask())
-    os.replace(temporary, Path(output_dir) / "summary.json")
-
-
 # --------------------------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------------------------
@@ -434,17 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
         "on packed documents with per-document masking. Run under torchrun / accelerate launch for DDP.",
     )
     parser.add_argument("--model", required=True, help="BamLlama folder or Hub id (convert Llama first: bam-convert llama)")
-    parser.add_argument(
-        "--data", required=True,
-        help=".txt (documents separated by blank lines), .jsonl, .json, .csv, .parquet, a folder of .txt/.jsonl "
-        "files, a datasets.save_to_disk folder, or a datasets name",
-    )
-    parser.add_argument("--output-dir", required=True)
+    add_data_arguments(parser)
     parser.add_argument("--context-length", type=positive_int, required=True, help="target length (>= the model's train_context_length)")
-    parser.add_argument("--text-field", default=defaults.text_field, help="text field of JSON lines / dataset rows")
-    parser.add_argument("--dataset-config", default=None, help="configuration name of a datasets dataset")
-    parser.add_argument("--dataset-split", default=defaults.dataset_split)
-    parser.add_argument("--eval-rows", type=positive_int, default=defaults.eval_rows, help="packed rows held out for loss before/after")
+    add_dataset_arguments(parser, defaults)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--lora", dest="lora", action="store_true", default=True, help="LoRA on q/k/v/o (default)")
     mode.add_argument("--full", dest="lora", action="store_false", help="full fine-tuning")
@@ -454,23 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora-dropout", type=probability, default=defaults.lora_dropout)
     parser.add_argument("--learning-rate", type=positive_float, default=None, help="default 2e-4 with LoRA, 2e-5 full")
     parser.add_argument("--prior-learning-rate", type=positive_float, default=defaults.prior_learning_rate)
-    parser.add_argument("--weight-decay", type=non_negative_float, default=defaults.weight_decay)
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=defaults.warmup_steps)
-    parser.add_argument("--lr-scheduler-type", default=defaults.lr_scheduler_type)
-    parser.add_argument("--max-steps", type=int, default=defaults.max_steps, help="optimizer steps; <= 0 uses --num-train-epochs")
-    parser.add_argument("--num-train-epochs", type=positive_float, default=defaults.num_train_epochs)
-    parser.add_argument("--per-device-train-batch-size", "--batch-size", type=positive_int, default=defaults.per_device_train_batch_size)
-    parser.add_argument("--gradient-accumulation-steps", type=positive_int, default=defaults.gradient_accumulation_steps)
-    parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on where the GPU supports it")
-    parser.add_argument("--attn-implementation", default=None, help="sdpa, eager or bam_triton (default: fastest available)")
-    parser.add_argument("--save-steps", type=positive_int, default=defaults.save_steps)
-    parser.add_argument("--save-total-limit", type=positive_int, default=defaults.save_total_limit)
-    parser.add_argument("--resume-from-checkpoint", default=None, help="a checkpoint folder, or 'latest' in --output-dir")
+    add_trainer_arguments(parser, defaults)
     parser.add_argument("--merge", action="store_true", help="also write OUTPUT_DIR/merged: LoRA merged into a BamLlama folder")
-    parser.add_argument("--logging-steps", type=positive_int, default=defaults.logging_steps)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--disable-progress-bars", action="store_true")
+    add_run_arguments(parser, defaults)
     return parser
 
 

@@ -23,20 +23,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from .arguments_bam import non_negative_float, non_negative_int, positive_float, positive_int
+from .arguments_bam import (
+    add_data_arguments,
+    add_dataset_arguments,
+    add_run_arguments,
+    add_trainer_arguments,
+    positive_float,
+    positive_int,
+)
 from .checkpoints_bam import checkpoint_step, resolve_checkpoint
 from .data_bam import load_documents, looks_like_a_local_path, tokenize_documents
-from .io_bam import current_umask, exit_on_sigterm, staged_output_dir
+from .io_bam import exit_on_sigterm, staged_output_dir
 from .packing_bam import PackedRows, collate_packed_rows, pack_documents, split_eval_rows
+from .summary_bam import TrainingSummary, format_rows, training_rows, write_summary
 
 
 logger = logging.getLogger(__name__)
@@ -172,50 +178,24 @@ def report_to_value(report_to: str) -> str | list[str]:
 
 
 @dataclasses.dataclass
-class PretrainSummary:
-    data: str
-    output_dir: str
+class PretrainSummary(TrainingSummary):
     positional: str
     ssmax: bool
     sizes: dict[str, int]
     parameters: int
     tokenizer: str
     vocab_size: int
-    context_length: int
-    documents: int
-    train_rows: int
-    eval_rows: int
-    eval_split: str
-    steps: int
-    resumed_from_step: int
-    tokens_seen: int
-    train_loss: float | None
-    loss_before: float
-    loss_after: float
-    world_size: int
-    runtime_seconds: float
-    final_dir: str
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
 
     def format_table(self) -> str:
         rows = [
             ("model", f"{self.positional}{' + SSMax' if self.ssmax else ''}, {self.parameters:,} parameters, "
              + ", ".join(f"{name} {value}" for name, value in self.sizes.items())),
             ("tokenizer", f"{self.tokenizer} ({self.vocab_size} tokens)"),
-            ("steps", f"{self.steps}" + (f" (resumed from {self.resumed_from_step})" if self.resumed_from_step else "")),
-            ("tokens seen", f"{self.tokens_seen:,}"),
             ("context length", str(self.context_length)),
-            ("documents / rows", f"{self.documents} documents, {self.train_rows} train + {self.eval_rows} eval rows"),
-            (f"loss ({self.eval_split} rows)", f"{self.loss_before:.4f} -> {self.loss_after:.4f}"),
-            ("train loss", "-" if self.train_loss is None else f"{self.train_loss:.4f}"),
-            ("processes", str(self.world_size)),
-            ("runtime", f"{self.runtime_seconds:.1f} s"),
+            *training_rows(self),
             ("saved", self.final_dir),
         ]
-        width = max(len(name) for name, _ in rows)
-        return "\n".join(["bam-pretrain summary"] + [f"  {name:<{width}}  {value}" for name, value in rows])
+        return format_rows("bam-pretrain summary", rows)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -300,14 +280,6 @@ def save_final(model, tokenizer, args: PretrainArguments) -> str:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
     return str(final_dir)
-
-
-def write_summary(summary: PretrainSummary, output_dir: str) -> None:
-    handle, temporary = tempfile.mkstemp(prefix=".summary.", suffix=".json", dir=output_dir)
-    with os.fdopen(handle, "w") as file:
-        file.write(summary.to_json() + "\n")
-    os.chmod(temporary, 0o666 & ~current_umask())
-    os.replace(temporary, Path(output_dir) / "summary.json")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -408,12 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a BamLlama (or, for comparison, an ALiBi, NoPE or RoPE model) from scratch on packed "
         "documents with per-document masking. Run under torchrun / accelerate launch for DDP.",
     )
-    parser.add_argument(
-        "--data", required=True,
-        help=".txt (documents separated by blank lines), .jsonl, .json, .csv, .parquet, a folder of .txt/.jsonl "
-        "files, a datasets.save_to_disk folder, or a datasets name",
-    )
-    parser.add_argument("--output-dir", required=True)
+    add_data_arguments(parser)
     parser.add_argument("--context-length", type=positive_int, default=defaults.context_length, help="training length in tokens")
     parser.add_argument("--positional", choices=POSITIONALS, default=defaults.positional,
                         help="bam: learned GGD prior (paper init); alibi / nope: the prior fixed to ALiBi / flat; rope: Llama")
@@ -421,36 +388,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
                         help=f"the paper's sizes (default {DEFAULT_PRESET}: 768 hidden, 12 layers, 16 heads); size flags override")
     parser.add_argument("--hidden-size", type=positive_int, default=None)
-    parser.add_argument("--layers", dest="num_hidden_layers", type=positive_int, default=None)
-    parser.add_argument("--heads", dest="num_attention_heads", type=positive_int, default=None)
-    parser.add_argument("--kv-heads", dest="num_key_value_heads", type=positive_int, default=None, help="default: --heads (MHA)")
+    parser.add_argument("--layers", dest="num_hidden_layers", metavar="N", type=positive_int, default=None)
+    parser.add_argument("--heads", dest="num_attention_heads", metavar="N", type=positive_int, default=None)
+    parser.add_argument("--kv-heads", dest="num_key_value_heads", metavar="N", type=positive_int, default=None, help="default: --heads (MHA)")
     parser.add_argument("--intermediate-size", type=positive_int, default=None, help="default: 2x --hidden-size (SwiGLU)")
     parser.add_argument("--tokenizer", default=defaults.tokenizer,
                         help="byte (built in), bpe (trained on the training data, digits one per token), or a tokenizer folder / Hub id")
     parser.add_argument("--vocab-size", type=positive_int, default=defaults.vocab_size, help="BPE vocabulary size (with --tokenizer bpe)")
-    parser.add_argument("--text-field", default=defaults.text_field, help="text field of JSON lines / dataset rows")
-    parser.add_argument("--dataset-config", default=None, help="configuration name of a datasets dataset")
-    parser.add_argument("--dataset-split", default=defaults.dataset_split)
-    parser.add_argument("--eval-rows", type=positive_int, default=defaults.eval_rows, help="packed rows held out for loss before/after")
+    add_dataset_arguments(parser, defaults)
     parser.add_argument("--learning-rate", type=positive_float, default=defaults.learning_rate)
     parser.add_argument("--prior-learning-rate", type=positive_float, default=None, help="default: --learning-rate")
-    parser.add_argument("--weight-decay", type=non_negative_float, default=defaults.weight_decay)
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=defaults.warmup_steps)
-    parser.add_argument("--lr-scheduler-type", default=defaults.lr_scheduler_type)
-    parser.add_argument("--max-steps", type=int, default=defaults.max_steps, help="optimizer steps; <= 0 uses --num-train-epochs")
-    parser.add_argument("--num-train-epochs", type=positive_float, default=defaults.num_train_epochs)
-    parser.add_argument("--per-device-train-batch-size", "--batch-size", type=positive_int, default=defaults.per_device_train_batch_size)
-    parser.add_argument("--gradient-accumulation-steps", type=positive_int, default=defaults.gradient_accumulation_steps)
-    parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on where the GPU supports it")
-    parser.add_argument("--attn-implementation", default=None, help="sdpa, eager or bam_triton (default: fastest available)")
-    parser.add_argument("--save-steps", type=positive_int, default=defaults.save_steps)
-    parser.add_argument("--save-total-limit", type=positive_int, default=defaults.save_total_limit)
-    parser.add_argument("--resume-from-checkpoint", default=None, help="a checkpoint folder, or 'latest' in --output-dir")
+    add_trainer_arguments(parser, defaults)
     parser.add_argument("--report-to", default=defaults.report_to, help="none (default), all, or integrations: tensorboard,wandb,...")
-    parser.add_argument("--logging-steps", type=positive_int, default=defaults.logging_steps)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--disable-progress-bars", action="store_true")
+    add_run_arguments(parser, defaults)
     return parser
 
 

@@ -28,13 +28,7 @@ def build_byte_tokenizer(model_max_length: int = 1 << 20) -> PreTrainedTokenizer
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        model_max_length=model_max_length,
-    )
+    return _with_special_tokens(backend, model_max_length)
 
 
 def train_bpe_tokenizer(documents: Iterable[str], vocab_size: int, model_max_length: int = 1 << 20) -> PreTrainedTokenizerFast:
@@ -55,6 +49,10 @@ def train_bpe_tokenizer(documents: Iterable[str], vocab_size: int, model_max_len
         show_progress=False,
     )
     backend.train_from_iterator(documents, trainer=trainer)
+    return _with_special_tokens(backend, model_max_length)
+
+
+def _with_special_tokens(backend: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<pad>",
