@@ -59,6 +59,7 @@ PRESETS = {
 DEFAULT_PRESET = "l12"
 POSITIONALS = ("bam", "alibi", "nope", "rope")
 BUILT_IN_TOKENIZERS = ("byte", "bpe")
+SMALLEST_BPE_VOCABULARY = 3 + 256  # <pad>, <s>, </s> and every byte, as tokenization_bam builds it
 
 
 @dataclasses.dataclass
@@ -143,6 +144,8 @@ def check_arguments(args: PretrainArguments) -> None:
     if args.positional == "rope" and (hidden // heads) % 2:
         raise ValueError(f"RoPE needs an even head size; --hidden-size {hidden} / --heads {heads} = {hidden // heads}")
     check_tokenizer_choice(args.tokenizer)
+    if args.tokenizer == "bpe" and args.vocab_size < SMALLEST_BPE_VOCABULARY:
+        raise ValueError(f"--vocab-size {args.vocab_size}: a BPE needs at least {SMALLEST_BPE_VOCABULARY} tokens (3 special + 256 bytes)")
     check_report_to(args.report_to)
 
 
@@ -203,17 +206,27 @@ class PretrainSummary(TrainingSummary):
 # --------------------------------------------------------------------------------------------------------
 
 
-def build_tokenizer(args: PretrainArguments, documents: list[str], checkpoint: str | None, is_main: bool):
-    """The run's tokenizer. A BPE is trained on the training documents by the main process and saved in
-    OUTPUT_DIR/tokenizer, where the other processes read it; a resumed run reads the checkpoint's own."""
+def named_tokenizer(choice: str):
+    """`--tokenizer byte` or a tokenizer folder / Hub id; loaded before any data, so a bad one stops the run early."""
     from transformers import AutoTokenizer
 
-    from .tokenization_bam import build_byte_tokenizer, train_bpe_tokenizer
+    from .tokenization_bam import build_byte_tokenizer
 
-    if args.tokenizer == "byte":
+    if choice == "byte":
         return build_byte_tokenizer()
-    if args.tokenizer != "bpe":
-        return AutoTokenizer.from_pretrained(args.tokenizer)
+    try:
+        return AutoTokenizer.from_pretrained(choice)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--tokenizer {choice}: cannot load a tokenizer ({error})") from error
+
+
+def bpe_tokenizer(args: PretrainArguments, documents: list[str], checkpoint: str | None, is_main: bool):
+    """A BPE trained on the training documents by the main process and saved in OUTPUT_DIR/tokenizer, where the
+    other processes read it; a resumed run reads the checkpoint's own."""
+    from transformers import AutoTokenizer
+
+    from .tokenization_bam import train_bpe_tokenizer
+
     if checkpoint is not None:
         return AutoTokenizer.from_pretrained(checkpoint)
     folder = Path(args.output_dir) / "tokenizer"
@@ -308,9 +321,11 @@ def run_pretraining(args: PretrainArguments):
     is_main = training_args.process_index == 0
     show_progress = is_main and not args.disable_progress_bars
 
+    tokenizer = None if args.tokenizer == "bpe" else named_tokenizer(args.tokenizer)
     documents = load_documents(args.data, args.text_field, args.dataset_split, args.dataset_config)
-    with training_args.main_process_first(desc="tokenizer"):
-        tokenizer = build_tokenizer(args, documents, checkpoint, is_main)
+    if tokenizer is None:
+        with training_args.main_process_first(desc="tokenizer"):
+            tokenizer = bpe_tokenizer(args, documents, checkpoint, is_main)
     token_ids = special_token_ids(tokenizer)
     rows = pack_documents(tokenize_documents(documents, tokenizer, show_progress), args.context_length, token_ids["pad_token_id"])
     train_rows, eval_rows, eval_split = split_eval_rows(rows, args.eval_rows)

@@ -2,7 +2,10 @@
 keeps fixed priors exactly fixed, resumes from the latest checkpoint; bad arguments stop before any data loads."""
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,6 +170,8 @@ def test_bpe_tokenizer_splits_digits_one_per_token_and_round_trips():
         (["--heads", "4", "--kv-heads", "3", "--hidden-size", "32"], "--kv-heads"),
         (["--positional", "rope", "--hidden-size", "36", "--heads", "4"], "head size"),
         (["--tokenizer", "./no-such-tokenizer"], "--tokenizer"),
+        (["--tokenizer", "TOKENIZER_DIR"], "--tokenizer"),
+        (["--tokenizer", "bpe", "--vocab-size", "100"], "--vocab-size"),
         (["--report-to", "no-such-tracker"], "--report-to"),
         (["--context-length", "0"], "--context-length"),
         (["--layers", "-2"], "--layers"),
@@ -175,9 +180,32 @@ def test_bpe_tokenizer_splits_digits_one_per_token_and_round_trips():
 )
 def test_bad_arguments_exit_2_with_one_line_before_any_data_loads(tmp_path, capsys, argv, named):
     missing_data = tmp_path / "no-such-data.txt"  # reaching the data would report this file instead
+    (tmp_path / "empty-folder").mkdir()
+    argv = [str(tmp_path / "empty-folder") if value == "TOKENIZER_DIR" else value for value in argv]
     with pytest.raises(SystemExit) as exit_info:
         raise SystemExit(main(["--data", str(missing_data), "--output-dir", str(tmp_path / "out"), *argv]))
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and named in errors[0] and "no-such-data" not in errors[0], errors
     assert not (tmp_path / "out" / "model").exists()
+
+
+def test_ddp_on_two_cpu_processes_with_a_bpe_trained_once(data, tmp_path):
+    output_dir = tmp_path / "ddp"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "bam_llama.pretrain_bam", "--data", str(data), "--output-dir", str(output_dir),
+        "--context-length", str(CONTEXT_LENGTH), "--hidden-size", "32", "--layers", "2", "--heads", "4",
+        "--tokenizer", "bpe", "--vocab-size", "300", "--max-steps", "4", "--batch-size", "2", "--save-steps", "4",
+        "--disable-progress-bars",
+    ]
+    environment = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "bam-pretrain: rank 0 of 2 finished" in result.stdout and "bam-pretrain: rank 1 of 2 finished" in result.stdout
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+    assert summary["tokens_seen"] > 4 * 2 * CONTEXT_LENGTH  # both ranks' batches
+    trained = json.loads((output_dir / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
+    saved = json.loads((output_dir / "model" / "tokenizer.json").read_text())["model"]["vocab"]
+    assert trained == saved and 259 < len(saved) == summary["vocab_size"] <= 300  # the tiny data has few merges
