@@ -4,6 +4,7 @@ keeps fixed priors exactly fixed, resumes from the latest checkpoint; bad argume
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_model
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from bam_llama.packing_bam import collate_packed_rows, pack_documents
@@ -128,6 +130,16 @@ def test_resume_from_latest_continues_to_the_same_weights(data, tmp_path):
     assert summary.resumed_from_step == 6 and summary.steps == 12
     for (name, expected), actual in zip(straight.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4, msg=name)
+    # A restart from scratch would also reach those weights: shift a weight in a copy of checkpoint-6 and the
+    # resumed run must end with the shift.
+    shifted = tmp_path / "shifted" / "checkpoint-6"
+    shutil.copytree(tmp_path / "resumed" / "checkpoint-6", shifted)
+    weights = load_file(shifted / "model.safetensors")
+    weights["model.norm.weight"] += 0.5
+    save_file(weights, shifted / "model.safetensors", metadata={"format": "pt"})
+    _, continued, _ = run_pretraining(arguments(data, tmp_path / "shifted", resume_from_checkpoint="latest", **common))
+    shift = continued.model.norm.weight.detach() - straight.model.norm.weight.detach()
+    assert shift.min() > 0.3, shift
 
 
 def test_rope_llama_masks_packed_documents_like_bam():
