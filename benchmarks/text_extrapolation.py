@@ -212,6 +212,33 @@ def tables(results: dict, recipe: Recipe) -> str:
     return "Held-out perplexity (whole sequences)\n\n" + "\n".join(perplexity) + "\n\nPasskey retrieval\n\n" + "\n".join(passkey) + "\n"
 
 
+def target_lines(results: dict, recipe: Recipe) -> list[str]:
+    """The issue's targets, each met or missed with its numbers (only those whose lengths were evaluated)."""
+    length = {scale: recipe.train_length * scale for scale in recipe.scales}
+
+    def perplexity(name: str, scale: int) -> float:
+        return results[name]["perplexity"][length[scale]]["perplexity"]
+
+    def passkey(name: str, scale: int) -> float:
+        return accuracy(results[name]["passkey"][length[scale]])
+
+    lines = []
+    if {1, 64} <= set(length):
+        ratio = perplexity("bam", 64) / perplexity("bam", 1)
+        lines.append(f"BAM perplexity 64x / 1x = {ratio:.3f} (target <= 1.10): {'met' if ratio <= 1.10 else 'MISSED'}")
+    if {1, 8} <= set(length):
+        for name in ("rope", "nope"):
+            ratio = perplexity(name, 8) / perplexity(name, 1)
+            lines.append(f"{name} perplexity 8x / 1x = {ratio:.2f} (target >= 3): {'met' if ratio >= 3 else 'MISSED'}")
+    for scale in (32, 64):
+        if scale in length:
+            bam, alibi = passkey("bam", scale), passkey("alibi", scale)
+            met = bam >= 0.9 and bam - alibi >= 0.3
+            lines.append(f"passkey at {scale}x: BAM {bam:.0%}, ALiBi {alibi:.0%} (target BAM >= 90% and >= 30 points "
+                         f"above ALiBi): {'met' if met else 'MISSED'}")
+    return lines
+
+
 def plot_perplexity(results: dict, recipe: Recipe, path: Path) -> None:
     from matplotlib.figure import Figure
 
@@ -279,7 +306,8 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
                 f"{report['minutes']:.1f} min, peak RSS {report['peak_rss_mib']:.0f} MiB, "
                 f"{report['machine']['threads']} threads, torch {torch.__version__}, transformers {transformers.__version__}.\n\n"
             )
-            (staging / "results.md").write_text(summary + tables(results, recipe))
+            targets = "\n".join(f"- {line}" for line in target_lines(results, recipe))
+            (staging / "results.md").write_text(summary + tables(results, recipe) + ("\nTargets\n\n" + targets + "\n" if targets else ""))
             plot_perplexity(results, recipe, staging / "perplexity.png")
             for name, result in results.items():
                 rows = [result["passkey"][length] for length in recipe.lengths]
