@@ -59,6 +59,7 @@ PRESETS = {
 DEFAULT_PRESET = "l12"
 POSITIONALS = ("bam", "alibi", "nope", "rope")
 BUILT_IN_TOKENIZERS = ("byte", "bpe")
+LLAMA_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 SMALLEST_BPE_VOCABULARY = 3 + 256  # <pad>, <s>, </s> and every byte, as tokenization_bam builds it
 
 
@@ -141,6 +142,8 @@ def check_arguments(args: PretrainArguments) -> None:
         raise ValueError(f"--hidden-size ({hidden}) must be divisible by --heads ({heads})")
     if heads % kv_heads:
         raise ValueError(f"--kv-heads ({kv_heads}) must divide --heads ({heads})")
+    if args.positional == "rope" and args.attn_implementation not in (None, *LLAMA_ATTENTION):
+        raise ValueError(f"--attn-implementation {args.attn_implementation}: Llama (--positional rope) takes {', '.join(LLAMA_ATTENTION)}")
     if args.positional == "rope" and (hidden // heads) % 2:
         raise ValueError(f"RoPE needs an even head size; --hidden-size {hidden} / --heads {heads} = {hidden // heads}")
     check_tokenizer_choice(args.tokenizer)

@@ -181,6 +181,7 @@ def test_bpe_tokenizer_splits_digits_one_per_token_and_round_trips():
         (["--hidden-size", "30", "--heads", "4"], "--hidden-size"),
         (["--heads", "4", "--kv-heads", "3", "--hidden-size", "32"], "--kv-heads"),
         (["--positional", "rope", "--hidden-size", "36", "--heads", "4"], "head size"),
+        (["--positional", "rope", "--attn-implementation", "bam_triton"], "--attn-implementation"),
         (["--tokenizer", "./no-such-tokenizer"], "--tokenizer"),
         (["--tokenizer", "TOKENIZER_DIR"], "--tokenizer"),
         (["--tokenizer", "bpe", "--vocab-size", "100"], "--vocab-size"),
