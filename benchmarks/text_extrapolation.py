@@ -324,12 +324,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", type=Path, default=None,
                         help="default benchmarks/results/text-extrapolation (with --quick: text-extrapolation-quick)")
     parser.add_argument("--steps", type=int, default=None, help="override the recipe's training steps")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's; --quick: 1)")
     args = parser.parse_args(argv)
     recipe = QUICK if args.quick else Recipe()
     if args.steps is not None:
         if args.steps <= 0:
             parser.error(f"--steps must be positive, got {args.steps}")
         recipe = replace(recipe, steps=args.steps)
+    if args.threads is not None:
+        if args.threads <= 0:
+            parser.error(f"--threads must be positive, got {args.threads}")
+        recipe = replace(recipe, threads=args.threads)
     output_dir = args.output_dir or REPOSITORY / "benchmarks" / "results" / ("text-extrapolation-quick" if args.quick else "text-extrapolation")
     run(recipe, output_dir)
     return 0
