@@ -266,7 +266,7 @@ def default_settings(quick: bool) -> DemoSettings:
             lengths=[64, 128],
             num_depths=2,
         )
-    return DemoSettings(data=DataConfig(), train=TrainConfig(), size=ModelSize(), lengths=[128, 256, 512, 1024, 2048], num_depths=20)
+    return DemoSettings(data=DataConfig(), train=TrainConfig(), size=ModelSize(), lengths=[128, 256, 512, 1024, 2048, 4096, 8192], num_depths=20)
 
 
 def settings_from_args(args: argparse.Namespace) -> DemoSettings:

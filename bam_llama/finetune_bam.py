@@ -23,28 +23,37 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import math
 import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .arguments_bam import non_negative_float, non_negative_int, positive_float, positive_int, probability
+from .arguments_bam import (
+    add_data_arguments,
+    add_dataset_arguments,
+    add_parallel_arguments,
+    add_run_arguments,
+    add_trainer_arguments,
+    positive_float,
+    positive_int,
+    probability,
+)
+from .checkpoints_bam import checkpoint_step, resolve_checkpoint
+from .data_bam import load_documents, tokenize_documents
 from .io_bam import (
     check_model_path,
     check_safetensors_files,
-    current_umask,
     exit_on_sigterm,
     load_tokenizer,
-    read_utf8_text,
     staged_output_dir,
 )
 from .lock_bam import OutputDirHold, hold_output_dir, resumes_in
+from .packing_bam import PackedRows, collate_packed_rows, pack_documents, split_eval_rows
+from .summary_bam import TrainingSummary, format_rows, training_rows, write_summary
 
 
 if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used, so that --help does not load them
@@ -58,11 +67,6 @@ logger = logging.getLogger(__name__)
 
 LORA_ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-TEXT_SUFFIXES = (".txt", ".jsonl")
-DATASETS_FILE_BUILDERS = {".json": "json", ".csv": "csv", ".parquet": "parquet"}
-# Parameters of the prior and SSMax modules, also inside PEFT's `modules_to_save` wrappers.
-PRIOR_PARAMETER = re.compile(r"(^|\.)(prior|ssmax)\.(.+\.)?(theta_alpha|theta_beta|theta_mu|scale)$")
-IGNORE_INDEX = -100
 
 
 @dataclasses.dataclass
@@ -115,49 +119,23 @@ class FinetuneArguments:
 
 
 @dataclasses.dataclass
-class FinetuneSummary:
+class FinetuneSummary(TrainingSummary):
     model: str
-    data: str
-    output_dir: str
     mode: str
     train_context_length_before: int
-    context_length: int
-    documents: int
-    train_rows: int
-    eval_rows: int
-    eval_split: str
-    steps: int
-    resumed_from_step: int
-    tokens_seen: int
-    train_loss: float | None
-    loss_before: float
-    loss_after: float
-    world_size: int
-    runtime_seconds: float
-    final_dir: str
     merged_dir: str | None
     trainable_parameters: int
     prior_before: dict[str, dict[str, list[float]]]
     prior_after: dict[str, dict[str, list[float]]]
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
-
     def format_table(self) -> str:
         rows = [
             ("mode", self.mode),
-            ("steps", f"{self.steps}" + (f" (resumed from {self.resumed_from_step})" if self.resumed_from_step else "")),
-            ("tokens seen", f"{self.tokens_seen:,}"),
             ("context length", f"{self.train_context_length_before} -> {self.context_length}"),
-            ("documents / rows", f"{self.documents} documents, {self.train_rows} train + {self.eval_rows} eval rows"),
-            (f"loss ({self.eval_split} rows)", f"{self.loss_before:.4f} -> {self.loss_after:.4f}"),
-            ("train loss", "-" if self.train_loss is None else f"{self.train_loss:.4f}"),
-            ("processes", str(self.world_size)),
-            ("runtime", f"{self.runtime_seconds:.1f} s"),
+            *training_rows(self),
             ("saved", self.final_dir + (f", merged: {self.merged_dir}" if self.merged_dir else "")),
         ]
-        width = max(len(name) for name, _ in rows)
-        lines = ["bam-finetune summary"] + [f"  {name:<{width}}  {value}" for name, value in rows]
+        lines = [format_rows("bam-finetune summary", rows)]
         lines.append("  learned prior per head (before -> after)")
         for module, after in self.prior_after.items():
             before = self.prior_before[module]
@@ -167,164 +145,6 @@ class FinetuneSummary:
                 changes = [f"{name} {before[name][head]:+.4f} -> {after[name][head]:+.4f}" for name in shown]
                 lines.append(f"      head {head:>3}  " + "   ".join(changes))
         return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Data: documents from files, folders or `datasets`, tokenized and packed
-# --------------------------------------------------------------------------------------------------------
-
-
-def load_documents(source: str, text_field: str = "text", split: str = "train", config_name: str | None = None) -> list[str]:
-    """The non-empty documents of `source`; a ValueError naming `source` when there are none."""
-    path = Path(source)
-    if looks_like_a_local_path(source) and not path.exists():
-        raise FileNotFoundError(f"no training data at {source} (the file or folder does not exist)")
-    if path.is_dir() and not _is_saved_dataset(path):
-        documents = [document for file in _text_files(path) for document in _read_text_file(file, text_field)]
-    elif path.is_file() and path.suffix in TEXT_SUFFIXES:
-        documents = _read_text_file(path, text_field)
-    else:
-        documents = _read_dataset(source, text_field, split, config_name)
-    documents = [document for document in documents if document.strip()]
-    if not documents:
-        raise ValueError(f"no training text found in {source!r} (field {text_field!r} for JSON lines and datasets)")
-    return documents
-
-
-def looks_like_a_local_path(source: str) -> bool:
-    """A data source that can only be local: absolute, ./ ../ ~, more than one '/', or a data-file extension. Hub
-    dataset names ('wikitext', 'user/name') are none of these."""
-    return (
-        source.startswith((os.sep, "/", ".", "~"))
-        or source.count("/") > 1
-        or (os.sep != "/" and os.sep in source)
-        or Path(source).suffix.lower() in (*TEXT_SUFFIXES, *DATASETS_FILE_BUILDERS)
-    )
-
-
-def _text_files(folder: Path) -> list[Path]:
-    files = sorted(file for file in folder.rglob("*") if file.is_file() and file.suffix in TEXT_SUFFIXES)
-    if not files:
-        raise ValueError(f"no training text found in {str(folder)!r}: the folder holds no .txt or .jsonl files")
-    return files
-
-
-def _read_text_file(path: Path, text_field: str) -> list[str]:
-    text = read_utf8_text(path)
-    if path.suffix == ".txt":
-        return [document.strip() for document in re.split(r"\n\s*\n", text)]
-    documents = []
-    for line_number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{line_number} is not valid JSON ({error})") from None
-        if not isinstance(record, dict) or text_field not in record:
-            raise ValueError(f"{path}:{line_number} has no field {text_field!r} (choose it with --text-field)")
-        documents.append(checked_text(record[text_field], f"{path}:{line_number}", text_field))
-    return documents
-
-
-def checked_text(value, where: str, text_field: str) -> str:
-    """`value` if it is text; otherwise a ValueError naming where it is and its type (never train on "None")."""
-    if not isinstance(value, str):
-        kind = "null" if value is None else type(value).__name__
-        raise ValueError(f"{where}: field {text_field!r} is {kind} ({value!r:.40}), not text")
-    return value
-
-
-def _is_saved_dataset(folder: Path) -> bool:
-    return any((folder / name).is_file() for name in ("dataset_info.json", "dataset_dict.json", "state.json"))
-
-
-def _read_dataset(source: str, text_field: str, split: str, config_name: str | None) -> list[str]:
-    import datasets
-
-    path = Path(source)
-    if path.is_dir():
-        dataset = datasets.load_from_disk(source)
-    elif path.is_file() and path.suffix in DATASETS_FILE_BUILDERS:
-        dataset = datasets.load_dataset(DATASETS_FILE_BUILDERS[path.suffix], data_files=source, split="train")
-    elif path.exists():
-        raise ValueError(f"cannot read training data from {source!r}: use .txt, .jsonl, .json, .csv or .parquet")
-    else:
-        dataset = datasets.load_dataset(source, config_name, split=split)
-    if isinstance(dataset, datasets.DatasetDict):
-        if split not in dataset:
-            raise ValueError(f"{source!r} has no split {split!r} (it has {sorted(dataset)}); choose one with --dataset-split")
-        dataset = dataset[split]
-    if len(dataset) and text_field not in dataset.column_names:
-        raise ValueError(f"{source!r} has no column {text_field!r} (it has {dataset.column_names}); use --text-field")
-    texts = dataset[text_field] if len(dataset) else []
-    return [checked_text(text, f"{source} row {index}", text_field) for index, text in enumerate(texts)]
-
-
-def tokenize_documents(documents: list[str], tokenizer, show_progress: bool = True, batch_size: int = 512) -> list[list[int]]:
-    """Token ids per document, framed by the tokenizer's <s> and </s> when it has them."""
-    from tqdm.auto import tqdm
-
-    prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    suffix = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    tokenized = []
-    for start in tqdm(range(0, len(documents), batch_size), desc="tokenizing", unit="batch", disable=not show_progress):
-        batch = tokenizer(documents[start : start + batch_size], add_special_tokens=False)["input_ids"]
-        tokenized.extend(prefix + ids + suffix for ids in batch)
-    return tokenized
-
-
-def pack_documents(documents: list[list[int]], context_length: int, pad_token_id: int) -> list[dict[str, list[int]]]:
-    """Pack documents end to end into rows of `context_length` tokens.
-
-    A document that does not fit continues in the next row. `position_ids` restart at 0 for every document (and
-    every row), which is what makes the model mask attention per document. The first token of each piece is not a
-    target: it must not be predicted from the previous document. The last row is padded (label -100).
-    """
-    rows = []
-    row = _empty_row()
-    for tokens in documents:
-        start = 0
-        while start < len(tokens):
-            piece = tokens[start : start + context_length - len(row["input_ids"])]
-            _append_piece(row, piece, piece[1:])
-            start += len(piece)
-            if len(row["input_ids"]) == context_length:
-                rows.append(row)
-                row = _empty_row()
-    if row["input_ids"]:
-        padding = [pad_token_id] * (context_length - len(row["input_ids"]))
-        _append_piece(row, padding, padding[1:], targets=False)
-        rows.append(row)
-    return rows
-
-
-def _empty_row() -> dict[str, list[int]]:
-    return {"input_ids": [], "position_ids": [], "labels": []}
-
-
-def _append_piece(row: dict[str, list[int]], piece: list[int], next_tokens: list[int], targets: bool = True) -> None:
-    row["input_ids"] += piece
-    row["position_ids"] += range(len(piece))
-    row["labels"] += [IGNORE_INDEX] + (list(next_tokens) if targets else [IGNORE_INDEX] * len(next_tokens))
-
-
-def collate_packed_rows(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-    """Stack packed rows: input_ids, position_ids and labels, and deliberately no attention_mask."""
-    import torch
-
-    return {key: torch.tensor([row[key] for row in rows], dtype=torch.long) for key in ("input_ids", "position_ids", "labels")}
-
-
-def split_eval_rows(rows: list[dict], eval_rows: int) -> tuple[list[dict], list[dict], str]:
-    """Hold out up to `eval_rows` rows (at most a tenth, at least one) for the loss before/after.
-
-    With a single row nothing can be held out, and the loss is measured on the training row.
-    """
-    if len(rows) < 2 or eval_rows <= 0:
-        return rows, rows, "train"
-    held_out = min(eval_rows, max(1, len(rows) // 10))
-    return rows[:-held_out], rows[-held_out:], "held-out"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -382,10 +202,6 @@ def load_model(args: FinetuneArguments) -> BamLlamaForCausalLM:
     return model
 
 
-def is_prior_parameter(name: str) -> bool:
-    return PRIOR_PARAMETER.search(name) is not None
-
-
 def prepare_model(model: BamLlamaForCausalLM, args: FinetuneArguments):
     """Wrap `model` for training: LoRA with the prior / SSMax in `modules_to_save`, or everything trainable.
 
@@ -427,46 +243,6 @@ def prior_values(model: torch.nn.Module, state_dict: dict | None = None) -> dict
             key: read(key).detach().float().cpu().tolist() for key in parameters
         }
     return values
-
-
-# --------------------------------------------------------------------------------------------------------
-# Training
-# --------------------------------------------------------------------------------------------------------
-
-
-def resolve_checkpoint(args: FinetuneArguments) -> str | None:
-    """The checkpoint folder to resume from: the given one, or with 'latest' the newest complete one in the output
-    folder (a checkpoint interrupted while saving is skipped, with a warning)."""
-    if args.resume_from_checkpoint in (None, ""):
-        return None
-    if args.resume_from_checkpoint != "latest":
-        if not Path(args.resume_from_checkpoint).is_dir():
-            raise ValueError(f"checkpoint folder {args.resume_from_checkpoint} does not exist")
-        if checkpoint_step(args.resume_from_checkpoint) is None:
-            raise ValueError(f"checkpoint {args.resume_from_checkpoint} is incomplete (no readable trainer_state.json)")
-        return args.resume_from_checkpoint
-    folders = sorted(Path(args.output_dir).glob("checkpoint-*"), key=checkpoint_number, reverse=True)
-    folders = [folder for folder in folders if folder.is_dir() and checkpoint_number(folder) >= 0]
-    for folder in folders:
-        if checkpoint_step(folder) is not None:
-            return str(folder)
-        logger.warning("skipping %s: it is incomplete (no readable trainer_state.json; interrupted while saving?)", folder)
-    found = f"only incomplete checkpoints ({', '.join(folder.name for folder in folders)})" if folders else "no checkpoint-* folder"
-    raise ValueError(f"--resume-from-checkpoint latest: {found} in {args.output_dir}")
-
-
-def checkpoint_number(folder: Path) -> int:
-    match = re.fullmatch(r"checkpoint-(\d+)", folder.name)
-    return int(match.group(1)) if match else -1
-
-
-def checkpoint_step(checkpoint: str | os.PathLike) -> int | None:
-    """The step a checkpoint was saved at, from its trainer_state.json (written last by Trainer); None when the
-    file is missing or unreadable, i.e. the save did not finish."""
-    try:
-        return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -537,22 +313,12 @@ def record_extension(config: BamLlamaConfig, args: FinetuneArguments) -> None:
     config.base_model = args.model
 
 
-def write_summary(summary: FinetuneSummary, output_dir: str) -> None:
-    handle, temporary = tempfile.mkstemp(prefix=".summary.", suffix=".json", dir=output_dir)
-    with os.fdopen(handle, "w") as file:
-        file.write(summary.to_json() + "\n")
-    os.chmod(temporary, 0o666 & ~current_umask())
-    os.replace(temporary, Path(output_dir) / "summary.json")
-
-
 # --------------------------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------------------------
 
 
 def build_training_data(args: FinetuneArguments, tokenizer, pad_token_id: int, show_progress: bool):
-    from .trainer_bam import PackedRows
-
     documents = load_documents(args.data, args.text_field, args.dataset_split, args.dataset_config)
     tokenized = tokenize_documents(documents, tokenizer, show_progress)
     rows = pack_documents(tokenized, args.context_length, pad_token_id)
@@ -586,7 +352,7 @@ def _finetune(args: FinetuneArguments, hold: OutputDirHold) -> FinetuneSummary:
     checkpoint = resolve_checkpoint(args)
     resumed_from_step = 0 if checkpoint is None else checkpoint_step(checkpoint)  # rotation may delete it later
     check_no_stale_merged_model(args, hold.replaced)
-    training_args = training_arguments(args)
+    training_args = training_arguments(args, merge=args.lora and args.merge)
     is_main = training_args.process_index == 0
     show_progress = is_main and not args.disable_progress_bars
 
@@ -670,17 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
         "on packed documents with per-document masking. Run under torchrun / accelerate launch for DDP.",
     )
     parser.add_argument("--model", required=True, help="BamLlama folder or Hub id (convert Llama first: bam-convert llama)")
-    parser.add_argument(
-        "--data", required=True,
-        help=".txt (documents separated by blank lines), .jsonl, .json, .csv, .parquet, a folder of .txt/.jsonl "
-        "files, a datasets.save_to_disk folder, or a datasets name",
-    )
-    parser.add_argument("--output-dir", required=True)
+    add_data_arguments(parser)
     parser.add_argument("--context-length", type=positive_int, required=True, help="target length (>= the model's train_context_length)")
-    parser.add_argument("--text-field", default=defaults.text_field, help="text field of JSON lines / dataset rows")
-    parser.add_argument("--dataset-config", default=None, help="configuration name of a datasets dataset")
-    parser.add_argument("--dataset-split", default=defaults.dataset_split)
-    parser.add_argument("--eval-rows", type=positive_int, default=defaults.eval_rows, help="packed rows held out for loss before/after")
+    add_dataset_arguments(parser, defaults)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--lora", dest="lora", action="store_true", default=True, help="LoRA on q/k/v/o (default)")
     mode.add_argument("--full", dest="lora", action="store_false", help="full fine-tuning")
@@ -690,39 +448,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora-dropout", type=probability, default=defaults.lora_dropout)
     parser.add_argument("--learning-rate", type=positive_float, default=None, help="default 2e-4 with LoRA, 2e-5 full")
     parser.add_argument("--prior-learning-rate", type=positive_float, default=defaults.prior_learning_rate)
-    parser.add_argument("--weight-decay", type=non_negative_float, default=defaults.weight_decay)
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=defaults.warmup_steps)
-    parser.add_argument("--lr-scheduler-type", default=defaults.lr_scheduler_type)
-    parser.add_argument("--max-steps", type=int, default=defaults.max_steps, help="optimizer steps; <= 0 uses --num-train-epochs")
-    parser.add_argument("--num-train-epochs", type=positive_float, default=defaults.num_train_epochs)
-    parser.add_argument("--per-device-train-batch-size", "--batch-size", type=positive_int, default=defaults.per_device_train_batch_size)
-    parser.add_argument("--gradient-accumulation-steps", type=positive_int, default=defaults.gradient_accumulation_steps)
-    parser.add_argument(
-        "--gradient-checkpointing", action="store_true",
-        help="recompute each layer in the backward pass (torch's non-reentrant checkpoint, Transformers' default)",
-    )
-    parser.add_argument(
-        "--reentrant-checkpointing", action="store_true",
-        help="gradient checkpointing with use_reentrant=True, as many PEFT / QLoRA recipes pass (same gradients)",
-    )
-    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on where the GPU supports it")
-    parser.add_argument("--attn-implementation", default=None, help="sdpa, eager or bam_triton (default: fastest available)")
-    parser.add_argument("--save-steps", type=positive_int, default=defaults.save_steps)
-    parser.add_argument("--save-total-limit", type=positive_int, default=defaults.save_total_limit)
-    parser.add_argument("--resume-from-checkpoint", default=None, help="a checkpoint folder, or 'latest' in --output-dir")
-    parser.add_argument(
-        "--overwrite-output-dir", action="store_true",
-        help="delete an earlier run's results in --output-dir (checkpoints, adapter/model/merged, summary.json) "
-        "and start afresh; without it such a folder is refused unless --resume-from-checkpoint continues that run",
-    )
+    add_trainer_arguments(parser, defaults)
     parser.add_argument("--merge", action="store_true", help="also write OUTPUT_DIR/merged: LoRA merged into a BamLlama folder")
-    parallel = parser.add_argument_group("sharding and sequence parallelism (CUDA; launch with accelerate launch / torchrun)")
-    parallel.add_argument("--fsdp", action="store_true", help="FSDP2: shard parameters, gradients and optimizer state")
-    parallel.add_argument("--deepspeed", default=None, metavar="zero2|zero3|CONFIG", help="DeepSpeed ZeRO (pip install 'bam-llama[deepspeed]')")
-    parallel.add_argument("--sp-size", type=positive_int, default=defaults.sp_size, help="Ulysses sequence parallelism over N GPUs (needs --deepspeed, --attn-implementation sdpa)")
-    parser.add_argument("--logging-steps", type=positive_int, default=defaults.logging_steps)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--disable-progress-bars", action="store_true")
+    add_parallel_arguments(parser, defaults)
+    add_run_arguments(parser, defaults)
     return parser
 
 

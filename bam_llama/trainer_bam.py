@@ -1,32 +1,27 @@
-"""The training machinery of `bam-finetune`: `Trainer` with the prior's own learning rate, its arguments, the
-packed rows as a dataset, and the held-out loss. Kept apart from finetune_bam.py, which parses the command line
+"""The Trainer set-up shared by `bam-finetune` and `bam-pretrain`: `Trainer` with the prior's own learning rate,
+its `TrainingArguments`, and the held-out loss. Kept apart from the commands, which parse their command lines
 without importing PyTorch or Transformers' Trainer."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import torch
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainingArguments
 
 from .distributed_bam import parallel_training_arguments
-from .finetune_bam import IGNORE_INDEX, FinetuneArguments, collate_packed_rows, is_prior_parameter
+from .packing_bam import IGNORE_INDEX, collate_packed_rows
 
 
-class PackedRows(torch.utils.data.Dataset):
-    def __init__(self, rows: list[dict[str, list[int]]]):
-        self.rows = rows
+# Parameters of the prior and SSMax modules, also inside PEFT's `modules_to_save` wrappers.
+PRIOR_PARAMETER = re.compile(r"(^|\.)(prior|ssmax)\.(.+\.)?(theta_alpha|theta_beta|theta_mu|scale)$")
 
-    def __len__(self) -> int:
-        return len(self.rows)
 
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
-        return self.rows[index]
-
-    def tokens(self) -> int:
-        return sum(sum(label != IGNORE_INDEX for label in row["labels"]) for row in self.rows)
+def is_prior_parameter(name: str) -> bool:
+    return PRIOR_PARAMETER.search(name) is not None
 
 
 def optimizer_parameter_groups(model: torch.nn.Module, decay_names, weight_decay: float, prior_learning_rate: float):
@@ -71,7 +66,9 @@ def bf16_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
-def training_arguments(args: FinetuneArguments) -> TrainingArguments:
+def training_arguments(args, report_to: str | list[str] = "none", merge: bool = False) -> TrainingArguments:
+    """`TrainingArguments` from a command's arguments (`FinetuneArguments`, `PretrainArguments`: the fields named
+    below and `resolved_learning_rate`); merge: the command merges a LoRA adapter after training."""
     bf16 = bf16_available() if args.bf16 is None else args.bf16
     return TrainingArguments(
         output_dir=args.output_dir,
@@ -90,7 +87,7 @@ def training_arguments(args: FinetuneArguments) -> TrainingArguments:
         save_total_limit=args.save_total_limit,
         logging_steps=args.logging_steps,
         logging_first_step=True,
-        report_to="none",
+        report_to=report_to,
         seed=args.seed,
         remove_unused_columns=False,
         label_names=["labels"],
@@ -102,7 +99,7 @@ def training_arguments(args: FinetuneArguments) -> TrainingArguments:
         dataloader_pin_memory=torch.cuda.is_available(),
         **parallel_training_arguments(
             fsdp=args.fsdp, deepspeed=args.deepspeed, sp_size=args.sp_size,
-            attn_implementation=args.attn_implementation, merge=args.lora and args.merge,
+            attn_implementation=args.attn_implementation, merge=merge,
         ),
     )
 

@@ -16,7 +16,11 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "module", ["bam_llama.evaluation_bam", "bam_llama.demo", "bam_llama.finetune_bam", "bam_llama.convert_bam", "bam_llama.card_bam"]
+    "module",
+    [
+        "bam_llama.evaluation_bam", "bam_llama.demo", "bam_llama.finetune_bam", "bam_llama.pretrain_bam", "bam_llama.convert_bam",
+        "bam_llama.card_bam",
+    ],
 )
 def test_help_imports_no_heavy_module(module):
     completed = run_python(

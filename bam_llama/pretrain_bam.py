@@ -1,0 +1,470 @@
+"""Pretraining a model from a fresh config with `transformers.Trainer` (the `bam-pretrain` command).
+
+The paper's evidence comes from models trained from scratch at a short length. This command trains one on the
+same data sources as `bam-finetune` (`data_bam`), packed with per-document masking (`packing_bam`), through the
+same Trainer set-up (`trainer_bam`), with one recipe for every positional encoding so that baselines compare:
+
+* `bam`: BamLlama with the paper's init (uniform prior: theta_alpha = theta_beta = 0), alpha and beta trained,
+  mu frozen; `--ssmax` adds Scalable Softmax;
+* `alibi`: BamLlama with the prior fixed to ALiBi's slopes (theta_alpha = log slope, theta_beta = 1, frozen);
+* `nope`: BamLlama with a flat prior, fixed (theta_beta = 0: the same bias at every distance, so no position);
+* `rope`: Transformers' `LlamaForCausalLM` of the same sizes.
+
+Sizes: the paper's presets (`--preset l6 ... l24`: SwiGLU width 2x hidden, multi-head attention, untied output),
+each field overridable by the size flags. Tokenizer: `byte` (built in), `bpe` (trained on the training documents
+with the `tokenizers` library, digits one per token) or a tokenizer folder / Hub id.
+
+Output folder: `checkpoint-N/` (Trainer), `tokenizer/` (a trained BPE), `model/` (the trained model with its
+tokenizer and `train_context_length`, loadable with `AutoModelForCausalLM`) and `summary.json`. Final folders are
+written to a temporary folder and renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from .arguments_bam import (
+    add_data_arguments,
+    add_dataset_arguments,
+    add_parallel_arguments,
+    add_run_arguments,
+    add_trainer_arguments,
+    positive_float,
+    positive_int,
+)
+from .checkpoints_bam import checkpoint_step, resolve_checkpoint
+from .data_bam import load_documents, looks_like_a_local_path, tokenize_documents
+from .io_bam import exit_on_sigterm, staged_output_dir
+from .lock_bam import OutputDirHold, hold_output_dir, resumes_in
+from .packing_bam import PackedRows, collate_packed_rows, pack_documents, split_eval_rows
+from .summary_bam import TrainingSummary, format_rows, training_rows, write_summary
+
+
+logger = logging.getLogger(__name__)
+
+# hidden size, layers, heads of the paper's models (the reference code's presets); SwiGLU width 2x hidden.
+PRESETS = {
+    "l6": (512, 6, 16),
+    "l8": (768, 8, 16),
+    "l12": (768, 12, 16),
+    "l15": (1152, 15, 24),
+    "l18": (1536, 18, 32),
+    "l24": (2048, 24, 64),
+}
+DEFAULT_PRESET = "l12"
+POSITIONALS = ("bam", "alibi", "nope", "rope")
+BUILT_IN_TOKENIZERS = ("byte", "bpe")
+LLAMA_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+SMALLEST_BPE_VOCABULARY = 3 + 256  # <pad>, <s>, </s> and every byte, as tokenization_bam builds it
+
+
+@dataclasses.dataclass
+class PretrainArguments:
+    """What `bam-pretrain` needs; the CLI flags are these names with dashes (`--layers`, `--heads`, `--kv-heads`
+    for the three size fields)."""
+
+    data: str
+    output_dir: str
+    context_length: int = 512
+    positional: str = "bam"
+    ssmax: bool = False
+    preset: str | None = None
+    hidden_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    intermediate_size: int | None = None
+    tokenizer: str = "byte"
+    vocab_size: int = 8192
+    text_field: str = "text"
+    dataset_config: str | None = None
+    dataset_split: str = "train"
+    eval_rows: int = 8
+    learning_rate: float = 1e-3
+    prior_learning_rate: float | None = None
+    weight_decay: float = 0.1
+    warmup_steps: int = 0
+    lr_scheduler_type: str = "cosine"
+    max_steps: int = 1000
+    num_train_epochs: float = 1.0
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False
+    reentrant_checkpointing: bool = False  # torch's reentrant variant; implies gradient_checkpointing
+    bf16: bool | None = None
+    attn_implementation: str | None = None
+    save_steps: int = 250
+    save_total_limit: int | None = 2
+    resume_from_checkpoint: str | None = None
+    overwrite_output_dir: bool = False
+    fsdp: bool = False
+    deepspeed: str | None = None
+    sp_size: int = 1
+    report_to: str = "none"
+    logging_steps: int = 25
+    seed: int = 42
+    disable_progress_bars: bool = False
+
+    @property
+    def resolved_learning_rate(self) -> float:
+        return self.learning_rate
+
+    @property
+    def resolved_prior_learning_rate(self) -> float:
+        return self.learning_rate if self.prior_learning_rate is None else self.prior_learning_rate
+
+    def model_sizes(self) -> dict[str, int]:
+        """hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size: the preset's
+        (default l12) with every size flag given replacing its field."""
+        hidden, layers, heads = PRESETS[self.preset or DEFAULT_PRESET]
+        hidden = self.hidden_size or hidden
+        heads = self.num_attention_heads or heads
+        return {
+            "hidden_size": hidden,
+            "num_hidden_layers": self.num_hidden_layers or layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": self.num_key_value_heads or heads,
+            "intermediate_size": self.intermediate_size or 2 * hidden,
+        }
+
+
+def check_arguments(args: PretrainArguments) -> None:
+    """A ValueError naming the first bad setting; reads no data and no weights."""
+    if args.positional not in POSITIONALS:
+        raise ValueError(f"--positional must be one of {', '.join(POSITIONALS)}, got {args.positional!r}")
+    if args.preset is not None and args.preset not in PRESETS:
+        raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {args.preset!r}")
+    if args.ssmax and args.positional == "rope":
+        raise ValueError("--ssmax is a BamLlama option; --positional rope trains Transformers' LlamaForCausalLM")
+    sizes = args.model_sizes()
+    hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    if hidden % heads:
+        raise ValueError(f"--hidden-size ({hidden}) must be divisible by --heads ({heads})")
+    if heads % kv_heads:
+        raise ValueError(f"--kv-heads ({kv_heads}) must divide --heads ({heads})")
+    if args.positional == "rope" and args.attn_implementation not in (None, *LLAMA_ATTENTION):
+        raise ValueError(f"--attn-implementation {args.attn_implementation}: Llama (--positional rope) takes {', '.join(LLAMA_ATTENTION)}")
+    if args.positional == "rope" and (hidden // heads) % 2:
+        raise ValueError(f"RoPE needs an even head size; --hidden-size {hidden} / --heads {heads} = {hidden // heads}")
+    check_tokenizer_choice(args.tokenizer)
+    if args.tokenizer == "bpe" and args.vocab_size < SMALLEST_BPE_VOCABULARY:
+        raise ValueError(f"--vocab-size {args.vocab_size}: a BPE needs at least {SMALLEST_BPE_VOCABULARY} tokens (3 special + 256 bytes)")
+    check_report_to(args.report_to)
+
+
+def check_tokenizer_choice(choice: str) -> None:
+    if choice in BUILT_IN_TOKENIZERS:
+        return
+    path = Path(choice).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--tokenizer {choice}: not a folder (give a tokenizer folder, a Hub id, byte or bpe)")
+    if looks_like_a_local_path(choice) and not path.exists():
+        raise ValueError(f"--tokenizer {choice}: the folder does not exist (or use byte or bpe)")
+
+
+def check_report_to(report_to: str) -> None:
+    """Every name in the comma-separated `--report-to` is an installed Transformers integration ('none', 'all')."""
+    names = [name.strip() for name in report_to.split(",") if name.strip()]
+    if names in (["none"], ["all"]):
+        return
+    from transformers.integrations import get_available_reporting_integrations
+
+    available = get_available_reporting_integrations()
+    for name in names:
+        if name in ("none", "all") or name not in available:
+            raise ValueError(
+                f"--report-to {name}: not an installed reporting integration (installed: "
+                f"{', '.join(available) or 'none'}; or none / all)"
+            )
+
+
+def report_to_value(report_to: str) -> str | list[str]:
+    names = [name.strip() for name in report_to.split(",") if name.strip()]
+    return names[0] if len(names) == 1 else names
+
+
+@dataclasses.dataclass
+class PretrainSummary(TrainingSummary):
+    positional: str
+    ssmax: bool
+    sizes: dict[str, int]
+    parameters: int
+    tokenizer: str
+    vocab_size: int
+
+    def format_table(self) -> str:
+        rows = [
+            ("model", f"{self.positional}{' + SSMax' if self.ssmax else ''}, {self.parameters:,} parameters, "
+             + ", ".join(f"{name} {value}" for name, value in self.sizes.items())),
+            ("tokenizer", f"{self.tokenizer} ({self.vocab_size} tokens)"),
+            ("context length", str(self.context_length)),
+            *training_rows(self),
+            ("saved", self.final_dir),
+        ]
+        return format_rows("bam-pretrain summary", rows)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Tokenizer and model
+# --------------------------------------------------------------------------------------------------------
+
+
+def named_tokenizer(choice: str):
+    """`--tokenizer byte` or a tokenizer folder / Hub id; loaded before any data, so a bad one stops the run early."""
+    from transformers import AutoTokenizer
+
+    from .tokenization_bam import build_byte_tokenizer
+
+    if choice == "byte":
+        return build_byte_tokenizer()
+    try:
+        return AutoTokenizer.from_pretrained(choice)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--tokenizer {choice}: cannot load a tokenizer ({error})") from error
+
+
+def bpe_tokenizer(args: PretrainArguments, documents: list[str], checkpoint: str | None, is_main: bool):
+    """A BPE trained on the training documents by the main process and saved in OUTPUT_DIR/tokenizer, where the
+    other processes read it; a resumed run reads the checkpoint's own."""
+    from transformers import AutoTokenizer
+
+    from .tokenization_bam import train_bpe_tokenizer
+
+    if checkpoint is not None:
+        return AutoTokenizer.from_pretrained(checkpoint)
+    folder = Path(args.output_dir) / "tokenizer"
+    if not is_main:
+        return AutoTokenizer.from_pretrained(folder)
+    tokenizer = train_bpe_tokenizer(documents, args.vocab_size)
+    with staged_output_dir(folder, force=True) as staging:
+        tokenizer.save_pretrained(staging)
+    return tokenizer
+
+
+def special_token_ids(tokenizer) -> dict[str, int | None]:
+    pad = next((token for token in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if token is not None))
+    return {"pad_token_id": pad, "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+
+
+def build_config(args: PretrainArguments, vocab_size: int, token_ids: dict[str, int | None]):
+    """A fresh BamLlamaConfig (bam, alibi, nope) or LlamaConfig (rope) of the run's sizes."""
+    common = dict(vocab_size=vocab_size, tie_word_embeddings=False, **args.model_sizes(), **token_ids)
+    if args.positional == "rope":
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(max_position_embeddings=args.context_length, attention_bias=False, mlp_bias=False, **common)
+        config.train_context_length = args.context_length
+        return config
+    from .configuration_bam import BamLlamaConfig
+
+    prior = {
+        "bam": dict(theta_alpha_init=0.0, theta_beta_init=0.0, train_theta_alpha=True, train_theta_beta=True),
+        "alibi": dict(theta_alpha_init="alibi", theta_beta_init=1.0, train_theta_alpha=False, train_theta_beta=False),
+        "nope": dict(theta_alpha_init=0.0, theta_beta_init=0.0, train_theta_alpha=False, train_theta_beta=False),
+    }[args.positional]
+    return BamLlamaConfig(
+        train_context_length=args.context_length, theta_mu_init=0.0, train_theta_mu=False, ssmax=args.ssmax, **prior, **common
+    )
+
+
+def build_model(args: PretrainArguments, config):
+    import torch
+
+    if args.positional == "rope":
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM._from_config(config, attn_implementation=args.attn_implementation or "sdpa", dtype=torch.float32)
+    else:
+        from .modeling_bam import BamLlamaForCausalLM
+
+        model = BamLlamaForCausalLM._from_config(config, attn_implementation=args.attn_implementation, dtype=torch.float32)
+        model.apply_prior_trainability()
+    model.config.use_cache = False  # no cache while training; restored before saving
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------------------
+
+
+def save_final(model, tokenizer, args: PretrainArguments, state_dict: dict | None = None) -> str:
+    """Rank 0 only. state_dict: the gathered one of a sharded model (FSDP, ZeRO-3)."""
+    final_dir = Path(args.output_dir) / "model"
+    model.config.use_cache = True
+    model.config.train_context_length = args.context_length
+    with staged_output_dir(final_dir, force=True) as staging:
+        model.save_pretrained(staging, state_dict=state_dict)
+        tokenizer.save_pretrained(staging)
+    return str(final_dir)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------------------
+
+
+def pretrain(args: PretrainArguments) -> PretrainSummary:
+    """Train a fresh model on `args.data` at `args.context_length`; returns (and on rank 0 writes and prints) the
+    summary. Every argument is checked before any data loads."""
+    summary, _, _ = run_pretraining(args)
+    return summary
+
+
+# What a run leaves in its output folder: a new run does not write over it unless it resumes that run or is told to
+# (--overwrite-output-dir), and two live runs never share the folder (see `lock_bam`).
+PRETRAIN_RESULTS = ("checkpoint-*", "tokenizer", "model", "summary.json")
+
+
+def run_pretraining(args: PretrainArguments):
+    """`pretrain`, also returning the trained model and its tokenizer: (summary, model, tokenizer)."""
+    started = time.perf_counter()
+    check_arguments(args)
+    continuing = resumes_in(args.output_dir, args.resume_from_checkpoint)
+    with hold_output_dir(args.output_dir, "bam-pretrain", PRETRAIN_RESULTS, continuing, args.overwrite_output_dir) as hold:
+        return _run_pretraining(args, hold, started)
+
+
+def _run_pretraining(args: PretrainArguments, hold: OutputDirHold, started: float):
+    from transformers import set_seed
+
+    from .distributed_bam import gathered_state_dict, parameters_sharded
+    from .trainer_bam import BamTrainer, mean_token_loss, training_arguments
+
+    checkpoint = resolve_checkpoint(args)
+    resumed_from_step = 0 if checkpoint is None else checkpoint_step(checkpoint)
+    training_args = training_arguments(args, report_to=report_to_value(args.report_to))
+    is_main = training_args.process_index == 0
+    show_progress = is_main and not args.disable_progress_bars
+
+    tokenizer = None if args.tokenizer == "bpe" else named_tokenizer(args.tokenizer)
+    documents = load_documents(args.data, args.text_field, args.dataset_split, args.dataset_config)
+    hold.clear_earlier_results()  # --overwrite-output-dir: only once the data loaded, before the tokenizer is written
+    if tokenizer is None:
+        with training_args.main_process_first(desc="tokenizer"):
+            tokenizer = bpe_tokenizer(args, documents, checkpoint, is_main)
+    token_ids = special_token_ids(tokenizer)
+    rows = pack_documents(tokenize_documents(documents, tokenizer, show_progress), args.context_length, token_ids["pad_token_id"])
+    train_rows, eval_rows, eval_split = split_eval_rows(rows, args.eval_rows)
+
+    set_seed(args.seed)
+    config = build_config(args, len(tokenizer), token_ids)
+    model = build_model(args, config)
+    parameters = sum(parameter.numel() for parameter in model.parameters())
+    if is_main:
+        logger.info(
+            "pretraining %s (%d parameters) at %d tokens: %d documents, %d train rows, %d %s eval rows",
+            args.positional, parameters, args.context_length, len(documents), len(train_rows), len(eval_rows), eval_split,
+        )
+    trainer = BamTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=PackedRows(train_rows),
+        data_collator=collate_packed_rows,
+        processing_class=tokenizer,
+        prior_learning_rate=args.resolved_prior_learning_rate,
+    )
+    evaluate = lambda: mean_token_loss(  # noqa: E731
+        model, eval_rows, args.per_device_train_batch_size, training_args.device, training_args.bf16, show_progress
+    )
+    loss_before = evaluate() if is_main else math.nan
+    train_output = trainer.train(resume_from_checkpoint=checkpoint)
+    sharded = parameters_sharded(trainer)  # FSDP / ZeRO-3: forward and state dict need every rank
+    loss_after = evaluate() if is_main or sharded else math.nan
+    state_dict = gathered_state_dict(trainer)
+
+    final_dir = str(Path(args.output_dir) / "model")
+    if is_main:
+        final_dir = save_final(model, tokenizer, args, state_dict)
+    summary = PretrainSummary(
+        data=args.data,
+        output_dir=args.output_dir,
+        positional=args.positional,
+        ssmax=args.ssmax,
+        sizes=args.model_sizes(),
+        parameters=parameters,
+        tokenizer=args.tokenizer,
+        vocab_size=len(tokenizer),
+        context_length=args.context_length,
+        documents=len(documents),
+        train_rows=len(train_rows),
+        eval_rows=len(eval_rows),
+        eval_split=eval_split,
+        steps=trainer.state.global_step,
+        resumed_from_step=resumed_from_step,
+        tokens_seen=int(trainer.state.num_input_tokens_seen),
+        train_loss=train_output.training_loss,
+        loss_before=loss_before,
+        loss_after=loss_after,
+        world_size=training_args.world_size,
+        runtime_seconds=time.perf_counter() - started,
+        final_dir=final_dir,
+    )
+    if is_main:
+        write_summary(summary, args.output_dir)
+        print(summary.format_table(), flush=True)
+    trainer.accelerator.wait_for_everyone()
+    return summary, model, tokenizer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = PretrainArguments(data="", output_dir="")
+    parser = argparse.ArgumentParser(
+        prog="bam-pretrain",
+        description="Pretrain a BamLlama (or, for comparison, an ALiBi, NoPE or RoPE model) from scratch on packed "
+        "documents with per-document masking. Run under torchrun / accelerate launch for DDP.",
+    )
+    add_data_arguments(parser)
+    parser.add_argument("--context-length", type=positive_int, default=defaults.context_length, help="training length in tokens")
+    parser.add_argument("--positional", choices=POSITIONALS, default=defaults.positional,
+                        help="bam: learned GGD prior (paper init); alibi / nope: the prior fixed to ALiBi / flat; rope: Llama")
+    parser.add_argument("--ssmax", action="store_true", help="Scalable Softmax (BamLlama models only)")
+    parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                        help=f"the paper's sizes (default {DEFAULT_PRESET}: 768 hidden, 12 layers, 16 heads); size flags override")
+    parser.add_argument("--hidden-size", type=positive_int, default=None)
+    parser.add_argument("--layers", dest="num_hidden_layers", metavar="N", type=positive_int, default=None)
+    parser.add_argument("--heads", dest="num_attention_heads", metavar="N", type=positive_int, default=None)
+    parser.add_argument("--kv-heads", dest="num_key_value_heads", metavar="N", type=positive_int, default=None, help="default: --heads (MHA)")
+    parser.add_argument("--intermediate-size", type=positive_int, default=None, help="default: 2x --hidden-size (SwiGLU)")
+    parser.add_argument("--tokenizer", default=defaults.tokenizer,
+                        help="byte (built in), bpe (trained on the training data, digits one per token), or a tokenizer folder / Hub id")
+    parser.add_argument("--vocab-size", type=positive_int, default=defaults.vocab_size, help="BPE vocabulary size (with --tokenizer bpe)")
+    add_dataset_arguments(parser, defaults)
+    parser.add_argument("--learning-rate", type=positive_float, default=defaults.learning_rate)
+    parser.add_argument("--prior-learning-rate", type=positive_float, default=None, help="default: --learning-rate")
+    add_trainer_arguments(parser, defaults)
+    add_parallel_arguments(parser, defaults)
+    parser.add_argument("--report-to", default=defaults.report_to, help="none (default), all, or integrations: tensorboard,wandb,...")
+    add_run_arguments(parser, defaults)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = PretrainArguments(**vars(parser.parse_args(argv)))
+    try:
+        check_arguments(args)
+    except ValueError as error:  # one line and exit 2, before any data or weights load
+        print(f"bam-pretrain: error: {error}", file=sys.stderr)
+        return 2
+    exit_on_sigterm()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        pretrain(args)
+    except (OSError, ValueError) as error:  # a missing data file or checkpoint; an invalid setting
+        print(f"bam-pretrain: error: {error}", file=sys.stderr)
+        return 2
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    print(f"bam-pretrain: rank {rank} of {world_size} finished", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""bam-pretrain on tiny configs: every positional choice trains, saves a folder that reloads with the same logits,
+keeps fixed priors exactly fixed, resumes from the latest checkpoint; bad arguments stop before any data loads."""
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from bam_llama.packing_bam import collate_packed_rows, pack_documents
+from bam_llama.pretrain_bam import PretrainArguments, main, run_pretraining
+from bam_llama.tokenization_bam import train_bpe_tokenizer
+
+
+CONTEXT_LENGTH = 64
+TINY_SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+
+
+def write_documents(path: Path, count: int = 80, seed: int = 0) -> Path:
+    generator = random.Random(seed)
+    documents = []
+    for _ in range(count):
+        key = generator.randint(100, 999)
+        documents.append(f"key {key}. " + "abc " * generator.randint(3, 12) + f"key {key}.")
+    path.write_text("\n\n".join(documents) + "\n")
+    return path
+
+
+def arguments(data: Path, output_dir: Path, **overrides) -> PretrainArguments:
+    values = dict(
+        data=str(data),
+        output_dir=str(output_dir),
+        context_length=CONTEXT_LENGTH,
+        max_steps=12,
+        save_steps=6,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        eval_rows=4,
+        logging_steps=100,
+        disable_progress_bars=True,
+        **TINY_SIZES,
+    )
+    values.update(overrides)
+    return PretrainArguments(**values)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_documents(tmp_path_factory.mktemp("pretrain-data") / "documents.txt")
+
+
+def reloaded_logits_match(model, folder: Path) -> torch.nn.Module:
+    """Reload `folder` with the Auto classes and check its logits equal the trained model's on a packed batch."""
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = [tokenizer("key 123. abc abc key 123.")["input_ids"], tokenizer("key 9. abc")["input_ids"]]
+    batch = collate_packed_rows(pack_documents(ids, CONTEXT_LENGTH, 0))
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        actual = reloaded(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    return reloaded
+
+
+def prior_of(model) -> dict[str, torch.Tensor]:
+    return {name: getattr(model.model.prior, name).detach().clone() for name in ("theta_alpha", "theta_beta", "theta_mu")}
+
+
+@pytest.mark.parametrize("positional,ssmax", [("bam", False), ("bam", True), ("alibi", False), ("nope", False), ("rope", False)])
+def test_each_positional_choice_learns_and_saves_a_folder_that_reloads(data, tmp_path, positional, ssmax):
+    args = arguments(data, tmp_path / "run", positional=positional, ssmax=ssmax)
+    summary, model, _ = run_pretraining(args)
+    assert summary.steps == 12
+    assert summary.loss_after < summary.loss_before - 1.0, (summary.loss_before, summary.loss_after)
+    folder = tmp_path / "run" / "model"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["train_context_length"] == CONTEXT_LENGTH
+    assert config["hidden_size"] == 32 and config["num_hidden_layers"] == 2 and config["tie_word_embeddings"] is False
+    reloaded = reloaded_logits_match(model, folder)
+    heads = TINY_SIZES["num_attention_heads"]
+    if positional == "rope":
+        assert type(reloaded) is LlamaForCausalLM and config["model_type"] == "llama"
+        return
+    assert config["model_type"] == "bam_llama" and config["ssmax"] is ssmax
+    prior = prior_of(model)
+    assert torch.equal(prior["theta_mu"], torch.zeros(heads))  # mu frozen at 0 in every BamLlama choice
+    if positional == "bam":
+        assert prior["theta_alpha"].abs().min() > 0 and prior["theta_beta"].abs().min() > 0  # trained from 0
+    if positional == "alibi":
+        slopes = torch.tensor([2.0 ** (-8.0 * (head + 1) / heads) for head in range(heads)])
+        assert torch.equal(prior["theta_alpha"], slopes.log())
+        assert torch.equal(prior["theta_beta"], torch.ones(heads))
+    if positional == "nope":
+        assert torch.equal(prior["theta_alpha"], torch.zeros(heads)) and torch.equal(prior["theta_beta"], torch.zeros(heads))
+
+
+def test_nope_prior_is_the_same_bias_at_every_distance():
+    """NoPE's flat prior (theta_beta = 0) adds one constant to every logit of a query row, which softmax ignores:
+    its size (theta_alpha) cannot change the output, while any slope (theta_beta != 0) does."""
+    model = tiny_model("sdpa", vocab_size=64).eval()
+    ids = torch.tensor([[1, 5, 9, 7, 3, 8, 4, 6]])
+    with torch.no_grad():
+        model.model.prior.theta_alpha.zero_()
+        model.model.prior.theta_beta.zero_()
+        flat = model(input_ids=ids).logits
+        model.model.prior.theta_alpha.fill_(1.5)
+        flat_larger = model(input_ids=ids).logits
+        model.model.prior.theta_beta.fill_(0.5)
+        sloped = model(input_ids=ids).logits
+    torch.testing.assert_close(flat_larger, flat, atol=1e-5, rtol=1e-5)
+    assert (sloped - flat).abs().max() > 1e-3
+
+
+def test_resume_from_latest_continues_to_the_same_weights(data, tmp_path):
+    common = dict(lr_scheduler_type="constant", positional="bam")
+    _, straight, _ = run_pretraining(arguments(data, tmp_path / "straight", **common))
+    run_pretraining(arguments(data, tmp_path / "resumed", max_steps=6, **common))
+    summary, resumed, _ = run_pretraining(
+        arguments(data, tmp_path / "resumed", resume_from_checkpoint="latest", **common)
+    )
+    assert summary.resumed_from_step == 6 and summary.steps == 12
+    for (name, expected), actual in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4, msg=name)
+    # A restart from scratch would also reach those weights: shift a weight in a copy of checkpoint-6 and the
+    # resumed run must end with the shift.
+    shifted = tmp_path / "shifted" / "checkpoint-6"
+    shutil.copytree(tmp_path / "resumed" / "checkpoint-6", shifted)
+    weights = load_file(shifted / "model.safetensors")
+    weights["model.norm.weight"] += 0.5
+    save_file(weights, shifted / "model.safetensors", metadata={"format": "pt"})
+    _, continued, _ = run_pretraining(arguments(data, tmp_path / "shifted", resume_from_checkpoint="latest", **common))
+    shift = continued.model.norm.weight.detach() - straight.model.norm.weight.detach()
+    assert shift.min() > 0.3, shift
+
+
+def test_rope_llama_masks_packed_documents_like_bam():
+    """Packed rows (positions restarting, no attention_mask) give each document the logits it has alone, for the
+    RoPE baseline (Transformers' packed-sequence detection, training mode: no cache) as for BamLlama."""
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, max_position_embeddings=32, **TINY_SIZES)).eval()
+    bam = tiny_model("sdpa", vocab_size=64).eval()
+    documents = [[1, 40, 41, 42, 43, 2], [1, 50, 51, 52, 2], [1, 60, 61, 2]]
+    batch = collate_packed_rows(pack_documents(documents, context_length=16, pad_token_id=0))
+    for model in (llama, bam):
+        with torch.no_grad():
+            packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+            start = 0
+            for document in documents:
+                alone = model(input_ids=torch.tensor([document]), use_cache=False).logits[0]
+                torch.testing.assert_close(packed[start : start + len(document)], alone, atol=1e-5, rtol=1e-5)
+                start += len(document)
+
+
+def test_bpe_tokenizer_splits_digits_one_per_token_and_round_trips():
+    documents = ["The pass key is 12345. Remember it."] * 20 + ["def function(argument): return argument + 1"] * 20
+    tokenizer = train_bpe_tokenizer(documents, vocab_size=300)
+    assert len(tokenizer) == 300
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    text = "The pass key is 98765.\n  é"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    pieces = [tokenizer.decode([token]) for token in ids]
+    assert [piece for piece in pieces if any(character.isdigit() for character in piece)] == list("98765")
+    assert len(ids) < len(text.encode())  # merges were learned
+
+
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["--positional", "sinusoidal"], "--positional"),
+        (["--preset", "l99"], "--preset"),
+        (["--positional", "rope", "--ssmax"], "--ssmax"),
+        (["--hidden-size", "30", "--heads", "4"], "--hidden-size"),
+        (["--heads", "4", "--kv-heads", "3", "--hidden-size", "32"], "--kv-heads"),
+        (["--positional", "rope", "--hidden-size", "36", "--heads", "4"], "head size"),
+        (["--positional", "rope", "--attn-implementation", "bam_triton"], "--attn-implementation"),
+        (["--tokenizer", "./no-such-tokenizer"], "--tokenizer"),
+        (["--tokenizer", "TOKENIZER_DIR"], "--tokenizer"),
+        (["--tokenizer", "bpe", "--vocab-size", "100"], "--vocab-size"),
+        (["--report-to", "no-such-tracker"], "--report-to"),
+        (["--context-length", "0"], "--context-length"),
+        (["--layers", "-2"], "--layers"),
+        (["--resume-from-checkpoint", "latest"], "--resume-from-checkpoint"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_before_any_data_loads(tmp_path, capsys, argv, named):
+    missing_data = tmp_path / "no-such-data.txt"  # reaching the data would report this file instead
+    (tmp_path / "empty-folder").mkdir()
+    argv = [str(tmp_path / "empty-folder") if value == "TOKENIZER_DIR" else value for value in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main(["--data", str(missing_data), "--output-dir", str(tmp_path / "out"), *argv]))
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and named in errors[0] and "no-such-data" not in errors[0], errors
+    assert not (tmp_path / "out" / "model").exists()
+
+
+def test_ddp_on_two_cpu_processes_with_a_bpe_trained_once(data, tmp_path):
+    output_dir = tmp_path / "ddp"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "bam_llama.pretrain_bam", "--data", str(data), "--output-dir", str(output_dir),
+        "--context-length", str(CONTEXT_LENGTH), "--hidden-size", "32", "--layers", "2", "--heads", "4",
+        "--tokenizer", "bpe", "--vocab-size", "300", "--max-steps", "4", "--batch-size", "2", "--save-steps", "4",
+        "--disable-progress-bars",
+    ]
+    environment = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "bam-pretrain: rank 0 of 2 finished" in result.stdout and "bam-pretrain: rank 1 of 2 finished" in result.stdout
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+    assert summary["tokens_seen"] > 4 * 2 * CONTEXT_LENGTH  # both ranks' batches
+    trained = json.loads((output_dir / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
+    saved = json.loads((output_dir / "model" / "tokenizer.json").read_text())["model"]["vocab"]
+    assert trained == saved and 259 < len(saved) == summary["vocab_size"] <= 300  # the tiny data has few merges
