@@ -15,6 +15,7 @@ from conftest import tiny_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from bam_llama.lock_bam import hold_output_dir
 from bam_llama.packing_bam import collate_packed_rows, pack_documents
 from bam_llama.pretrain_bam import PretrainArguments, main, run_pretraining
 from bam_llama.tokenization_bam import train_bpe_tokenizer
@@ -189,6 +190,8 @@ def test_bpe_tokenizer_splits_digits_one_per_token_and_round_trips():
         (["--context-length", "0"], "--context-length"),
         (["--layers", "-2"], "--layers"),
         (["--resume-from-checkpoint", "latest"], "--resume-from-checkpoint"),
+        (["--fsdp"], "--fsdp"),  # on CPU Accelerate would silently fall back to DDP
+        (["--deepspeed", "zero3", "--sp-size", "2"], "--sp-size"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line_before_any_data_loads(tmp_path, capsys, argv, named):
@@ -222,3 +225,26 @@ def test_ddp_on_two_cpu_processes_with_a_bpe_trained_once(data, tmp_path):
     trained = json.loads((output_dir / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
     saved = json.loads((output_dir / "model" / "tokenizer.json").read_text())["model"]["vocab"]
     assert trained == saved and 259 < len(saved) == summary["vocab_size"] <= 300  # the tiny data has few merges
+
+
+def test_an_earlier_run_is_kept_unless_overwritten_and_a_held_folder_is_refused(data, tmp_path, capsys):
+    output_dir = tmp_path / "run"
+    run_pretraining(arguments(data, output_dir, max_steps=2, save_steps=2))
+    weights = (output_dir / "model" / "model.safetensors").read_bytes()
+    argv = ["--data", str(data), "--output-dir", str(output_dir), "--context-length", str(CONTEXT_LENGTH),
+            "--hidden-size", "32", "--layers", "1", "--heads", "4", "--max-steps", "1", "--disable-progress-bars"]
+
+    assert main(argv) == 2  # a new run over the earlier one's results
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and str(output_dir) in errors[0] and "--overwrite-output-dir" in errors[0], errors
+    assert (output_dir / "model" / "model.safetensors").read_bytes() == weights
+
+    with hold_output_dir(output_dir, "another run"):  # a live run holds the folder
+        assert main([*argv, "--overwrite-output-dir"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "another run" in errors[0], errors
+    assert (output_dir / "model" / "model.safetensors").read_bytes() == weights
+
+    assert main([*argv, "--overwrite-output-dir"]) == 0
+    assert (output_dir / "model" / "model.safetensors").read_bytes() != weights
+    assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-1"]
