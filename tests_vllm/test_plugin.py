@@ -1,0 +1,49 @@
+"""The vLLM plugin is reached only through vLLM's entry point: the package and Hub remote code never import vLLM."""
+
+import ast
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import bam_llama
+from conftest import build_tiny_bam
+
+
+def test_entry_point_registers_bam_llama_with_vllm():
+    (plugin,) = [point for point in entry_points(group="vllm.general_plugins") if point.name == "bam_llama"]
+    assert plugin.value == "bam_llama.vllm_bam:register"
+    script = (
+        "import bam_llama.vllm_bam as plugin; plugin.register(); plugin.register()\n"  # twice: vLLM calls it per process
+        "from vllm import ModelRegistry\n"
+        "from transformers import AutoConfig\n"
+        "assert 'BamLlamaForCausalLM' in ModelRegistry.get_supported_archs()\n"
+        "assert ModelRegistry._try_load_model_cls('BamLlamaForCausalLM') is plugin.BamLlamaForCausalLM\n"
+        "assert AutoConfig.for_model('bam_llama').model_type == 'bam_llama'\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+
+
+def test_no_other_module_of_the_package_imports_vllm():
+    """Statically for every module (some need extras this venv lacks), and at run time for the model's modules."""
+    package = Path(bam_llama.__file__).parent
+    modules = sorted(path for path in package.glob("*.py") if path.name != "vllm_bam.py")
+    assert len(modules) > 5
+    for path in modules:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            )
+            assert not any(name.split(".")[0] == "vllm" for name in names), f"{path.name} imports {names}"
+    script = (
+        "import sys, bam_llama, bam_llama.modeling_bam, bam_llama.configuration_bam, bam_llama.tokenization_bam\n"
+        "leaked = sorted(name for name in sys.modules if name.split('.')[0] == 'vllm')\n"
+        "assert not leaked, leaked\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+
+
+def test_saved_remote_code_does_not_ship_the_plugin(tmp_path):
+    folder = build_tiny_bam(tmp_path, seed=0)
+    shipped = {path.name for path in folder.glob("*.py")}
+    assert "modeling_bam.py" in shipped and "vllm_bam.py" not in shipped
