@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .arguments_bam import (
+    TrainingRunArguments,
     add_data_arguments,
     add_dataset_arguments,
     add_parallel_arguments,
@@ -70,17 +71,13 @@ LORA_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass
-class FinetuneArguments:
+class FinetuneArguments(TrainingRunArguments):
     """What `bam-finetune` needs; the CLI flags are these names with dashes."""
 
     model: str
     data: str
     output_dir: str
     context_length: int
-    text_field: str = "text"
-    dataset_config: str | None = None
-    dataset_split: str = "train"
-    eval_rows: int = 8
     lora: bool = True
     lora_mlp: bool = False
     lora_rank: int = 16
@@ -89,27 +86,11 @@ class FinetuneArguments:
     learning_rate: float | None = None
     prior_learning_rate: float = 1e-2
     weight_decay: float = 0.0
-    warmup_steps: int = 0
-    lr_scheduler_type: str = "cosine"
     max_steps: int = 256
-    num_train_epochs: float = 1.0
     per_device_train_batch_size: int = 1
-    gradient_accumulation_steps: int = 1
-    gradient_checkpointing: bool = False
-    reentrant_checkpointing: bool = False  # torch's reentrant variant; implies gradient_checkpointing
-    bf16: bool | None = None
-    attn_implementation: str | None = None
     save_steps: int = 64
-    save_total_limit: int | None = 2
-    resume_from_checkpoint: str | None = None
-    overwrite_output_dir: bool = False
     merge: bool = False
-    fsdp: bool = False
-    deepspeed: str | None = None
-    sp_size: int = 1
     logging_steps: int = 8
-    seed: int = 42
-    disable_progress_bars: bool = False
 
     @property
     def resolved_learning_rate(self) -> float:

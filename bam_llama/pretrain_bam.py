@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from .arguments_bam import (
+    TrainingRunArguments,
     add_data_arguments,
     add_dataset_arguments,
     add_parallel_arguments,
@@ -66,7 +67,7 @@ SMALLEST_BPE_VOCABULARY = 3 + 256  # <pad>, <s>, </s> and every byte, as tokeniz
 
 
 @dataclasses.dataclass
-class PretrainArguments:
+class PretrainArguments(TrainingRunArguments):
     """What `bam-pretrain` needs; the CLI flags are these names with dashes (`--layers`, `--heads`, `--kv-heads`
     for the three size fields)."""
 
@@ -83,34 +84,14 @@ class PretrainArguments:
     intermediate_size: int | None = None
     tokenizer: str = "byte"
     vocab_size: int = 8192
-    text_field: str = "text"
-    dataset_config: str | None = None
-    dataset_split: str = "train"
-    eval_rows: int = 8
     learning_rate: float = 1e-3
     prior_learning_rate: float | None = None
     weight_decay: float = 0.1
-    warmup_steps: int = 0
-    lr_scheduler_type: str = "cosine"
     max_steps: int = 1000
-    num_train_epochs: float = 1.0
     per_device_train_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    gradient_checkpointing: bool = False
-    reentrant_checkpointing: bool = False  # torch's reentrant variant; implies gradient_checkpointing
-    bf16: bool | None = None
-    attn_implementation: str | None = None
     save_steps: int = 250
-    save_total_limit: int | None = 2
-    resume_from_checkpoint: str | None = None
-    overwrite_output_dir: bool = False
-    fsdp: bool = False
-    deepspeed: str | None = None
-    sp_size: int = 1
     report_to: str = "none"
     logging_steps: int = 25
-    seed: int = 42
-    disable_progress_bars: bool = False
 
     @property
     def resolved_learning_rate(self) -> float:
