@@ -198,6 +198,13 @@ def accuracy(passkey_result: dict) -> float:
     return sum(correct) / len(correct)
 
 
+def progress_line(name: str, result: dict, recipe: Recipe, started: float) -> str:
+    """One model's perplexity and passkey rows as soon as it is evaluated (a long run shows where it stands)."""
+    perplexity = " ".join(f"{result['perplexity'][length]['perplexity']:.2f}" for length in recipe.lengths)
+    passkey = " ".join(f"{accuracy(result['passkey'][length]):.0%}" for length in recipe.lengths)
+    return f"[{(time.perf_counter() - started) / 60:.1f} min] {name}: perplexity {perplexity} | passkey {passkey}"
+
+
 def tables(results: dict, recipe: Recipe) -> str:
     header = "| model | " + " | ".join(f"{length} ({length // recipe.train_length}x)" for length in recipe.lengths) + " |"
     rule = "|---|" + "---:|" * len(recipe.lengths)
@@ -284,9 +291,11 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
         for name in MODELS:
             folder, training[name] = train(name, data, work / "tokenizer", work, recipe)
             results[name] = evaluate(folder, None, stream, tokenizer, recipe)
+            print(progress_line(name, results[name], recipe, started), flush=True)
             if name == "rope":
                 for extension in ROPE_EXTENSIONS:
                     results[f"rope-{extension}"] = evaluate(folder, extension, stream, tokenizer, recipe)
+                    print(progress_line(f"rope-{extension}", results[f"rope-{extension}"], recipe, started), flush=True)
         report = {
             "recipe": asdict(recipe),
             "corpus": corpus,
