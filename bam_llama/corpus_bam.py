@@ -1,8 +1,9 @@
 """A real-text corpus with no download: the text that ships with Python itself.
 
 Documents: every topic of the language reference (`pydoc_data.topics`, the text `help()` shows) and every `.py`
-file of the standard library (its sources with their docstrings and comments), minus test suites and installed
-packages. Each document has a name (`pydoc_data/topics/<topic>` or the file's path relative to the library).
+file of the standard library (its sources with their docstrings and comments), minus test suites, installed
+packages and `pydoc_data/topics.py` (the language reference again, as one Python dict: it would put every topic
+on both sides of the split). Each document has a name (`pydoc_data/topics/<topic>` or the file's path relative to the library).
 
 Split by document, never by position: a document is held out when the first 8 bytes of the SHA-256 of its name,
 read as an integer, fall in the held-out share of [0, 2^64). The split depends only on names, so it is the same on
@@ -30,6 +31,7 @@ from .io_bam import staged_output_dir
 
 
 SKIPPED_FOLDERS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
+SKIPPED_FILES = frozenset({"pydoc_data/topics.py"})  # the topics below, a second time
 TOPIC_PREFIX = "pydoc_data/topics/"
 
 
@@ -47,7 +49,7 @@ def python_documents() -> list[Document]:
     library = Path(sysconfig.get_paths()["stdlib"])
     for path in sorted(library.rglob("*.py")):
         relative = path.relative_to(library)
-        if SKIPPED_FOLDERS.isdisjoint(relative.parts):
+        if SKIPPED_FOLDERS.isdisjoint(relative.parts) and relative.as_posix() not in SKIPPED_FILES:
             documents.append(Document(relative.as_posix(), path.read_text(encoding="utf-8", errors="replace")))
     return sorted((document for document in documents if document.text.strip()), key=lambda document: document.name)
 
@@ -66,7 +68,7 @@ def split_documents(documents: list[Document], heldout_fraction: float) -> tuple
 
 def corpus_statistics(train: list[Document], heldout: list[Document], heldout_fraction: float) -> dict:
     return {
-        "source": "pydoc_data.topics + standard library .py files (no test suites)",
+        "source": "pydoc_data.topics + standard library .py files (no test suites, no pydoc_data/topics.py)",
         "python": platform.python_version(),
         "split": f"by document name: SHA-256(name)[:8] / 2^64 < {heldout_fraction}",
         "heldout_fraction": heldout_fraction,

@@ -21,6 +21,18 @@ def test_corpus_holds_the_language_reference_and_library_sources_but_no_test_sui
     assert sum(len(document.text) for document in documents) > 1_000_000
 
 
+def test_the_language_reference_is_in_the_corpus_once():
+    """pydoc_data/topics.py holds every topic again as a Python dict: with it, a topic could be trained on and held
+    out at once."""
+    import pydoc_data.topics
+
+    documents = python_documents()
+    reference = [document for document in documents if document.name.startswith("pydoc_data/")]
+    assert sorted(document.name for document in reference) == sorted(f"pydoc_data/topics/{topic}" for topic in pydoc_data.topics.topics)
+    sample = pydoc_data.topics.topics["assignment"][:200]
+    assert sum(sample in document.text or repr(sample)[1:-1][:100] in document.text for document in documents) == 1
+
+
 def test_split_follows_the_name_hash_whatever_the_order():
     documents = [Document(f"package/module_{index}.py", "x = 1\n") for index in range(400)]
     train, heldout = split_documents(documents, 0.1)
