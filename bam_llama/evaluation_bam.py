@@ -306,7 +306,7 @@ def evaluate_passkey(
             results.passkeys.append(row_keys)
             results.predictions.append(row_predictions)
             results.prompt_lengths.append(len(prompt))
-            if len(prompt) > length:
+            if len(prompt) - int(add_bos and tokenizer.bos_token_id is not None) > length:  # BOS is not counted
                 print(
                     f"Warning: length {length} is below the passkey template's minimum; its prompts have "
                     f"{len(prompt)} tokens (see the 'Prompt tokens' column).",

@@ -355,6 +355,16 @@ def test_lengths_below_the_template_are_flagged(saved_model, capsys):
     assert "length 8 is below the passkey template's minimum" in capsys.readouterr().err
 
 
+def test_a_prompt_that_fills_its_length_behind_bos_is_not_flagged(tokenizer, capsys):
+    """`length` counts the prompt's text; a BOS in front of an exactly filled prompt is no reason to warn."""
+    from bam_llama.evaluation_bam import PasskeyTemplate, build_passkey_prompt, evaluate_passkey
+
+    template = PasskeyTemplate(task="", filler="ab", info="k{passkey}.", question="?")  # bytes: 2, 7, 1
+    assert len(build_passkey_prompt(tokenizer, 12, 0.0, "12345", template, add_bos=True)) == 13
+    evaluate_passkey(tiny_bam(), tokenizer, [12], num_depths=1, template=template, add_bos=True, progress=False)
+    assert "below the passkey template" not in capsys.readouterr().err
+
+
 @pytest.fixture
 def saved_model(tmp_path, tokenizer):
     folder = tmp_path / "model"
