@@ -6,8 +6,9 @@ language reference + standard library sources, split by file) with a share of sy
 prompt `bam-demo` trains on, answer included) mixed into the training split, so the same models answer both
 questions. Then, for every model:
 
-* perplexity of whole held-out sequences of 1x, 2x, ..., 64x the training length (the held-out files run together
-  as one token stream, cut into non-overlapping sequences; a fixed number of sequences per length), log axes;
+* perplexity of whole held-out sequences of 1x, 2x, ..., 64x the training length, always of the same tokens: the
+  first 64x tokens of each of the first 8 held-out files that long, cut into non-overlapping sequences of each
+  length (so a sequence never spans two files), each behind BOS; log axes;
 * passkey retrieval at the same lengths, 20 depths each (`bam_llama.evaluation_bam.evaluate_passkey`);
 * RoPE also with Transformers' dynamic-NTK and YaRN `rope_parameters` set for each evaluation length (no
   retraining), the context extension a RoPE user would reach for.
@@ -37,8 +38,7 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPOSITORY))
 
 from bam_llama.corpus_bam import Document, corpus_statistics, python_documents, split_documents  # noqa: E402
-from bam_llama.demo import DEMO_TEMPLATE  # noqa: E402
-from bam_llama.evaluation_bam import random_passkey  # noqa: E402
+from bam_llama.evaluation_bam import PasskeyTemplate, random_passkey  # noqa: E402
 from bam_llama.io_bam import staged_output_dir  # noqa: E402
 
 
@@ -50,6 +50,13 @@ MODELS = {  # name: (bam-pretrain --positional, --ssmax)
     "rope": ("rope", False),
 }
 ROPE_EXTENSIONS = ("dynamic", "yarn")
+
+# bam-demo's prompt with each piece opening on a space: a byte-level BPE splits words with their leading space, so
+# the pieces tokenized one by one (as the evaluation builds its prompts) give the same tokens as the training
+# documents tokenized whole (checked by `check_template_tokenization`).
+TEXT_TEMPLATE = PasskeyTemplate(
+    task="", filler=" The sky is blue.", info=" The pass key is {passkey}.", question=" The pass key is",
+)
 
 
 @dataclass
@@ -67,8 +74,7 @@ class Recipe:
     passkey_share: float = 0.2  # passkey documents' share of the training characters
     heldout_fraction: float = 0.05
     max_train_characters: int | None = None  # None: the whole training split
-    max_heldout_characters: int | None = None  # None: the whole held-out split
-    perplexity_sequences: int = 4  # per length
+    perplexity_documents: int = 8  # at most: held-out files with at least the longest length of tokens
     num_depths: int = 20
     seed: int = 0
     threads: int | None = None  # torch threads; None: PyTorch's default (one per core)
@@ -80,7 +86,7 @@ class Recipe:
 
 QUICK = Recipe(
     train_length=32, scales=(1, 2, 4), hidden_size=32, layers=2, heads=4, steps=15, batch_size=4, learning_rate=3e-3,
-    warmup_steps=0, vocab_size=300, max_train_characters=20_000, max_heldout_characters=20_000, perplexity_sequences=2,
+    warmup_steps=0, vocab_size=300, max_train_characters=20_000, perplexity_documents=2,
     num_depths=2,
 )
 
@@ -90,11 +96,21 @@ QUICK = Recipe(
 
 def passkey_document(rng: random.Random, max_fillers: int) -> str:
     """The passkey prompt `bam-demo` evaluates (fillers, the key at a random depth, fillers, question) and answer."""
-    template = DEMO_TEMPLATE
+    template = TEXT_TEMPLATE
     passkey = random_passkey(rng, 5)
     before, after = rng.randint(0, max_fillers), rng.randint(0, max_fillers)
     info = template.info.format(passkey=passkey)
     return template.task + template.filler * before + info + template.filler * after + template.question + " " + passkey
+
+
+def check_template_tokenization(tokenizer) -> None:
+    """The passkey pieces must tokenize the same one by one (evaluation prompts) as whole (training documents)."""
+    template = TEXT_TEMPLATE
+    pieces = [template.filler, template.info.format(passkey="12345"), template.filler, template.question, " 12345"]
+    whole = tokenizer("".join(pieces), add_special_tokens=False)["input_ids"]
+    one_by_one = [token for piece in pieces for token in tokenizer(piece, add_special_tokens=False)["input_ids"]]
+    if whole != one_by_one:
+        raise ValueError(f"the tokenizer merges passkey pieces across their boundaries: {whole} != {one_by_one}")
 
 
 def first_documents(documents: list[Document], max_characters: int | None) -> list[Document]:
@@ -123,12 +139,20 @@ def training_texts(train: list[Document], recipe: Recipe) -> list[str]:
     return texts
 
 
-def heldout_stream(heldout: list[Document], tokenizer, recipe: Recipe) -> list[int]:
-    """The held-out files (cut to `max_heldout_characters`) run together in name order, each as <s> text </s>."""
-    stream = []
-    for document in first_documents(heldout, recipe.max_heldout_characters):
-        stream += [tokenizer.bos_token_id] + tokenizer(document.text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return stream
+def perplexity_documents(heldout: list[Document], tokenizer, recipe: Recipe) -> dict[str, list[int]]:
+    """The first `perplexity_documents` held-out files (name order) with at least the longest evaluation length of
+    tokens, each cut to that many tokens: every length is measured on these same tokens."""
+    longest = max(recipe.lengths)
+    documents = {}
+    for document in heldout:
+        tokens = tokenizer(document.text, add_special_tokens=False)["input_ids"]
+        if len(tokens) >= longest:
+            documents[document.name] = tokens[:longest]
+        if len(documents) == recipe.perplexity_documents:
+            break
+    if not documents:
+        raise ValueError(f"no held-out file has {longest} tokens: evaluate shorter lengths or hold out more files")
+    return documents
 
 
 # ------------------------------------------------------------------------------------------------- models
@@ -168,22 +192,38 @@ def load(folder: Path, extension: str | None, length: int, train_length: int):
     return AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32).eval()
 
 
-def evaluate(folder: Path, extension: str | None, stream: list[int], tokenizer, recipe: Recipe) -> dict:
+def sequence_perplexity(model, tokenizer, documents: dict[str, list[int]], length: int) -> float:
+    """Each document cut into whole sequences of `length` tokens, each behind BOS (as a document starts in
+    training) and run in one chunked forward; exp of the mean loss over all their tokens."""
+    import math
+
+    from bam_llama.evaluation_bam import evaluate_perplexity
+
+    log_perplexities = [
+        math.log(evaluate_perplexity(
+            model, tokenizer, tokens, [length], window=length, chunk_size=1024, max_sequences=None, add_bos=True,
+            progress=False,
+        ).perplexity[0])
+        for tokens in documents.values()
+    ]
+    return math.exp(sum(log_perplexities) / len(log_perplexities))  # every document has the same number of tokens
+
+
+def evaluate(folder: Path, extension: str | None, documents: dict[str, list[int]], tokenizer, recipe: Recipe) -> dict:
     """Whole-sequence perplexity and passkey accuracy per length (a RoPE extension is set per length)."""
-    from bam_llama.evaluation_bam import evaluate_passkey, evaluate_perplexity
+    from bam_llama.evaluation_bam import evaluate_passkey
 
     perplexity, passkey = {}, {}
     model = None
     for length in recipe.lengths:
         if model is None or extension is not None:
             model = load(folder, extension, length, recipe.train_length)
-        result = evaluate_perplexity(
-            model, tokenizer, stream, [length], window=length, chunk_size=1024,
-            max_sequences=recipe.perplexity_sequences, progress=False,
-        )
-        perplexity[length] = {"perplexity": result.perplexity[0], "sequences": result.num_sequences[0]}
+        perplexity[length] = {
+            "perplexity": sequence_perplexity(model, tokenizer, documents, length),
+            "sequences": len(documents) * (max(recipe.lengths) // length),
+        }
         keys = evaluate_passkey(
-            model, tokenizer, [length], num_depths=recipe.num_depths, seed=recipe.seed, template=DEMO_TEMPLATE,
+            model, tokenizer, [length], num_depths=recipe.num_depths, seed=recipe.seed, template=TEXT_TEMPLATE,
             add_bos=True, progress=False,
         )
         passkey[length] = keys.to_dict()
@@ -283,18 +323,19 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
         data.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
         tokenizer = train_bpe_tokenizer(texts, recipe.vocab_size)
         tokenizer.save_pretrained(work / "tokenizer")
-        stream = heldout_stream(heldout_documents, tokenizer, recipe)
+        check_template_tokenization(tokenizer)
+        documents = perplexity_documents(heldout_documents, tokenizer, recipe)
         corpus = corpus_statistics(train_documents, heldout_documents, recipe.heldout_fraction)
         corpus["train_used"] = {"texts": len(texts), "characters": sum(map(len, texts))}
-        corpus["heldout_used"] = {"tokens": len(stream)}
+        corpus["perplexity_documents"] = {name: len(tokens) for name, tokens in documents.items()}
         training, results = {}, {}
         for name in MODELS:
             folder, training[name] = train(name, data, work / "tokenizer", work, recipe)
-            results[name] = evaluate(folder, None, stream, tokenizer, recipe)
+            results[name] = evaluate(folder, None, documents, tokenizer, recipe)
             print(progress_line(name, results[name], recipe, started), flush=True)
             if name == "rope":
                 for extension in ROPE_EXTENSIONS:
-                    results[f"rope-{extension}"] = evaluate(folder, extension, stream, tokenizer, recipe)
+                    results[f"rope-{extension}"] = evaluate(folder, extension, documents, tokenizer, recipe)
                     print(progress_line(f"rope-{extension}", results[f"rope-{extension}"], recipe, started), flush=True)
         report = {
             "recipe": asdict(recipe),
@@ -310,8 +351,9 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
             (staging / "results.json").write_text(json.dumps(report, indent=2) + "\n")
             summary = (
                 f"Trained at {recipe.train_length} tokens for {recipe.steps} steps of {recipe.batch_size} rows; "
-                f"each perplexity point averages {recipe.perplexity_sequences} held-out sequences "
-                f"({recipe.perplexity_sequences} x length tokens); passkey at {recipe.num_depths} depths per length. "
+                f"each perplexity point averages the same {len(documents) * max(recipe.lengths)} tokens: the first "
+                f"{max(recipe.lengths)} of each of {len(documents)} held-out files ({', '.join(documents)}), cut into "
+                f"whole sequences of the length; passkey at {recipe.num_depths} depths per length. "
                 f"{report['minutes']:.1f} min, peak RSS {report['peak_rss_mib']:.0f} MiB, "
                 f"{report['machine']['threads']} threads, torch {torch.__version__}, transformers {transformers.__version__}.\n\n"
             )

@@ -27,7 +27,10 @@ def test_quick_run_writes_every_model_at_every_length(tmp_path):
         assert list(result["perplexity"]) == lengths and list(result["passkey"]) == lengths
         for length in lengths:
             point = result["perplexity"][length]
-            assert point["sequences"] == report["recipe"]["perplexity_sequences"]
+            documents = report["corpus"]["perplexity_documents"]
+            longest = int(lengths[-1])
+            assert list(documents.values()) == [longest] * report["recipe"]["perplexity_documents"]
+            assert point["sequences"] == len(documents) * longest // int(length)  # the same tokens at every length
             assert 1 < point["perplexity"] < 2 * report["training"]["bam"]["vocab_size"], (name, length, point)
             assert len(result["passkey"][length]["correct"][0]) == report["recipe"]["num_depths"]
         assert (output / f"passkey-{name}.png").stat().st_size > 0
@@ -36,3 +39,63 @@ def test_quick_run_writes_every_model_at_every_length(tmp_path):
     assert (output / "perplexity.png").stat().st_size > 0
     assert "| rope-yarn |" in (output / "results.md").read_text()
     assert not [path for path in tmp_path.iterdir() if path.name.endswith(".partial")]
+
+
+def load_benchmark():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("text_extrapolation", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_training_passkey_documents_tokenize_like_the_evaluation_prompts():
+    """The evaluation tokenizes the prompt's pieces one by one; a training document is tokenized whole. With a
+    byte-level BPE they must give the same tokens, or the models are asked in a form they never saw."""
+    import random
+
+    from bam_llama.corpus_bam import python_documents, split_documents
+    from bam_llama.evaluation_bam import build_passkey_prompt
+    from bam_llama.tokenization_bam import train_bpe_tokenizer
+
+    benchmark = load_benchmark()
+    recipe = benchmark.QUICK
+    texts = benchmark.training_texts(split_documents(python_documents(), 0.05)[0], recipe)
+    tokenizer = train_bpe_tokenizer(texts, 1000)
+    template = benchmark.TEXT_TEMPLATE
+    passkey_texts = [text for text in texts if template.question in text]
+    assert passkey_texts
+    for text in passkey_texts[:50]:
+        prompt_text, passkey = text.rsplit(" ", 1)
+        whole = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        before = prompt_text.split(template.info.format(passkey=passkey))[0].count(template.filler)
+        total = prompt_text.count(template.filler)
+        # the evaluation's prompt with these fillers: its length in tokens and the depth of the key
+        length = len(whole)
+        depth = before / total if total else 0.0
+        prompt = build_passkey_prompt(tokenizer, length, depth, passkey, template)
+        assert prompt == whole, (text, tokenizer.convert_ids_to_tokens(prompt), tokenizer.convert_ids_to_tokens(whole))
+        answer = tokenizer(text, add_special_tokens=False)["input_ids"][len(whole):]
+        assert tokenizer.decode(answer).strip() == passkey and len(answer) == 1 + len(passkey)  # space, then digits
+    benchmark.check_template_tokenization(tokenizer)
+
+
+def test_perplexity_uses_the_same_prefix_of_long_held_out_files_at_every_length():
+    from dataclasses import replace
+
+    from bam_llama.corpus_bam import Document
+    from bam_llama.tokenization_bam import build_byte_tokenizer
+
+    benchmark = load_benchmark()
+    recipe = replace(benchmark.QUICK, train_length=8, scales=(1, 2, 4), perplexity_documents=2)
+    held_out = [Document("a.py", "x" * 31), Document("b.py", "y" * 40), Document("c.py", "z" * 32), Document("d.py", "w" * 99)]
+    documents = benchmark.perplexity_documents(held_out, build_byte_tokenizer(), recipe)
+    assert list(documents) == ["b.py", "c.py"] and all(len(tokens) == 32 for tokens in documents.values())
+    try:
+        benchmark.perplexity_documents(held_out[:1], build_byte_tokenizer(), recipe)
+    except ValueError as error:
+        assert "32 tokens" in str(error)
+    else:
+        raise AssertionError("no held-out file is long enough: expected a ValueError")
