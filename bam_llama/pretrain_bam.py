@@ -61,6 +61,7 @@ PRESETS = {
 }
 DEFAULT_PRESET = "l12"
 POSITIONALS = ("bam", "alibi", "nope", "rope")
+PRIOR_SCOPES = ("global", "layer")  # BamLlamaConfig.prior_scope; not imported, so --help loads no transformers
 BUILT_IN_TOKENIZERS = ("byte", "bpe")
 LLAMA_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 SMALLEST_BPE_VOCABULARY = 3 + 256  # <pad>, <s>, </s> and every byte, as tokenization_bam builds it
@@ -76,6 +77,7 @@ class PretrainArguments(TrainingRunArguments):
     context_length: int = 512
     positional: str = "bam"
     ssmax: bool = False
+    prior_scope: str = "global"
     preset: str | None = None
     hidden_size: int | None = None
     num_hidden_layers: int | None = None
@@ -124,6 +126,10 @@ def check_arguments(args: PretrainArguments) -> None:
         raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {args.preset!r}")
     if args.ssmax and args.positional == "rope":
         raise ValueError("--ssmax is a BamLlama option; --positional rope trains Transformers' LlamaForCausalLM")
+    if args.prior_scope not in PRIOR_SCOPES:
+        raise ValueError(f"--prior-scope must be one of {', '.join(PRIOR_SCOPES)}, got {args.prior_scope!r}")
+    if args.prior_scope != "global" and args.positional == "rope":
+        raise ValueError("--prior-scope is a BamLlama option; --positional rope trains Transformers' LlamaForCausalLM")
     sizes = args.model_sizes()
     hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
     if hidden % heads:
@@ -251,7 +257,8 @@ def build_config(args: PretrainArguments, vocab_size: int, token_ids: dict[str, 
         "nope": dict(theta_alpha_init=0.0, theta_beta_init=0.0, train_theta_alpha=False, train_theta_beta=False),
     }[args.positional]
     return BamLlamaConfig(
-        train_context_length=args.context_length, theta_mu_init=0.0, train_theta_mu=False, ssmax=args.ssmax, **prior, **common
+        train_context_length=args.context_length, theta_mu_init=0.0, train_theta_mu=False, ssmax=args.ssmax,
+        prior_scope=args.prior_scope, **prior, **common
     )
 
 
@@ -407,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--positional", choices=POSITIONALS, default=defaults.positional,
                         help="bam: learned GGD prior (paper init); alibi / nope: the prior fixed to ALiBi / flat; rope: Llama")
     parser.add_argument("--ssmax", action="store_true", help="Scalable Softmax (BamLlama models only)")
+    parser.add_argument("--prior-scope", choices=PRIOR_SCOPES, default=defaults.prior_scope,
+                        help="global: one prior per head shared by all layers (the reference's default); layer: one per "
+                        "layer and head (the paper's parameter count). BamLlama models only")
     parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
                         help=f"the paper's sizes (default {DEFAULT_PRESET}: 768 hidden, 12 layers, 16 heads); size flags override")
     parser.add_argument("--hidden-size", type=positive_int, default=None)

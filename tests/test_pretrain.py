@@ -173,12 +173,36 @@ def test_bpe_tokenizer_splits_digits_one_per_token_and_round_trips():
     assert len(ids) < len(text.encode())  # merges were learned
 
 
+@pytest.mark.parametrize("positional", ["bam", "alibi"])
+def test_a_prior_per_layer_trains_each_layer_apart_or_stays_fixed(data, tmp_path, positional):
+    """--prior-scope layer: one prior per layer and head (none shared); bam trains each layer's own way, alibi keeps
+    every layer at ALiBi's slopes."""
+    args = arguments(data, tmp_path / "run", positional=positional, prior_scope="layer")
+    summary, model, _ = run_pretraining(args)
+    assert summary.loss_after < summary.loss_before - 1.0
+    assert model.model.prior is None
+    layers = [layer.self_attn.prior for layer in model.model.layers]
+    heads = TINY_SIZES["num_attention_heads"]
+    if positional == "bam":
+        assert all(prior.theta_beta.abs().min() > 0 for prior in layers)
+        assert not torch.equal(layers[0].theta_beta, layers[1].theta_beta)  # not one prior seen twice
+    else:
+        slopes = torch.tensor([2.0 ** (-8.0 * (head + 1) / heads) for head in range(heads)])
+        for prior in layers:
+            assert torch.equal(prior.theta_alpha.detach(), slopes.log()) and torch.equal(prior.theta_beta.detach(), torch.ones(heads))
+    config = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
+    assert config["prior_scope"] == "layer"
+    reloaded_logits_match(model, tmp_path / "run" / "model")
+
+
 @pytest.mark.parametrize(
     "argv,named",
     [
         (["--positional", "sinusoidal"], "--positional"),
         (["--preset", "l99"], "--preset"),
         (["--positional", "rope", "--ssmax"], "--ssmax"),
+        (["--positional", "rope", "--prior-scope", "layer"], "--prior-scope"),
+        (["--prior-scope", "head"], "--prior-scope"),
         (["--hidden-size", "30", "--heads", "4"], "--hidden-size"),
         (["--heads", "4", "--kv-heads", "3", "--hidden-size", "32"], "--kv-heads"),
         (["--positional", "rope", "--hidden-size", "36", "--heads", "4"], "head size"),
@@ -248,3 +272,10 @@ def test_an_earlier_run_is_kept_unless_overwritten_and_a_held_folder_is_refused(
     assert main([*argv, "--overwrite-output-dir"]) == 0
     assert (output_dir / "model" / "model.safetensors").read_bytes() != weights
     assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+def test_prior_scope_choices_are_the_configs():
+    from bam_llama import pretrain_bam
+    from bam_llama.configuration_bam import PRIOR_SCOPES
+
+    assert pretrain_bam.PRIOR_SCOPES == PRIOR_SCOPES
