@@ -53,7 +53,7 @@ ROPE_EXTENSIONS = ("dynamic", "yarn")
 
 # bam-demo's prompt with each piece opening on a space: a byte-level BPE splits words with their leading space, so
 # the pieces tokenized one by one (as the evaluation builds its prompts) give the same tokens as the training
-# documents tokenized whole (checked by `check_template_tokenization`).
+# documents tokenized whole (checked by `check_passkey_documents`).
 TEXT_TEMPLATE = PasskeyTemplate(
     task="", filler=" The sky is blue.", info=" The pass key is {passkey}.", question=" The pass key is",
 )
@@ -86,7 +86,7 @@ class Recipe:
 
 QUICK = Recipe(
     train_length=32, scales=(1, 2, 4), hidden_size=32, layers=2, heads=4, steps=15, batch_size=4, learning_rate=3e-3,
-    warmup_steps=0, vocab_size=300, max_train_characters=20_000, perplexity_documents=2,
+    warmup_steps=0, vocab_size=1000, max_train_characters=20_000, perplexity_documents=2,
     num_depths=2,
 )
 
@@ -94,23 +94,43 @@ QUICK = Recipe(
 # ------------------------------------------------------------------------------------------------- data
 
 
+# Token counts of the passkey pieces in the benchmark's BPE (digits one per token): BOS, info line 11, question 4,
+# answer 6 (a space, then the digits), EOS, and one to spare; a filler is 5 (' The', ' sky', ' is', ' blue', '.').
+PASSKEY_OVERHEAD_TOKENS = 24
+FILLER_TOKENS = 5
+
+
+def max_passkey_fillers(train_length: int) -> int:
+    """The most fillers a passkey document can hold and still fit in one training row."""
+    return max((train_length - PASSKEY_OVERHEAD_TOKENS) // FILLER_TOKENS, 0)
+
+
 def passkey_document(rng: random.Random, max_fillers: int) -> str:
-    """The passkey prompt `bam-demo` evaluates (fillers, the key at a random depth, fillers, question) and answer."""
+    """The passkey prompt the evaluation builds and its answer: 0 to `max_fillers` fillers in all (so documents run
+    up to the training length, as the evaluation's prompts do at 1x), the key at a uniformly drawn depth."""
     template = TEXT_TEMPLATE
     passkey = random_passkey(rng, 5)
-    before, after = rng.randint(0, max_fillers), rng.randint(0, max_fillers)
+    total = rng.randint(0, max_fillers)
+    before = rng.randint(0, total)
     info = template.info.format(passkey=passkey)
-    return template.task + template.filler * before + info + template.filler * after + template.question + " " + passkey
+    return template.task + template.filler * before + info + template.filler * (total - before) + template.question + " " + passkey
 
 
-def check_template_tokenization(tokenizer) -> None:
-    """The passkey pieces must tokenize the same one by one (evaluation prompts) as whole (training documents)."""
+def check_passkey_documents(tokenizer, train_length: int) -> None:
+    """The passkey pieces must tokenize the same one by one (evaluation prompts) as whole (training documents), and
+    the longest document must fit in one training row (split over two, its answer would lose its key)."""
     template = TEXT_TEMPLATE
-    pieces = [template.filler, template.info.format(passkey="12345"), template.filler, template.question, " 12345"]
+    fillers = max_passkey_fillers(train_length)
+    pieces = [template.info.format(passkey="12345"), *[template.filler] * fillers, template.question, " 12345"]
     whole = tokenizer("".join(pieces), add_special_tokens=False)["input_ids"]
     one_by_one = [token for piece in pieces for token in tokenizer(piece, add_special_tokens=False)["input_ids"]]
     if whole != one_by_one:
         raise ValueError(f"the tokenizer merges passkey pieces across their boundaries: {whole} != {one_by_one}")
+    if len(whole) + 2 > train_length:
+        raise ValueError(
+            f"a passkey document of {fillers} fillers has {len(whole)} tokens plus BOS and EOS, more than the "
+            f"training length {train_length}: the tokenizer splits the pieces finer than {FILLER_TOKENS} tokens a filler"
+        )
 
 
 def first_documents(documents: list[Document], max_characters: int | None) -> list[Document]:
@@ -130,7 +150,7 @@ def training_texts(train: list[Document], recipe: Recipe) -> list[str]:
     rng = random.Random(recipe.seed)
     texts = [document.text for document in first_documents(train, recipe.max_train_characters)]
     characters = sum(map(len, texts))
-    max_fillers = max(1, recipe.train_length // 16)  # about 5 tokens a filler: a document fits the training length
+    max_fillers = max_passkey_fillers(recipe.train_length)
     passkey_characters = recipe.passkey_share / (1 - recipe.passkey_share) * characters
     while passkey_characters > 0:
         document = passkey_document(rng, max_fillers)
@@ -158,7 +178,7 @@ def perplexity_documents(heldout: list[Document], tokenizer, recipe: Recipe) -> 
 # ------------------------------------------------------------------------------------------------- models
 
 
-def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe):
+def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe, **overrides):
     from bam_llama.pretrain_bam import PretrainArguments, run_pretraining
 
     positional, ssmax = MODELS[name]
@@ -168,7 +188,7 @@ def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe
         num_attention_heads=recipe.heads, tokenizer=str(tokenizer_dir), learning_rate=recipe.learning_rate,
         warmup_steps=recipe.warmup_steps, max_steps=recipe.steps, per_device_train_batch_size=recipe.batch_size,
         save_steps=max(recipe.steps, 1), save_total_limit=1, logging_steps=max(recipe.steps // 10, 1),
-        seed=recipe.seed, disable_progress_bars=True, eval_rows=8,
+        seed=recipe.seed, disable_progress_bars=True, eval_rows=8, **overrides,
     )
     started = time.perf_counter()
     summary, _, _ = run_pretraining(args)
@@ -323,7 +343,7 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
         data.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
         tokenizer = train_bpe_tokenizer(texts, recipe.vocab_size)
         tokenizer.save_pretrained(work / "tokenizer")
-        check_template_tokenization(tokenizer)
+        check_passkey_documents(tokenizer, recipe.train_length)
         documents = perplexity_documents(heldout_documents, tokenizer, recipe)
         corpus = corpus_statistics(train_documents, heldout_documents, recipe.heldout_fraction)
         corpus["train_used"] = {"texts": len(texts), "characters": sum(map(len, texts))}

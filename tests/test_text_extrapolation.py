@@ -79,7 +79,7 @@ def test_training_passkey_documents_tokenize_like_the_evaluation_prompts():
         assert prompt == whole, (text, tokenizer.convert_ids_to_tokens(prompt), tokenizer.convert_ids_to_tokens(whole))
         answer = tokenizer(text, add_special_tokens=False)["input_ids"][len(whole):]
         assert tokenizer.decode(answer).strip() == passkey and len(answer) == 1 + len(passkey)  # space, then digits
-    benchmark.check_template_tokenization(tokenizer)
+    benchmark.check_passkey_documents(tokenizer, 128)
 
 
 def test_perplexity_uses_the_same_prefix_of_long_held_out_files_at_every_length():
