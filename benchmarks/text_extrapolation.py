@@ -71,7 +71,8 @@ class Recipe:
     learning_rate: float = 1e-3
     warmup_steps: int = 100
     vocab_size: int = 4096
-    passkey_share: float = 0.2  # passkey documents' share of the training characters
+    passkey_share: float = 0.5  # passkey documents' share of the training characters
+    prior_scope: str = "layer"  # BamLlama models: one prior per layer and head
     heldout_fraction: float = 0.05
     max_train_characters: int | None = None  # None: the whole training split
     perplexity_documents: int = 8  # at most: held-out files with at least the longest length of tokens
@@ -188,7 +189,8 @@ def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe
         num_attention_heads=recipe.heads, tokenizer=str(tokenizer_dir), learning_rate=recipe.learning_rate,
         warmup_steps=recipe.warmup_steps, max_steps=recipe.steps, per_device_train_batch_size=recipe.batch_size,
         save_steps=max(recipe.steps, 1), save_total_limit=1, logging_steps=max(recipe.steps // 10, 1),
-        seed=recipe.seed, disable_progress_bars=True, eval_rows=8, **overrides,
+        seed=recipe.seed, disable_progress_bars=True, eval_rows=8,
+        **({} if positional == "rope" else {"prior_scope": recipe.prior_scope}), **overrides,
     )
     started = time.perf_counter()
     summary, _, _ = run_pretraining(args)
