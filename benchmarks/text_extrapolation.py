@@ -359,6 +359,7 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
                 for extension in ROPE_EXTENSIONS:
                     results[f"rope-{extension}"] = evaluate(folder, extension, documents, tokenizer, recipe)
                     print(progress_line(f"rope-{extension}", results[f"rope-{extension}"], recipe, started), flush=True)
+        training = json.loads(json.dumps(training).replace(str(work), "<scratch>"))  # no local paths in results
         report = {
             "recipe": asdict(recipe),
             "corpus": corpus,

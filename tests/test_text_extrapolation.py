@@ -39,6 +39,7 @@ def test_quick_run_writes_every_model_at_every_length(tmp_path):
     assert (output / "perplexity.png").stat().st_size > 0
     assert "| rope-yarn |" in (output / "results.md").read_text()
     assert not [path for path in tmp_path.iterdir() if path.name.endswith(".partial")]
+    assert "text-extrapolation-" not in (output / "results.json").read_text()  # the scratch folder's paths
 
 
 def load_benchmark():
