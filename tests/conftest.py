@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,12 @@ _import_triton_for_the_interpreter()
 
 
 FIXTURES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "official-bam"
+
+
+def default_sigint() -> None:
+    """Popen's preexec_fn for a child the test interrupts: the suite run as a background job (`bash .ci/run &` in
+    a non-interactive shell) hands its children an ignored SIGINT, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def checkout_environment(**variables: str) -> dict[str, str]:

@@ -168,7 +168,7 @@ def test_ctrl_c_leaves_no_partial_result_and_keeps_an_earlier_one(tmp_path, earl
     import signal
     import threading
 
-    from conftest import checkout_environment
+    from conftest import checkout_environment, default_sigint
 
     output = tmp_path / "runs" / "bam-demo-output"
     output.parent.mkdir()
@@ -183,6 +183,7 @@ def test_ctrl_c_leaves_no_partial_result_and_keeps_an_earlier_one(tmp_path, earl
         [sys.executable, str(tmp_path / "demo.py"), "--quick", "--models", "bam", "--output-dir", str(output)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=checkout_environment(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"),
+        preexec_fn=default_sigint,
     )
     lines, errors = queue.Queue(), []
     threading.Thread(target=lambda: [lines.put(line.strip()) for line in process.stdout], daemon=True).start()

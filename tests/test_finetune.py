@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import checkout_environment, tiny_model
+from conftest import checkout_environment, default_sigint, tiny_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -504,7 +504,9 @@ class ChildProcess:
     come with a deadline, and its stderr is kept for failure messages."""
 
     def __init__(self, command, environment):
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, preexec_fn=default_sigint,
+        )
         self.lines, self.stderr = queue.Queue(), []
         threading.Thread(target=self._read, args=(self.process.stdout, self.lines.put), daemon=True).start()
         threading.Thread(target=self._read, args=(self.process.stderr, self.stderr.append), daemon=True).start()
