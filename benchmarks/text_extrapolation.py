@@ -79,6 +79,7 @@ class Recipe:
     num_depths: int = 20
     seed: int = 0
     threads: int | None = None  # torch threads; None: PyTorch's default (one per core)
+    models: tuple[str, ...] = tuple(MODELS)  # which of MODELS to train (rope brings its two extensions)
 
     @property
     def lengths(self) -> list[int]:
@@ -88,7 +89,7 @@ class Recipe:
 QUICK = Recipe(
     train_length=32, scales=(1, 2, 4), hidden_size=32, layers=2, heads=4, steps=15, batch_size=4, learning_rate=3e-3,
     warmup_steps=0, vocab_size=1000, max_train_characters=20_000, perplexity_documents=2,
-    num_depths=2,
+    num_depths=2, threads=1,
 )
 
 
@@ -214,21 +215,29 @@ def load(folder: Path, extension: str | None, length: int, train_length: int):
     return AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32).eval()
 
 
-def sequence_perplexity(model, tokenizer, documents: dict[str, list[int]], length: int) -> float:
+def sequence_perplexity(model, tokenizer, documents: dict[str, list[int]], length: int, train_length: int) -> dict:
     """Each document cut into whole sequences of `length` tokens, each behind BOS (as a document starts in
-    training) and run in one chunked forward; exp of the mean loss over all their tokens."""
+    training) and run in one chunked forward. `perplexity`: exp of the mean loss over all their tokens (the paper's
+    measure); `past_training_length`: the same over the positions past `train_length` only (None at 1x), where a
+    positional encoding meets distances it never trained on."""
     import math
 
     from bam_llama.evaluation_bam import evaluate_perplexity
 
-    log_perplexities = [
-        math.log(evaluate_perplexity(
-            model, tokenizer, tokens, [length], window=length, chunk_size=1024, max_sequences=None, add_bos=True,
-            progress=False,
-        ).perplexity[0])
-        for tokens in documents.values()
-    ]
-    return math.exp(sum(log_perplexities) / len(log_perplexities))  # every document has the same number of tokens
+    whole, past = [], []
+    for tokens in documents.values():
+        result = evaluate_perplexity(
+            model, tokenizer, tokens, [length], window=train_length, chunk_size=1024, max_sequences=None,
+            add_bos=True, progress=False,
+        )
+        whole.append(math.log(result.perplexity[0]))
+        past_windows = [math.log(value) for value in result.window_perplexity[0][1:]]  # windows of equal size
+        past.append(sum(past_windows) / len(past_windows) if past_windows else None)
+
+    def mean_exp(logs: list[float]) -> float:  # every document has the same number of tokens
+        return math.exp(sum(logs) / len(logs))
+
+    return {"perplexity": mean_exp(whole), "past_training_length": None if None in past else mean_exp(past)}
 
 
 def evaluate(folder: Path, extension: str | None, documents: dict[str, list[int]], tokenizer, recipe: Recipe) -> dict:
@@ -241,7 +250,7 @@ def evaluate(folder: Path, extension: str | None, documents: dict[str, list[int]
         if model is None or extension is not None:
             model = load(folder, extension, length, recipe.train_length)
         perplexity[length] = {
-            "perplexity": sequence_perplexity(model, tokenizer, documents, length),
+            **sequence_perplexity(model, tokenizer, documents, length, recipe.train_length),
             "sequences": len(documents) * (max(recipe.lengths) // length),
         }
         keys = evaluate_passkey(
@@ -274,11 +283,21 @@ def tables(results: dict, recipe: Recipe) -> str:
         f"| {name} | " + " | ".join(f"{result['perplexity'][length]['perplexity']:.2f}" for length in recipe.lengths) + " |"
         for name, result in results.items()
     ]
+    longer = recipe.lengths[1:]
+    past = ["| model | " + " | ".join(f"{length} ({length // recipe.train_length}x)" for length in longer) + " |",
+            "|---|" + "---:|" * len(longer)] + [
+        f"| {name} | " + " | ".join(f"{result['perplexity'][length]['past_training_length']:.2f}" for length in longer) + " |"
+        for name, result in results.items()
+    ]
     passkey = [header, rule] + [
         f"| {name} | " + " | ".join(f"{accuracy(result['passkey'][length]):.0%}" for length in recipe.lengths) + " |"
         for name, result in results.items()
     ]
-    return "Held-out perplexity (whole sequences)\n\n" + "\n".join(perplexity) + "\n\nPasskey retrieval\n\n" + "\n".join(passkey) + "\n"
+    return (
+        "Held-out perplexity (whole sequences)\n\n" + "\n".join(perplexity)
+        + f"\n\nHeld-out perplexity of the positions past the training length ({recipe.train_length}) only\n\n"
+        + "\n".join(past) + "\n\nPasskey retrieval\n\n" + "\n".join(passkey) + "\n"
+    )
 
 
 def target_lines(results: dict, recipe: Recipe) -> list[str]:
@@ -292,15 +311,15 @@ def target_lines(results: dict, recipe: Recipe) -> list[str]:
         return accuracy(results[name]["passkey"][length[scale]])
 
     lines = []
-    if {1, 64} <= set(length):
+    if {1, 64} <= set(length) and "bam" in results:
         ratio = perplexity("bam", 64) / perplexity("bam", 1)
         lines.append(f"BAM perplexity 64x / 1x = {ratio:.3f} (target <= 1.10): {'met' if ratio <= 1.10 else 'MISSED'}")
     if {1, 8} <= set(length):
-        for name in ("rope", "nope"):
+        for name in [name for name in ("rope", "nope") if name in results]:
             ratio = perplexity(name, 8) / perplexity(name, 1)
             lines.append(f"{name} perplexity 8x / 1x = {ratio:.2f} (target >= 3): {'met' if ratio >= 3 else 'MISSED'}")
     for scale in (32, 64):
-        if scale in length:
+        if scale in length and {"bam", "alibi"} <= set(results):
             bam, alibi = passkey("bam", scale), passkey("alibi", scale)
             met = bam >= 0.9 and bam - alibi >= 0.3
             lines.append(f"passkey at {scale}x: BAM {bam:.0%}, ALiBi {alibi:.0%} (target BAM >= 90% and >= 30 points "
@@ -351,7 +370,7 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
         corpus["train_used"] = {"texts": len(texts), "characters": sum(map(len, texts))}
         corpus["perplexity_documents"] = {name: len(tokens) for name, tokens in documents.items()}
         training, results = {}, {}
-        for name in MODELS:
+        for name in recipe.models:
             folder, training[name] = train(name, data, work / "tokenizer", work, recipe)
             results[name] = evaluate(folder, None, documents, tokenizer, recipe)
             print(progress_line(name, results[name], recipe, started), flush=True)
@@ -399,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="default benchmarks/results/text-extrapolation (with --quick: text-extrapolation-quick)")
     parser.add_argument("--steps", type=int, default=None, help="override the recipe's training steps")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's; --quick: 1)")
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated subset of {','.join(MODELS)} (default: all; rope brings its extensions)")
     args = parser.parse_args(argv)
     recipe = QUICK if args.quick else Recipe()
     if args.steps is not None:
@@ -409,6 +430,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads <= 0:
             parser.error(f"--threads must be positive, got {args.threads}")
         recipe = replace(recipe, threads=args.threads)
+    if args.models is not None:
+        models = tuple(name.strip() for name in args.models.split(","))
+        unknown = [name for name in models if name not in MODELS]
+        if unknown or not models or len(set(models)) != len(models):
+            parser.error(f"--models takes distinct names from {', '.join(MODELS)}, got {args.models!r}")
+        recipe = replace(recipe, models=models)
     output_dir = args.output_dir or REPOSITORY / "benchmarks" / "results" / ("text-extrapolation-quick" if args.quick else "text-extrapolation")
     run(recipe, output_dir)
     return 0
