@@ -8,7 +8,10 @@ same Trainer set-up (`trainer_bam`), with one recipe for every positional encodi
   mu frozen; `--ssmax` adds Scalable Softmax;
 * `alibi`: BamLlama with the prior fixed to ALiBi's slopes (theta_alpha = log slope, theta_beta = 1, frozen);
 * `nope`: BamLlama with a flat prior, fixed (theta_beta = 0: the same bias at every distance, so no position);
-* `rope`: Transformers' `LlamaForCausalLM` of the same sizes.
+* `rope`: Transformers' `LlamaForCausalLM` of the same sizes (RoPE base 500,000 as in the reference's baselines);
+* `rope-local`: the paper's "RoPE local", Transformers' `MistralForCausalLM` (Llama's architecture with a sliding
+  window) whose window is the training length: trained like `rope`, but at any length each query sees only the last
+  context-length tokens, the distances it trained on.
 
 Sizes: the paper's presets (`--preset l6 ... l24`: SwiGLU width 2x hidden, multi-head attention, untied output),
 each field overridable by the size flags. Tokenizer: `byte` (built in), `bpe` (trained on the training documents
@@ -60,9 +63,11 @@ PRESETS = {
     "l24": (2048, 24, 64),
 }
 DEFAULT_PRESET = "l12"
-POSITIONALS = ("bam", "alibi", "nope", "rope")
+POSITIONALS = ("bam", "alibi", "nope", "rope", "rope-local")
+ROTARY_POSITIONALS = ("rope", "rope-local")  # Transformers' own models: Llama, and Mistral for its sliding window
 PRIOR_SCOPES = ("global", "layer")  # BamLlamaConfig.prior_scope; not imported, so --help loads no transformers
 BUILT_IN_TOKENIZERS = ("byte", "bpe")
+REFERENCE_ROPE_THETA = 500_000.0  # the reference's RoPE baselines (and Llama 3); Transformers' LlamaConfig: 10,000
 LLAMA_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 SMALLEST_BPE_VOCABULARY = 3 + 256  # <pad>, <s>, </s> and every byte, as tokenization_bam builds it
 
@@ -78,6 +83,7 @@ class PretrainArguments(TrainingRunArguments):
     positional: str = "bam"
     ssmax: bool = False
     prior_scope: str = "global"
+    rope_theta: float | None = None  # RoPE only; None: REFERENCE_ROPE_THETA
     preset: str | None = None
     hidden_size: int | None = None
     num_hidden_layers: int | None = None
@@ -124,21 +130,26 @@ def check_arguments(args: PretrainArguments) -> None:
         raise ValueError(f"--positional must be one of {', '.join(POSITIONALS)}, got {args.positional!r}")
     if args.preset is not None and args.preset not in PRESETS:
         raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {args.preset!r}")
-    if args.ssmax and args.positional == "rope":
-        raise ValueError("--ssmax is a BamLlama option; --positional rope trains Transformers' LlamaForCausalLM")
+    rotary = args.positional in ROTARY_POSITIONALS
+    if args.ssmax and rotary:
+        raise ValueError(f"--ssmax is a BamLlama option; --positional {args.positional} trains a Transformers model")
     if args.prior_scope not in PRIOR_SCOPES:
         raise ValueError(f"--prior-scope must be one of {', '.join(PRIOR_SCOPES)}, got {args.prior_scope!r}")
-    if args.prior_scope != "global" and args.positional == "rope":
-        raise ValueError("--prior-scope is a BamLlama option; --positional rope trains Transformers' LlamaForCausalLM")
+    if args.prior_scope != "global" and rotary:
+        raise ValueError(f"--prior-scope is a BamLlama option; --positional {args.positional} trains a Transformers model")
+    if args.rope_theta is not None and not rotary:
+        raise ValueError(f"--rope-theta is a RoPE option; --positional {args.positional} has no rotary embedding")
+    if args.rope_theta is not None and not args.rope_theta > 0:
+        raise ValueError(f"--rope-theta must be positive, got {args.rope_theta}")
     sizes = args.model_sizes()
     hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
     if hidden % heads:
         raise ValueError(f"--hidden-size ({hidden}) must be divisible by --heads ({heads})")
     if heads % kv_heads:
         raise ValueError(f"--kv-heads ({kv_heads}) must divide --heads ({heads})")
-    if args.positional == "rope" and args.attn_implementation not in (None, *LLAMA_ATTENTION):
-        raise ValueError(f"--attn-implementation {args.attn_implementation}: Llama (--positional rope) takes {', '.join(LLAMA_ATTENTION)}")
-    if args.positional == "rope" and (hidden // heads) % 2:
+    if rotary and args.attn_implementation not in (None, *LLAMA_ATTENTION):
+        raise ValueError(f"--attn-implementation {args.attn_implementation}: --positional {args.positional} takes {', '.join(LLAMA_ATTENTION)}")
+    if rotary and (hidden // heads) % 2:
         raise ValueError(f"RoPE needs an even head size; --hidden-size {hidden} / --heads {heads} = {hidden // heads}")
     check_tokenizer_choice(args.tokenizer)
     if args.tokenizer == "bpe" and args.vocab_size < SMALLEST_BPE_VOCABULARY:
@@ -241,12 +252,22 @@ def special_token_ids(tokenizer) -> dict[str, int | None]:
 
 
 def build_config(args: PretrainArguments, vocab_size: int, token_ids: dict[str, int | None]):
-    """A fresh BamLlamaConfig (bam, alibi, nope) or LlamaConfig (rope) of the run's sizes."""
+    """A fresh BamLlamaConfig (bam, alibi, nope), LlamaConfig (rope) or MistralConfig (rope-local) of the run's
+    sizes."""
     common = dict(vocab_size=vocab_size, tie_word_embeddings=False, **args.model_sizes(), **token_ids)
-    if args.positional == "rope":
-        from transformers import LlamaConfig
+    if args.positional in ROTARY_POSITIONALS:
+        rotary = dict(
+            max_position_embeddings=args.context_length,
+            rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta or REFERENCE_ROPE_THETA}, **common,
+        )
+        if args.positional == "rope":
+            from transformers import LlamaConfig
 
-        config = LlamaConfig(max_position_embeddings=args.context_length, attention_bias=False, mlp_bias=False, **common)
+            config = LlamaConfig(attention_bias=False, mlp_bias=False, **rotary)
+        else:  # the paper's "RoPE local": each query sees the last context-length tokens, at any length
+            from transformers import MistralConfig
+
+            config = MistralConfig(sliding_window=args.context_length, **rotary)
         config.train_context_length = args.context_length
         return config
     from .configuration_bam import BamLlamaConfig
@@ -265,10 +286,10 @@ def build_config(args: PretrainArguments, vocab_size: int, token_ids: dict[str, 
 def build_model(args: PretrainArguments, config):
     import torch
 
-    if args.positional == "rope":
-        from transformers import LlamaForCausalLM
+    if args.positional in ROTARY_POSITIONALS:
+        from transformers import AutoModelForCausalLM
 
-        model = LlamaForCausalLM._from_config(config, attn_implementation=args.attn_implementation or "sdpa", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn_implementation or "sdpa", dtype=torch.float32)
     else:
         from .modeling_bam import BamLlamaForCausalLM
 
@@ -412,11 +433,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_arguments(parser)
     parser.add_argument("--context-length", type=positive_int, default=defaults.context_length, help="training length in tokens")
     parser.add_argument("--positional", choices=POSITIONALS, default=defaults.positional,
-                        help="bam: learned GGD prior (paper init); alibi / nope: the prior fixed to ALiBi / flat; rope: Llama")
+                        help="bam: learned GGD prior (paper init); alibi / nope: the prior fixed to ALiBi / flat; rope: Llama; "
+                        "rope-local: RoPE with a sliding window of the training length (Mistral)")
     parser.add_argument("--ssmax", action="store_true", help="Scalable Softmax (BamLlama models only)")
     parser.add_argument("--prior-scope", choices=PRIOR_SCOPES, default=defaults.prior_scope,
                         help="global: one prior per head shared by all layers (the reference's default); layer: one per "
                         "layer and head (the paper's parameter count). BamLlama models only")
+    parser.add_argument("--rope-theta", type=positive_float, default=None,
+                        help=f"RoPE base with --positional rope / rope-local (default {REFERENCE_ROPE_THETA:g}: the reference's RoPE "
+                        "baselines; Transformers' Llama default is 10000)")
     parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
                         help=f"the paper's sizes (default {DEFAULT_PRESET}: 768 hidden, 12 layers, 16 heads); size flags override")
     parser.add_argument("--hidden-size", type=positive_int, default=None)

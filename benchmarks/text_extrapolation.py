@@ -1,14 +1,15 @@
 """Train short, test long on real text: the paper's Figure 2 (perplexity) and Figure 3 (passkey) on 2 CPU cores.
 
-Five models trained by `bam-pretrain` (its Python API) with one recipe at a short length (128 tokens) on the same
-data: BAM, BAM + SSMax, ALiBi, NoPE and RoPE. The data is the no-download Python corpus (`bam_llama.corpus_bam`:
+Six models trained by `bam-pretrain` (its Python API) with one recipe at a short length (128 tokens) on the same
+data: BAM, BAM + SSMax, ALiBi, NoPE, RoPE and RoPE local (RoPE with a sliding window of the training length). The data is the no-download Python corpus (`bam_llama.corpus_bam`:
 language reference + standard library sources, split by file) with a share of synthetic passkey documents (the
 prompt `bam-demo` trains on, answer included) mixed into the training split, so the same models answer both
 questions. Then, for every model:
 
 * perplexity of whole held-out sequences of 1x, 2x, ..., 64x the training length, always of the same tokens: the
   first 64x tokens of each of the first 8 held-out files that long, cut into non-overlapping sequences of each
-  length (so a sequence never spans two files), each behind BOS; log axes;
+  length (so a sequence never spans two files), each behind BOS; log axes; and the same over the positions past the
+  training length only;
 * passkey retrieval at the same lengths, 20 depths each (`bam_llama.evaluation_bam.evaluate_passkey`);
 * RoPE also with Transformers' dynamic-NTK and YaRN `rope_parameters` set for each evaluation length (no
   retraining), the context extension a RoPE user would reach for.
@@ -48,6 +49,7 @@ MODELS = {  # name: (bam-pretrain --positional, --ssmax)
     "alibi": ("alibi", False),
     "nope": ("nope", False),
     "rope": ("rope", False),
+    "rope-local": ("rope-local", False),
 }
 ROPE_EXTENSIONS = ("dynamic", "yarn")
 
@@ -191,7 +193,7 @@ def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe
         warmup_steps=recipe.warmup_steps, max_steps=recipe.steps, per_device_train_batch_size=recipe.batch_size,
         save_steps=max(recipe.steps, 1), save_total_limit=1, logging_steps=max(recipe.steps // 10, 1),
         seed=recipe.seed, disable_progress_bars=True, eval_rows=8,
-        **({} if positional == "rope" else {"prior_scope": recipe.prior_scope}), **overrides,
+        **({} if positional.startswith("rope") else {"prior_scope": recipe.prior_scope}), **overrides,
     )
     started = time.perf_counter()
     summary, _, _ = run_pretraining(args)

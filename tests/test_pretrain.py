@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import tiny_model
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from bam_llama.lock_bam import hold_output_dir
 from bam_llama.packing_bam import collate_packed_rows, pack_documents
@@ -76,7 +76,9 @@ def prior_of(model) -> dict[str, torch.Tensor]:
     return {name: getattr(model.model.prior, name).detach().clone() for name in ("theta_alpha", "theta_beta", "theta_mu")}
 
 
-@pytest.mark.parametrize("positional,ssmax", [("bam", False), ("bam", True), ("alibi", False), ("nope", False), ("rope", False)])
+@pytest.mark.parametrize(
+    "positional,ssmax", [("bam", False), ("bam", True), ("alibi", False), ("nope", False), ("rope", False), ("rope-local", False)],
+)
 def test_each_positional_choice_learns_and_saves_a_folder_that_reloads(data, tmp_path, positional, ssmax):
     args = arguments(data, tmp_path / "run", positional=positional, ssmax=ssmax)
     summary, model, _ = run_pretraining(args)
@@ -90,6 +92,11 @@ def test_each_positional_choice_learns_and_saves_a_folder_that_reloads(data, tmp
     heads = TINY_SIZES["num_attention_heads"]
     if positional == "rope":
         assert type(reloaded) is LlamaForCausalLM and config["model_type"] == "llama"
+        assert config["rope_parameters"]["rope_theta"] == 500_000  # the reference's RoPE baselines
+        return
+    if positional == "rope-local":
+        assert type(reloaded) is MistralForCausalLM and config["model_type"] == "mistral"
+        assert config["sliding_window"] == CONTEXT_LENGTH and config["rope_parameters"]["rope_theta"] == 500_000
         return
     assert config["model_type"] == "bam_llama" and config["ssmax"] is ssmax
     prior = prior_of(model)
@@ -147,10 +154,11 @@ def test_rope_llama_masks_packed_documents_like_bam():
     """Packed rows (positions restarting, no attention_mask) give each document the logits it has alone, for the
     RoPE baseline (Transformers' packed-sequence detection, training mode: no cache) as for BamLlama."""
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, max_position_embeddings=32, **TINY_SIZES)).eval()
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=64, sliding_window=16, num_key_value_heads=4, **TINY_SIZES)).eval()  # rope-local
     bam = tiny_model("sdpa", vocab_size=64).eval()
     documents = [[1, 40, 41, 42, 43, 2], [1, 50, 51, 52, 2], [1, 60, 61, 2]]
     batch = collate_packed_rows(pack_documents(documents, context_length=16, pad_token_id=0))
-    for model in (llama, bam):
+    for model in (llama, mistral, bam):
         with torch.no_grad():
             packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
             start = 0
@@ -207,6 +215,8 @@ def test_a_prior_per_layer_trains_each_layer_apart_or_stays_fixed(data, tmp_path
         (["--heads", "4", "--kv-heads", "3", "--hidden-size", "32"], "--kv-heads"),
         (["--positional", "rope", "--hidden-size", "36", "--heads", "4"], "head size"),
         (["--positional", "rope", "--attn-implementation", "bam_triton"], "--attn-implementation"),
+        (["--rope-theta", "10000"], "--rope-theta"),  # bam has no rotary embedding
+        (["--positional", "rope", "--rope-theta", "0"], "--rope-theta"),
         (["--tokenizer", "./no-such-tokenizer"], "--tokenizer"),
         (["--tokenizer", "TOKENIZER_DIR"], "--tokenizer"),
         (["--tokenizer", "bpe", "--vocab-size", "100"], "--vocab-size"),
@@ -279,3 +289,41 @@ def test_prior_scope_choices_are_the_configs():
     from bam_llama.configuration_bam import PRIOR_SCOPES
 
     assert pretrain_bam.PRIOR_SCOPES == PRIOR_SCOPES
+
+
+@pytest.mark.parametrize("theta", [None, 1000.0])
+def test_rope_theta_reaches_the_rotary_frequencies(tmp_path, theta):
+    from bam_llama.pretrain_bam import build_config
+
+    args = arguments(tmp_path / "data.txt", tmp_path / "run", positional="rope", rope_theta=theta)
+    config = build_config(args, vocab_size=300, token_ids={"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})
+    model = LlamaForCausalLM(config)
+    head_dim = TINY_SIZES["hidden_size"] // TINY_SIZES["num_attention_heads"]
+    base = 500_000.0 if theta is None else theta
+    expected = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq.double(), expected, rtol=1e-6, atol=0)
+
+
+def test_rope_local_sees_exactly_the_last_context_length_tokens(tmp_path):
+    """One layer, so a logit depends on the tokens its query attends to and no others: at a length 3x the training
+    length, the last position moves with a token CONTEXT_LENGTH - 1 back and not with one CONTEXT_LENGTH back."""
+    from bam_llama.pretrain_bam import build_config, build_model
+
+    sizes = {**TINY_SIZES, "num_hidden_layers": 1}
+    args = arguments(tmp_path / "data.txt", tmp_path / "run", positional="rope-local", **sizes)
+    torch.manual_seed(0)
+    model = build_model(args, build_config(args, vocab_size=64, token_ids={"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})).eval()
+    length = 3 * CONTEXT_LENGTH
+    tokens = torch.randint(3, 64, (1, length), generator=torch.Generator().manual_seed(1))
+
+    def last_logits(position_changed=None):
+        changed = tokens.clone()
+        if position_changed is not None:
+            changed[0, position_changed] = 3 + (changed[0, position_changed] - 3 + 1) % 61
+        with torch.no_grad():
+            return model(input_ids=changed).logits[0, -1]
+
+    reference = last_logits()
+    assert not torch.allclose(last_logits(length - CONTEXT_LENGTH), reference, atol=1e-6)  # distance W - 1: seen
+    torch.testing.assert_close(last_logits(length - CONTEXT_LENGTH - 1), reference, atol=0, rtol=0)  # distance W
+    torch.testing.assert_close(last_logits(0), reference, atol=0, rtol=0)

@@ -1,4 +1,4 @@
-"""benchmarks/text_extrapolation.py --quick runs the whole pipeline: five models trained by bam-pretrain, RoPE's
+"""benchmarks/text_extrapolation.py --quick runs the whole pipeline: six models trained by bam-pretrain, RoPE's
 two extensions, perplexity and passkey at every length, results renamed into place."""
 
 import json
@@ -10,7 +10,7 @@ from conftest import checkout_environment
 
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "text_extrapolation.py"
-MODELS = ("bam", "bam-ssmax", "alibi", "nope", "rope", "rope-dynamic", "rope-yarn")
+MODELS = ("bam", "bam-ssmax", "alibi", "nope", "rope", "rope-dynamic", "rope-yarn", "rope-local")
 
 
 def test_quick_run_writes_every_model_at_every_length(tmp_path):
@@ -38,7 +38,7 @@ def test_quick_run_writes_every_model_at_every_length(tmp_path):
                 assert 1 < point["past_training_length"] < 2 * report["training"]["bam"]["vocab_size"], (name, length)
             assert len(result["passkey"][length]["correct"][0]) == report["recipe"]["num_depths"]
         assert (output / f"passkey-{name}.png").stat().st_size > 0
-    for name in ("bam", "alibi", "nope", "rope"):
+    for name in ("bam", "alibi", "nope", "rope", "rope-local"):
         assert report["training"][name]["loss_after"] < report["training"][name]["loss_before"]
     assert (output / "perplexity.png").stat().st_size > 0
     assert "| rope-yarn |" in (output / "results.md").read_text()
