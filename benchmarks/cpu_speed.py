@@ -50,6 +50,7 @@ import transformers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM  # noqa: E402
+from benchmarks.machine import cpu_model  # noqa: E402
 from bam_llama.modeling_bam import CACHE_NAME  # noqa: E402  (the installed Transformers' name of the KV cache)
 
 
@@ -141,15 +142,8 @@ def peak_rss_increase_mib(model, mode: str, ids) -> float:
 
 
 def machine_info() -> dict:
-    model_name = "unknown"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                model_name = line.split(":", 1)[1].strip()
-                break
     return {
-        "cpu": model_name,
+        "cpu": cpu_model(),
         "logical_cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)),
         "torch_threads": torch.get_num_threads(),

