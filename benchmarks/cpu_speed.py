@@ -50,8 +50,8 @@ import transformers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM  # noqa: E402
-from benchmarks.machine import cpu_model  # noqa: E402
 from bam_llama.modeling_bam import CACHE_NAME  # noqa: E402  (the installed Transformers' name of the KV cache)
+from benchmarks.machine import cpu_model  # noqa: E402
 
 
 SIZES = dict(

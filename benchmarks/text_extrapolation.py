@@ -1,10 +1,10 @@
 """Train short, test long on real text: the paper's Figure 2 (perplexity) and Figure 3 (passkey) on 2 CPU cores.
 
 Six models trained by `bam-pretrain` (its Python API) with one recipe at a short length (128 tokens) on the same
-data: BAM, BAM + SSMax, ALiBi, NoPE, RoPE and RoPE local (RoPE with a sliding window of the training length). The data is the no-download Python corpus (`bam_llama.corpus_bam`:
-language reference + standard library sources, split by file) with a share of synthetic passkey documents (the
-prompt `bam-demo` trains on, answer included) mixed into the training split, so the same models answer both
-questions. Then, for every model:
+data: BAM, BAM + SSMax, ALiBi, NoPE, RoPE and RoPE local (RoPE with a sliding window of the training length). The
+data is the no-download Python corpus (`bam_llama.corpus_bam`: language reference + standard library sources, split
+by file) with a share of synthetic passkey documents (the prompt `bam-demo` trains on, answer included) mixed into
+the training split, so the same models answer both questions. Then, for every model:
 
 * perplexity of whole held-out sequences of 1x, 2x, ..., 64x the training length, always of the same tokens: the
   first 64x tokens of each of the first 8 held-out files that long, cut into non-overlapping sequences of each
@@ -184,7 +184,7 @@ def perplexity_documents(heldout: list[Document], tokenizer, recipe: Recipe) -> 
 
 
 def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe, **overrides):
-    from bam_llama.pretrain_bam import PretrainArguments, run_pretraining
+    from bam_llama.pretrain_bam import ROTARY_POSITIONALS, PretrainArguments, run_pretraining
 
     positional, ssmax = MODELS[name]
     args = PretrainArguments(
@@ -194,7 +194,7 @@ def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe
         warmup_steps=recipe.warmup_steps, max_steps=recipe.steps, per_device_train_batch_size=recipe.batch_size,
         save_steps=max(recipe.steps, 1), save_total_limit=1, logging_steps=max(recipe.steps // 10, 1),
         seed=recipe.seed, disable_progress_bars=True, eval_rows=8,
-        **({} if positional.startswith("rope") else {"prior_scope": recipe.prior_scope}), **overrides,
+        **({} if positional in ROTARY_POSITIONALS else {"prior_scope": recipe.prior_scope}), **overrides,
     )
     started = time.perf_counter()
     summary, _, _ = run_pretraining(args)
@@ -280,26 +280,19 @@ def progress_line(name: str, result: dict, recipe: Recipe, started: float) -> st
 
 
 def tables(results: dict, recipe: Recipe) -> str:
-    header = "| model | " + " | ".join(f"{length} ({length // recipe.train_length}x)" for length in recipe.lengths) + " |"
-    rule = "|---|" + "---:|" * len(recipe.lengths)
-    perplexity = [header, rule] + [
-        f"| {name} | " + " | ".join(f"{result['perplexity'][length]['perplexity']:.2f}" for length in recipe.lengths) + " |"
-        for name, result in results.items()
-    ]
-    longer = recipe.lengths[1:]
-    past = ["| model | " + " | ".join(f"{length} ({length // recipe.train_length}x)" for length in longer) + " |",
-            "|---|" + "---:|" * len(longer)] + [
-        f"| {name} | " + " | ".join(f"{result['perplexity'][length]['past_training_length']:.2f}" for length in longer) + " |"
-        for name, result in results.items()
-    ]
-    passkey = [header, rule] + [
-        f"| {name} | " + " | ".join(f"{accuracy(result['passkey'][length]):.0%}" for length in recipe.lengths) + " |"
-        for name, result in results.items()
-    ]
+    def table(lengths: list[int], cell) -> str:
+        """A Markdown table: a row per model, a column per length, `cell(result, length)` in each."""
+        header = "| model | " + " | ".join(f"{length} ({length // recipe.train_length}x)" for length in lengths) + " |"
+        rows = [f"| {name} | " + " | ".join(cell(result, length) for length in lengths) + " |" for name, result in results.items()]
+        return "\n".join([header, "|---|" + "---:|" * len(lengths), *rows])
+
+    perplexity = table(recipe.lengths, lambda result, length: f"{result['perplexity'][length]['perplexity']:.2f}")
+    past = table(recipe.lengths[1:], lambda result, length: f"{result['perplexity'][length]['past_training_length']:.2f}")
+    passkey = table(recipe.lengths, lambda result, length: f"{accuracy(result['passkey'][length]):.0%}")
     return (
-        "Held-out perplexity (whole sequences)\n\n" + "\n".join(perplexity)
-        + f"\n\nHeld-out perplexity of the positions past the training length ({recipe.train_length}) only\n\n"
-        + "\n".join(past) + "\n\nPasskey retrieval\n\n" + "\n".join(passkey) + "\n"
+        f"Held-out perplexity (whole sequences)\n\n{perplexity}\n\n"
+        f"Held-out perplexity of the positions past the training length ({recipe.train_length}) only\n\n{past}\n\n"
+        f"Passkey retrieval\n\n{passkey}\n"
     )
 
 
@@ -436,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.models is not None:
         models = tuple(name.strip() for name in args.models.split(","))
         unknown = [name for name in models if name not in MODELS]
-        if unknown or not models or len(set(models)) != len(models):
+        if unknown or len(set(models)) != len(models):
             parser.error(f"--models takes distinct names from {', '.join(MODELS)}, got {args.models!r}")
         recipe = replace(recipe, models=models)
     output_dir = args.output_dir or REPOSITORY / "benchmarks" / "results" / ("text-extrapolation-quick" if args.quick else "text-extrapolation")
