@@ -24,11 +24,11 @@ __all__ = [
     "register_bam_attention",
 ]
 EXPORTED_FROM = {
-    "BamLlamaConfig": "configuration_bam",
-    "BamLlamaForCausalLM": "modeling_bam",
-    "BamLlamaModel": "modeling_bam",
-    "BamLlamaPreTrainedModel": "modeling_bam",
-    "register_bam_attention": "modeling_bam",
+    "BamLlamaConfig": "model.configuration_bam",
+    "BamLlamaForCausalLM": "model.modeling_bam",
+    "BamLlamaModel": "model.modeling_bam",
+    "BamLlamaPreTrainedModel": "model.modeling_bam",
+    "register_bam_attention": "model.modeling_bam",
 }
 AUTO_PACKAGE = "transformers.models.auto"
 
@@ -44,7 +44,7 @@ def register() -> None:
         return
     from transformers.models.auto import AutoModel, AutoModelForCausalLM
 
-    from .modeling_bam import BamLlamaForCausalLM, BamLlamaModel
+    from .model.modeling_bam import BamLlamaForCausalLM, BamLlamaModel
 
     register_config()
     config_class = BamLlamaForCausalLM.config_class
@@ -58,7 +58,7 @@ def register_config() -> None:
     (BamLlamaConfig.__init__ calls `register`), which every Auto model class does before it looks for the model."""
     from transformers.models.auto import AutoConfig
 
-    from .configuration_bam import BamLlamaConfig
+    from .model.configuration_bam import BamLlamaConfig
 
     AutoConfig.register(BamLlamaConfig.model_type, BamLlamaConfig, exist_ok=True)
 

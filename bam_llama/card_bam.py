@@ -101,7 +101,7 @@ def read_shared_prior(model_dir: Path) -> dict:
 
 def prior_table(model_dir: Path) -> str | None:
     """Markdown table of the learned prior per head; per-layer priors are left to the prior plot."""
-    from .attention_bam import prior_offset
+    from .model.prior_bam import prior_offset
 
     theta = read_shared_prior(model_dir)
     if not theta:

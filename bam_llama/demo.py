@@ -147,8 +147,8 @@ def build_model(name: str, size: ModelSize, train_length: int, **bam_overrides) 
     """"bam" (uniform prior, alpha and beta trained), "alibi" (fixed linear prior) or "rope" (Transformers' Llama)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from .configuration_bam import BamLlamaConfig
-    from .modeling_bam import BamLlamaForCausalLM
+    from .model.configuration_bam import BamLlamaConfig
+    from .model.modeling_bam import BamLlamaForCausalLM
 
     if name == "rope":
         config = LlamaConfig(**size.llama_fields(), max_position_embeddings=1 << 16)

@@ -520,7 +520,7 @@ def prior_curves(prior, max_distance: int) -> torch.Tensor:
     """(H, max_distance + 1) prior b_h at causal distances i - j = 0 .. max_distance."""
     import torch
 
-    from .attention_bam import ggd_bias
+    from .model.prior_bam import ggd_bias
 
     distance = -torch.arange(max_distance + 1, dtype=torch.float32, device=prior.theta_alpha.device)
     formula, eps = getattr(prior, "formula", "current"), getattr(prior, "eps", 1e-5)
@@ -534,7 +534,7 @@ def plot_prior(model_or_path, path, max_distance: int = 1024, layer: int | None 
     value at distance 0 in the legend, one subplot per prior: the shared prior, every layer's, or only `layer`'s."""
     from matplotlib.figure import Figure
 
-    from .attention_bam import prior_offset
+    from .model.prior_bam import prior_offset
 
     model = model_or_path
     if isinstance(model_or_path, (str, Path)):

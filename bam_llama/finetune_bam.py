@@ -60,8 +60,8 @@ from .summary_bam import TrainingSummary, format_rows, training_rows, write_summ
 if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used, so that --help does not load them
     import torch
 
-    from .configuration_bam import BamLlamaConfig
-    from .modeling_bam import BamLlamaForCausalLM
+    from .model.configuration_bam import BamLlamaConfig
+    from .model.modeling_bam import BamLlamaForCausalLM
 
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def check_model_config(model: str, context_length: int) -> BamLlamaConfig:
     from transformers import AutoConfig
 
     from . import register
-    from .configuration_bam import BamLlamaConfig
+    from .model.configuration_bam import BamLlamaConfig
 
     register()
     try:
@@ -173,7 +173,7 @@ def check_tokenizer(tokenizer, config: BamLlamaConfig) -> int:
 def load_model(args: FinetuneArguments) -> BamLlamaForCausalLM:
     import torch
 
-    from .modeling_bam import BamLlamaForCausalLM
+    from .model.modeling_bam import BamLlamaForCausalLM
 
     check_safetensors_files(args.model)
     model = BamLlamaForCausalLM.from_pretrained(
@@ -212,7 +212,7 @@ def prepare_model(model: BamLlamaForCausalLM, args: FinetuneArguments):
 def prior_values(model: torch.nn.Module, state_dict: dict | None = None) -> dict[str, dict[str, list[float]]]:
     """The prior / SSMax values the model computes with, by BamLlama module name (PEFT's wrapping removed); read
     from `state_dict` when given (a sharded model's, gathered)."""
-    from .modeling_bam import BamPrior, BamScalableSoftmax
+    from .model.modeling_bam import BamPrior, BamScalableSoftmax
 
     values: dict[str, dict[str, list[float]]] = {}
     for name, module in model.named_modules():

@@ -270,7 +270,7 @@ def build_config(args: PretrainArguments, vocab_size: int, token_ids: dict[str, 
             config = MistralConfig(sliding_window=args.context_length, **rotary)
         config.train_context_length = args.context_length
         return config
-    from .configuration_bam import BamLlamaConfig
+    from .model.configuration_bam import BamLlamaConfig
 
     prior = {
         "bam": dict(theta_alpha_init=0.0, theta_beta_init=0.0, train_theta_alpha=True, train_theta_beta=True),
@@ -291,7 +291,7 @@ def build_model(args: PretrainArguments, config):
 
         model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn_implementation or "sdpa", dtype=torch.float32)
     else:
-        from .modeling_bam import BamLlamaForCausalLM
+        from .model.modeling_bam import BamLlamaForCausalLM
 
         model = BamLlamaForCausalLM._from_config(config, attn_implementation=args.attn_implementation, dtype=torch.float32)
         model.apply_prior_trainability()

@@ -6,7 +6,7 @@ in the package imports this module, so the package and Hub remote code never nee
 vLLM's attention backends take no positional bias beyond ALiBi slopes, so BAM's attention layer is its own
 (`BamPagedAttention`, an `AttentionLayerBase` with its own backend `BamAttentionBackend`): it writes each token's
 K/V into the paged cache at its slot, then, for every request of the batch, gathers the request's keys and values
-from its blocks and attends with the package's own prior, Scalable Softmax and attention math (`attention_bam`), in
+from its blocks and attends with the package's own prior, Scalable Softmax and attention math (`bam_llama/model/`), in
 plain PyTorch. Query positions are the absolute positions vLLM passes (the request's computed tokens, prefix-cache
 hits included, plus the token's place in this step's chunk), so chunked prefill and prefix caching see the same
 distances and the same SSMax counts n_i = position + 1 as a single full forward pass.
@@ -39,7 +39,8 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from .attention_bam import bam_attention_reference, ggd_bias, relative_distance, ssmax_factor
+from .model.prior_bam import ggd_bias, relative_distance, ssmax_factor
+from .model.reference_bam import bam_attention_reference
 
 
 ARCHITECTURE = "BamLlamaForCausalLM"

@@ -5,8 +5,8 @@ One run on one GPU measures milliseconds, TFLOP/s and peak memory of
     triton (bias off)            triton_bam.ggd_attention with a vanishing prior (theta_alpha = -30)
     triton (bias on)             ... with the GGD prior
     triton (bias on + SSMax)     ... with the prior and Scalable-Softmax
-    eager materialized bias      attention_bam.bam_attention_reference (mask, prior and softmax materialized)
-    SDPA float-mask bias         attention_bam.bam_attention_sdpa (prior passed as an L x L float mask)
+    eager materialized bias      reference_bam.bam_attention_reference (mask, prior and softmax materialized)
+    SDPA float-mask bias         reference_bam.bam_attention_sdpa (prior passed as an L x L float mask)
     FlexAttention (compiled)     torch.compile(flex_attention) with a score_mod computing the same prior
     SDPA no bias (ceiling)       F.scaled_dot_product_attention(is_causal=True)
 
@@ -42,7 +42,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bam_llama import attention_bam  # noqa: E402
+from bam_llama.model import prior_bam, reference_bam  # noqa: E402
 
 
 PEAK_BANDWIDTH_GBPS = {"H200": 4800.0, "H100 NVL": 3900.0, "H100 PCIe": 2000.0, "H100": 3350.0}
@@ -120,18 +120,18 @@ class Problem:
 def materialized_inputs(problem: Problem, prior: Prior):
     """Mask (1, 1, Lq, Lk), prior (H, Lq, Lk) and SSMax factor (1, H, Lq, 1) as the eager paths build them."""
     positions = problem.positions
-    visible = attention_bam.visibility_from_positions(positions, problem.k_len)
-    distance = attention_bam.relative_distance(positions, problem.k_len)
-    bias = attention_bam.ggd_bias(distance, prior.theta_alpha, prior.theta_beta, prior.theta_mu)
+    visible = prior_bam.visibility_from_positions(positions, problem.k_len)
+    distance = prior_bam.relative_distance(positions, problem.k_len)
+    bias = prior_bam.ggd_bias(distance, prior.theta_alpha, prior.theta_beta, prior.theta_mu)
     row_factor = None
     if prior.ssmax_scale is not None:
-        counts = attention_bam.visible_key_counts(positions, problem.k_len)
-        row_factor = attention_bam.ssmax_factor(counts, prior.ssmax_scale)
+        counts = prior_bam.visible_key_counts(positions, problem.k_len)
+        row_factor = prior_bam.ssmax_factor(counts, prior.ssmax_scale)
     return visible, bias, row_factor
 
 
 def triton_provider(problem: Problem, prior: Prior, num_splits: Optional[int] = None) -> Callable:
-    from bam_llama.triton_bam import ggd_attention
+    from bam_llama.model.triton_bam import ggd_attention
 
     def run(query, key, value):
         return ggd_attention(
@@ -145,7 +145,7 @@ def triton_provider(problem: Problem, prior: Prior, num_splits: Optional[int] = 
 def eager_provider(problem: Problem, prior: Prior) -> Callable:
     def run(query, key, value):
         visible, bias, row_factor = materialized_inputs(problem, prior)
-        return attention_bam.bam_attention_reference(query, key, value, visible, bias, problem.scaling, row_factor)[0]
+        return reference_bam.bam_attention_reference(query, key, value, visible, bias, problem.scaling, row_factor)[0]
 
     return run
 
@@ -153,7 +153,7 @@ def eager_provider(problem: Problem, prior: Prior) -> Callable:
 def sdpa_mask_provider(problem: Problem, prior: Prior) -> Callable:
     def run(query, key, value):
         visible, bias, row_factor = materialized_inputs(problem, prior)
-        return attention_bam.bam_attention_sdpa(query, key, value, visible, bias, problem.scaling, row_factor)
+        return reference_bam.bam_attention_sdpa(query, key, value, visible, bias, problem.scaling, row_factor)
 
     return run
 
@@ -180,11 +180,11 @@ def flex_provider(problem: Problem, prior: Prior, compiled: bool = True) -> Call
     offset = problem.k_len - problem.q_len
     alpha_scale = prior.theta_alpha.detach().float().exp()
     beta = prior.theta_beta.detach().float()
-    mu = attention_bam.prior_offset(prior.theta_mu.detach().float())
+    mu = prior_bam.prior_offset(prior.theta_mu.detach().float())
     row_factor = None
     if prior.ssmax_scale is not None:
-        counts = attention_bam.visible_key_counts(problem.positions, problem.k_len)
-        row_factor = attention_bam.ssmax_factor(counts, prior.ssmax_scale.detach())[0, :, :, 0]  # (H, Lq)
+        counts = prior_bam.visible_key_counts(problem.positions, problem.k_len)
+        row_factor = prior_bam.ssmax_factor(counts, prior.ssmax_scale.detach())[0, :, :, 0]  # (H, Lq)
 
     def causal(batch, head, q_index, kv_index):
         return kv_index <= q_index + offset

@@ -50,7 +50,7 @@ import transformers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM  # noqa: E402
-from bam_llama.modeling_bam import CACHE_NAME  # noqa: E402  (the installed Transformers' name of the KV cache)
+from bam_llama.model.modeling_bam import CACHE_NAME  # noqa: E402  (the installed Transformers' name of the KV cache)
 from benchmarks.machine import cpu_model  # noqa: E402
 
 

@@ -2,9 +2,9 @@
 
 Run-to-run differences on a shared 2-core VM are as large as the changes being measured (the BAM/Llama ratio at
 4096 tokens moved by ~0.15 between runs of the same code), so a change to `bam_attention_blocked` is judged here:
-the same BamLlama model runs with the earlier commit's `attention_bam.bam_attention_blocked` (read with
-`git show`) and with the current one, interleaved with LlamaForCausalLM, repeat after repeat (models and
-inputs as in `cpu_speed.py`).
+the same BamLlama model runs with the earlier commit's `bam_attention_blocked` (read with `git show` from
+`--old-path`, by default where that commit kept it) and with the current one, interleaved with LlamaForCausalLM,
+repeat after repeat (models and inputs as in `cpu_speed.py`).
 
     python benchmarks/cpu_speed_ab.py --old e3d8249 --length 4096 --cases bam bam+ssmax --repeats 5
 
@@ -30,27 +30,42 @@ import torch
 import torch.nn.functional as F
 from cpu_speed import REPO_ROOT, build_model, input_ids, timed
 
-from bam_llama import modeling_bam
-from bam_llama.attention_bam import ggd_bias
+from bam_llama.model import modeling_bam
+from bam_llama.model.prior_bam import ggd_bias
 
 
 HEADS, KV_HEADS, HEAD_SIZE = 8, 4, 32
 
 
-def attention_at(commit: str, folder: Path):
-    """`bam_attention_blocked` as `bam_llama/attention_bam.py` had it at `commit`."""
-    shown = subprocess.run(
-        ["git", "show", f"{commit}:bam_llama/attention_bam.py"], cwd=REPO_ROOT, capture_output=True, text=True
-    )
-    if shown.returncode != 0:
-        raise ValueError(f"--old {commit}: git show found no bam_llama/attention_bam.py ({shown.stderr.strip()})")
-    source = shown.stdout
-    path = folder / f"attention_{commit}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+# Where `bam_attention_blocked` lived, newest layout first: commits before the package's sub-packages (issue 35)
+# had it in bam_llama/attention_bam.py.
+ATTENTION_FILES = ("bam_llama/model/blocked_bam.py", "bam_llama/attention_bam.py")
+
+
+def attention_at(commit: str, folder: Path, path: str | None = None):
+    """`bam_attention_blocked` as `commit` had it, from `path` (default: the first of ATTENTION_FILES the commit
+    has). The file is imported with its sibling files of that commit as one package, so its relative imports
+    (`from .prior_bam import ...`) resolve to the same commit's code."""
+    path = path or next((candidate for candidate in ATTENTION_FILES if _git_show(commit, candidate) is not None), None)
+    if path is None or _git_show(commit, path) is None:
+        raise ValueError(f"--old {commit}: git show found no {path or ' or '.join(ATTENTION_FILES)}")
+    package = folder / f"attention_{commit}"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    directory = path.rpartition("/")[0]
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{commit}:{directory}"], cwd=REPO_ROOT, capture_output=True,
+                            text=True, check=True).stdout.split()
+    for name in listed:
+        if name.endswith(".py") and name != "__init__.py":
+            (package / name).write_text(_git_show(commit, f"{directory}/{name}"))
+    sys.path.insert(0, str(folder))
+    module = importlib.import_module(f"{package.name}.{Path(path).stem}")
     return module.bam_attention_blocked
+
+
+def _git_show(commit: str, path: str) -> str | None:
+    shown = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=REPO_ROOT, capture_output=True, text=True)
+    return shown.stdout if shown.returncode == 0 else None
 
 
 class AttentionInputs:
@@ -137,6 +152,8 @@ def model_timings(versions, args) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", required=True, help="the earlier commit")
+    parser.add_argument("--old-path", help="the earlier commit's file holding bam_attention_blocked (default: the "
+                        f"first of {', '.join(ATTENTION_FILES)} it has)")
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--cases", nargs="+", choices=[c for c in cpu_speed.CASES if c != "llama"], default=["bam"])
     parser.add_argument("--modes", nargs="+", choices=cpu_speed.MODES, default=["fwd", "fwd+bwd"],
@@ -154,7 +171,7 @@ def main(argv=None) -> int:
         parser.error("--batch and --padded apply to --attention only")
     with tempfile.TemporaryDirectory() as folder:
         try:
-            versions = {args.old: attention_at(args.old, Path(folder)), "current": modeling_bam.bam_attention_blocked}
+            versions = {args.old: attention_at(args.old, Path(folder), args.old_path), "current": modeling_bam.bam_attention_blocked}
         except ValueError as error:
             parser.error(str(error))
     times = (attention_timings if args.attention else model_timings)(versions, args)

@@ -1,6 +1,6 @@
 """Compile the fused GGD-BAM kernels ahead of time for NVIDIA GPUs, without a GPU, and report their resources.
 
-Every kernel of `bam_llama/triton_kernels_bam.py` is compiled with Triton's own compiler (ptxas ships in the
+Every kernel of `bam_llama/model/triton_kernels_bam.py` is compiled with Triton's own compiler (ptxas ships in the
 triton wheel) in every configuration the launcher (`triton_bam.cuda_launch_configs`) can pick: each autotune
 config of the prefill kernels, each decode tile and combine split block, every supported head size and 16/32-bit
 dtype, and the flag sets (padding, documents, prior/SSMax gradients) given by --flags.
@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bam_llama import triton_bam  # noqa: E402
-from bam_llama.triton_kernels_bam import _activate_kernels  # noqa: E402
+from bam_llama.model import triton_bam  # noqa: E402
+from bam_llama.model.triton_kernels_bam import _activate_kernels  # noqa: E402
 
 
 ARCHS = (90, 80)

@@ -66,7 +66,7 @@ def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def run_case(name: str, rank: int, size: int) -> dict:
-    from bam_llama.sequence_parallel_bam import enable_ulysses
+    from bam_llama.model.sequence_parallel_bam import enable_ulysses
 
     model = build_model(name)
     enable_ulysses(model)
@@ -126,7 +126,7 @@ def run_deepspeed_ulysses(name: str, rank: int, size: int) -> dict:
 
 def refusals(rank: int, size: int) -> dict[str, str]:
     """The one-line error of every setup that would see wrong positions or drop the prior."""
-    from bam_llama.sequence_parallel_bam import enable_ulysses
+    from bam_llama.model.sequence_parallel_bam import enable_ulysses
 
     chunk = slice(rank * LENGTH // size, (rank + 1) * LENGTH // size)
     batch = build_batch("plain_layer_prior")

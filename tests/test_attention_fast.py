@@ -12,8 +12,9 @@ import pytest
 import torch
 from conftest import tiny_config, tiny_model
 
-from bam_llama.attention_bam import bam_attention_blocked, ggd_bias
-from bam_llama.modeling_bam import BamAttention, BamPrior, bam_sdpa_attention_forward
+from bam_llama.model.blocked_bam import bam_attention_blocked
+from bam_llama.model.prior_bam import ggd_bias
+from bam_llama.model.modeling_bam import BamAttention, BamPrior, bam_sdpa_attention_forward
 
 
 HALF_TOLERANCE = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
@@ -258,7 +259,7 @@ def test_blocks_that_split_a_key_value_group_are_refused():
 def test_a_decoding_step_is_one_sdpa_call_of_every_head(monkeypatch, padded):
     """One query against 4096 keys with an SSMax-scaled (materialized) mask: one call, not one per key/value head
     (each call costs a fixed overhead, which dominates a decoding step)."""
-    import bam_llama.attention_bam as attention
+    import bam_llama.model.blocked_bam as attention
 
     shapes = []
     sdpa = attention.F.scaled_dot_product_attention
@@ -427,7 +428,7 @@ def test_prior_gradients_across_several_forward_and_backward_blocks(monkeypatch,
     block's dS diagonals into the prior table: with 4 rows a block here, 23 queries cross 5 backward boundaries and
     4 forward ones (5 rows a block). Every trained parameter (theta_alpha, theta_beta, theta_mu, SSMax scale) and
     q, k, v against the float64 reference."""
-    import bam_llama.attention_bam as attention
+    import bam_llama.model.blocked_bam as attention
 
     monkeypatch.setattr(attention, "BACKWARD_BLOCK_ROWS", 4)
     options = SEVERAL_BLOCK_CASES[case]

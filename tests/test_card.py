@@ -14,7 +14,7 @@ from bam_llama.tokenization_bam import build_byte_tokenizer
 from conftest import tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-REMOTE_CODE = {"configuration_bam.py", "modeling_bam.py", "attention_bam.py", "triton_bam.py"}
+REMOTE_CODE = {"configuration_bam.py", "modeling_bam.py", "prior_bam.py", "reference_bam.py", "blocked_bam.py", "triton_bam.py"}
 
 
 @pytest.fixture(scope="module")

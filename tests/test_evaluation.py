@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
 from bam_llama import evaluation_bam
-from bam_llama.attention_bam import ggd_bias
+from bam_llama.model.prior_bam import ggd_bias
 from bam_llama.evaluation_bam import (
     PasskeyResults,
     PasskeyTemplate,

@@ -48,8 +48,8 @@ def saved_folder(tmp_path_factory):
     [
         "import bam_llama\nfrom transformers import AutoConfig, AutoModelForCausalLM",
         "from transformers import AutoConfig, AutoModelForCausalLM\nimport bam_llama",
-        "import bam_llama.modeling_bam\nfrom transformers import AutoConfig, AutoModelForCausalLM",
-        "import bam_llama.configuration_bam\nimport transformers\nAutoConfig = transformers.AutoConfig\n"
+        "import bam_llama.model.modeling_bam\nfrom transformers import AutoConfig, AutoModelForCausalLM",
+        "import bam_llama.model.configuration_bam\nimport transformers\nAutoConfig = transformers.AutoConfig\n"
         "AutoModelForCausalLM = transformers.AutoModelForCausalLM",
     ],
     ids=["bam_llama_first", "transformers_first", "modeling_first", "configuration_first"],
@@ -62,4 +62,4 @@ def test_auto_classes_load_a_saved_folder_after_import_bam_llama(saved_folder, i
         "print(type(config).__module__, type(model).__module__, type(model).__name__)\n"
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
-    assert completed.stdout.split() == ["bam_llama.configuration_bam", "bam_llama.modeling_bam", "BamLlamaForCausalLM"]
+    assert completed.stdout.split() == ["bam_llama.model.configuration_bam", "bam_llama.model.modeling_bam", "BamLlamaForCausalLM"]

@@ -10,7 +10,7 @@ from conftest import FIXTURES_DIR, require_reference_fixtures, tiny_config, tiny
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCache, StaticCache
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM, BamLlamaModel
-from bam_llama.attention_bam import ggd_bias, relative_distance
+from bam_llama.model.prior_bam import ggd_bias, relative_distance
 
 
 VARIANTS = {
@@ -263,7 +263,7 @@ def test_save_and_load_round_trip_is_exact(tmp_path):
     auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModel"] == "modeling_bam.BamLlamaModel"
     assert auto_map["AutoModelForCausalLM"] == "modeling_bam.BamLlamaForCausalLM"
-    for module_file in ("modeling_bam.py", "configuration_bam.py", "attention_bam.py", "triton_bam.py"):
+    for module_file in ("modeling_bam.py", "configuration_bam.py", "prior_bam.py", "triton_bam.py"):
         assert (tmp_path / module_file).exists(), module_file
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()

@@ -286,7 +286,7 @@ def test_an_earlier_run_is_kept_unless_overwritten_and_a_held_folder_is_refused(
 
 def test_prior_scope_choices_are_the_configs():
     from bam_llama import pretrain_bam
-    from bam_llama.configuration_bam import PRIOR_SCOPES
+    from bam_llama.model.configuration_bam import PRIOR_SCOPES
 
     assert pretrain_bam.PRIOR_SCOPES == PRIOR_SCOPES
 

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 from conftest import tiny_model  # noqa: E402
 
-from bam_llama import attention_bam, triton_bam  # noqa: E402
+from bam_llama.model import prior_bam, reference_bam, triton_bam  # noqa: E402
 
 
 DEVICE = torch.device("cuda")
@@ -41,12 +41,12 @@ def random_attention_inputs(batch, heads, kv_heads, q_len, k_len, head_dim, dtyp
 def reference(query, key, value, theta_alpha, theta_beta, theta_mu, ssmax_scale, positions, scaling, key_valid=None):
     """The fp32 plain-PyTorch reference with the materialized bias."""
     k_len = key.shape[2]
-    visible = attention_bam.visibility_from_positions(positions, k_len, key_valid, None)
-    distance = attention_bam.relative_distance(positions, k_len)
-    bias = attention_bam.ggd_bias(distance, theta_alpha, theta_beta, theta_mu, "current")
-    counts = attention_bam.visible_key_counts(positions, k_len, key_valid, None)
-    row_factor = attention_bam.ssmax_factor(counts, ssmax_scale)
-    output, _ = attention_bam.bam_attention_reference(
+    visible = prior_bam.visibility_from_positions(positions, k_len, key_valid, None)
+    distance = prior_bam.relative_distance(positions, k_len)
+    bias = prior_bam.ggd_bias(distance, theta_alpha, theta_beta, theta_mu, "current")
+    counts = prior_bam.visible_key_counts(positions, k_len, key_valid, None)
+    row_factor = prior_bam.ssmax_factor(counts, ssmax_scale)
+    output, _ = reference_bam.bam_attention_reference(
         query.float(), key.float(), value.float(), visible, bias, scaling, row_factor, True
     )
     return output
@@ -124,9 +124,9 @@ def test_gradients_through_split_kv_decode(q_len, num_splits):
 
     def plain(query, key, value, *params):
         k_len = key.shape[2]
-        visible = attention_bam.visibility_from_positions(positions, k_len, None, None)
-        bias = attention_bam.ggd_bias(attention_bam.relative_distance(positions, k_len), *params[:3], "current")
-        return attention_bam.bam_attention_reference(query, key, value, visible, bias, scaling)[0]
+        visible = prior_bam.visibility_from_positions(positions, k_len, None, None)
+        bias = prior_bam.ggd_bias(prior_bam.relative_distance(positions, k_len), *params[:3], "current")
+        return reference_bam.bam_attention_reference(query, key, value, visible, bias, scaling)[0]
 
     expected, expected_grads = with_gradients(plain, [t.float() for t in inputs] + params[:3], grad_output)
     actual, actual_grads = with_gradients(fused, inputs + params[:3], grad_output)

@@ -8,7 +8,7 @@ import os
 
 
 _PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # before bam_llama.triton_bam is first imported in this process
+os.environ["TRITON_INTERPRET"] = "1"  # before bam_llama.model.triton_bam is first imported in this process
 
 import importlib.util  # noqa: E402
 import subprocess  # noqa: E402
@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from bam_llama import triton_bam  # noqa: E402
+from bam_llama.model import triton_bam  # noqa: E402
 
 
 # triton_bam reads TRITON_INTERPRET at call time: restore the variable so that it does not leak into the
@@ -400,7 +400,7 @@ def test_module_imports_without_triton():
     script = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
         "import torch\n"
-        "from bam_llama import triton_bam\n"
+        "from bam_llama.model import triton_bam\n"
         "assert not triton_bam.TRITON_AVAILABLE\n"
         "assert not triton_bam.triton_usable(torch.zeros(1))\n"
     )

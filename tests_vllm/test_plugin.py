@@ -36,7 +36,7 @@ def test_no_other_module_of_the_package_imports_vllm():
             )
             assert not any(name.split(".")[0] == "vllm" for name in names), f"{path.name} imports {names}"
     script = (
-        "import sys, bam_llama, bam_llama.modeling_bam, bam_llama.configuration_bam, bam_llama.tokenization_bam\n"
+        "import sys, bam_llama, bam_llama.model.modeling_bam, bam_llama.model.configuration_bam, bam_llama.tokenization_bam\n"
         "leaked = sorted(name for name in sys.modules if name.split('.')[0] == 'vllm')\n"
         "assert not leaked, leaked\n"
     )

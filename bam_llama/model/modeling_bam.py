@@ -12,7 +12,6 @@ dispatched here, not through Transformers' global registry, so "eager" and "sdpa
 """
 
 import inspect
-import math
 from collections.abc import Callable
 
 import torch
@@ -34,16 +33,10 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .attention_bam import (
-    bam_attention_blocked,
-    bam_attention_reference,
-    bam_attention_sdpa,
-    ggd_bias,
-    relative_distance,
-    ssmax_factor,
-    visibility_from_positions,
-)
+from .blocked_bam import bam_attention_blocked
 from .configuration_bam import BamLlamaConfig
+from .prior_bam import alibi_slopes, ggd_bias, relative_distance, ssmax_factor, visibility_from_positions
+from .reference_bam import bam_attention_reference, bam_attention_sdpa
 from .sequence_parallel_bam import active_sequence_parallel
 from .triton_bam import TRITON_AVAILABLE, ggd_attention, triton_usable
 
@@ -60,20 +53,6 @@ logger = logging.get_logger(__name__)
 # --------------------------------------------------------------------------------------------------------
 # Prior and Scalable Softmax
 # --------------------------------------------------------------------------------------------------------
-
-
-def alibi_slopes(num_heads: int) -> torch.Tensor:
-    """ALiBi slopes (Press et al.): 2^(-8k/n) for a power of two n, interleaved otherwise."""
-
-    def power_of_two_slopes(n: int) -> list[float]:
-        start = 2.0 ** (-8.0 / n)
-        return [start ** (k + 1) for k in range(n)]
-
-    if math.log2(num_heads).is_integer():
-        return torch.tensor(power_of_two_slopes(num_heads))
-    closest = 2 ** math.floor(math.log2(num_heads))
-    extra = power_of_two_slopes(2 * closest)[0::2][: num_heads - closest]
-    return torch.tensor(power_of_two_slopes(closest) + extra)
 
 
 def initial_prior_values(config: BamLlamaConfig) -> dict[str, torch.Tensor]:

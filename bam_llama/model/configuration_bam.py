@@ -199,10 +199,12 @@ class BamLlamaConfig(PreTrainedConfig):
 
 
 def _register_models_with_the_auto_classes() -> None:
-    """Installed as `bam_llama`, whose import registers only this config with AutoConfig (to stay light): register
-    the models too, before an Auto model class looks for them. Not in Hub remote code, where there is no package."""
-    package = sys.modules.get(__name__.rpartition(".")[0])
-    modeling = sys.modules.get(f"{package.__name__}.modeling_bam") if package is not None else None
+    """Installed as `bam_llama.model.configuration_bam`, whose package import registers only this config with
+    AutoConfig (to stay light): register the models too, before an Auto model class looks for them, through the
+    top-level package's `register`. Not in Hub remote code, whose top-level package (`transformers_modules`) has
+    no `register`."""
+    package = sys.modules.get(__name__.partition(".")[0])
+    modeling = sys.modules.get(f"{__name__.rpartition('.')[0]}.modeling_bam")
     if getattr(package, "register", None) is None or getattr(getattr(modeling, "__spec__", None), "_initializing", False):
         return
     package.register()

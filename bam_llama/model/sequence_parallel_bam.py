@@ -27,11 +27,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .attention_bam import ssmax_factor
+from .prior_bam import ssmax_factor
 
 
 ULYSSES_HINT = (
-    "use Ulysses sequence parallelism (bam_llama.sequence_parallel_bam.enable_ulysses, or Accelerate's "
+    "use Ulysses sequence parallelism (bam_llama.model.sequence_parallel_bam.enable_ulysses, or Accelerate's "
     "ParallelismConfig(sp_backend='deepspeed', sp_size=N))"
 )
 

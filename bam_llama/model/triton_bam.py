@@ -3,7 +3,7 @@ materialized.
 
 `ggd_attention` computes, per query head h, query i at absolute position p_i and key j (stored from 0):
 
-    b_ij   = GGD prior of the distance j - p_i          (`attention_bam.ggd_bias`, formula "current" or "legacy")
+    b_ij   = GGD prior of the distance j - p_i          (`prior_bam.ggd_bias`, formula "current" or "legacy")
     s_ij   = c_i * (q_i.k_j * scaling + b_ij)           (SSMax, ssmax_prior=True)
            = c_i * q_i.k_j * scaling + b_ij             (SSMax, ssmax_prior=False)
            = q_i.k_j * scaling + b_ij                   (no SSMax)
@@ -13,7 +13,7 @@ with c_i = ssmax_scale_h * ln(max(n_i, 1)), n_i the number of keys query i sees,
 j <= p_i, key_valid[b, j] and document_ids[b, j] == document_ids[b, p_i].
 
 Prior: every kernel (prefill, split-KV decode, backward) looks it up in one per-head 1-D table over distances
-t = p_i - j (0 <= t < Lk), built here by `attention_bam.ggd_bias` itself: O(H * Lk) work, negligible next to
+t = p_i - j (0 <= t < Lk), built here by `prior_bam.ggd_bias` itself: O(H * Lk) work, negligible next to
 the O(Lq * Lk) attention. A per-element analytic prior costs a log2 and an exp2 on the special-function unit,
 about as much as the tensor-core work of a tile at head size 128 and twice it at 64. The backward uses three
 more tables, the derivatives of the prior w.r.t. theta_alpha, theta_beta and theta_mu (forward-mode AD of the
@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from .attention_bam import ggd_bias, ssmax_factor, visible_key_counts
+from .prior_bam import ggd_bias, ssmax_factor, visible_key_counts
 from .triton_kernels_bam import TRITON_AVAILABLE, _activate_kernels, _import_triton, _interpreting
 
 
@@ -576,7 +576,7 @@ def ggd_attention(
     ssmax_prior: bool = True,
     num_splits: Optional[int] = None,
 ) -> torch.Tensor:
-    """GGD-BAM attention with the fused kernels; same result as `attention_bam.bam_attention_reference`.
+    """GGD-BAM attention with the fused kernels; same result as `reference_bam.bam_attention_reference`.
 
     Args:
         query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D), H a multiple of Hkv; fp16, bf16 or fp32, any strides.

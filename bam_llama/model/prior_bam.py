@@ -1,0 +1,140 @@
+"""GGD-BAM's positional terms, in plain PyTorch: the Generalized-Gaussian prior, ALiBi's slopes (an init scheme),
+Scalable Softmax, and what they read from positions: distances, visibility and visible-key counts.
+
+Shapes: B batch, H query heads, Lq queries, Lk keys. Positions are absolute token positions in the sequence (cache
+included): query i sits at `query_positions[i]`, key j at `j` (keys are stored in order from position 0).
+"""
+
+import math
+
+import torch
+
+
+# The parameters the model keeps per head, and the submodules holding them (`modules_to_save=["prior", "ssmax"]`).
+PRIOR_PARAMETERS = ("theta_alpha", "theta_beta", "theta_mu")  # BamPrior
+SSMAX_PARAMETER = "scale"  # BamScalableSoftmax
+PRIOR_MODULES = ("prior", "ssmax")
+
+
+def is_prior_parameter(name: str) -> bool:
+    """True for the qualified name of a prior or SSMax parameter (`model.prior.theta_alpha`,
+    `model.layers.0.self_attn.ssmax.scale`, and PEFT's `...prior.modules_to_save.default.theta_beta`)."""
+    parts = name.split(".")
+    module = next((part for part in reversed(parts[:-1]) if part in PRIOR_MODULES), None)
+    return (module == "prior" and parts[-1] in PRIOR_PARAMETERS) or (module == "ssmax" and parts[-1] == SSMAX_PARAMETER)
+
+
+def prior_offset(theta_mu: torch.Tensor) -> torch.Tensor:
+    """mu = exp(theta_mu) - exp(-theta_mu) = 2 sinh(theta_mu)."""
+    return torch.exp(theta_mu) - torch.exp(-theta_mu)
+
+
+def ggd_bias(
+    distance: torch.Tensor,
+    theta_alpha: torch.Tensor,
+    theta_beta: torch.Tensor,
+    theta_mu: torch.Tensor,
+    formula: str = "current",
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """GGD prior for every head at the given key-minus-query distances.
+
+    Args:
+        distance: (...) float, j - i (<= 0 for visible causal keys).
+        theta_alpha, theta_beta, theta_mu: (H,) per-head parameters.
+    Returns:
+        (H, ...) float32 bias.
+    """
+    view = (-1,) + (1,) * distance.dim()
+    alpha = theta_alpha.float().view(view)
+    beta = theta_beta.float().view(view)
+    mu = prior_offset(theta_mu.float()).view(view)
+    shifted = distance.float().unsqueeze(0) - mu
+    if formula == "current":
+        return -torch.exp(alpha) * (shifted.abs() + eps).pow(beta)
+    if formula == "legacy":
+        return -((shifted * torch.exp(alpha)).abs() + eps).pow(beta)
+    raise ValueError(f"unknown prior formula {formula!r}; expected 'current' or 'legacy'")
+
+
+def relative_distance(query_positions: torch.Tensor, key_length: int) -> torch.Tensor:
+    """(Lq, Lk) float32 distances j - i, from absolute query positions (Lq,) and keys at 0..Lk-1."""
+    keys = torch.arange(key_length, device=query_positions.device, dtype=torch.float32)
+    return keys[None, :] - query_positions.to(torch.float32)[:, None]
+
+
+def visibility_from_positions(
+    query_positions: torch.Tensor,
+    key_length: int,
+    key_valid: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Boolean (B or 1, 1, Lq, Lk) mask: causal, minus padded keys, minus keys of other documents.
+
+    Args:
+        query_positions: (Lq,) int absolute positions.
+        key_valid: (B, Lk) bool, False for padding.
+        document_ids: (B, Lk) int document index of every key position (packed sequences). Queries take the
+            document of the key slot at their own position.
+    """
+    keys = torch.arange(key_length, device=query_positions.device)
+    visible = (keys[None, :] <= query_positions[:, None])[None, None]
+    if key_valid is not None:
+        visible = visible & key_valid[:, None, None, :].bool()
+    if document_ids is not None:
+        query_documents = document_ids[:, query_positions]
+        visible = visible & (query_documents[:, None, :, None] == document_ids[:, None, None, :])
+    return visible
+
+
+def visible_key_counts(
+    query_positions: torch.Tensor,
+    key_length: int,
+    key_valid: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(B or 1, Lq) int64 number of keys each query sees, without materializing the mask.
+
+    Equals `visibility_from_positions(...).sum(-1)` for contiguous documents.
+    """
+    device = query_positions.device
+    if key_valid is None:
+        key_valid = torch.ones(1 if document_ids is None else document_ids.shape[0], key_length, device=device)
+    valid_count = key_valid.long().cumsum(-1)
+    if document_ids is not None:
+        starts = torch.ones_like(document_ids, dtype=torch.bool)
+        starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        count_before = valid_count - key_valid.long()
+        base = torch.where(starts, count_before, torch.zeros_like(count_before)).cummax(-1).values
+        valid_count = valid_count - base
+    return valid_count[:, query_positions.clamp(max=key_length - 1)] * (query_positions < key_length)
+
+
+def ssmax_factor(counts: torch.Tensor, ssmax_scale: torch.Tensor) -> torch.Tensor:
+    """Scalable-Softmax row factor c_i = s_h * ln(n_i): counts (B, Lq) -> (B, H, Lq, 1) float32.
+
+    n_i = 0 (a row that sees nothing) is clamped to 1, so the factor is 0 there instead of -inf.
+    """
+    log_counts = counts.clamp(min=1).to(torch.float32).log()
+    return ssmax_scale.float()[None, :, None, None] * log_counts[:, None, :, None]
+
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi slopes (Press et al.): 2^(-8k/n) for a power of two n, interleaved otherwise."""
+
+    def power_of_two_slopes(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (k + 1) for k in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return torch.tensor(power_of_two_slopes(num_heads))
+    closest = 2 ** math.floor(math.log2(num_heads))
+    extra = power_of_two_slopes(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(power_of_two_slopes(closest) + extra)
+
+
+def attention_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit inputs: the prior needs float32's range and precision, and SDPA's float mask must
+    have the query's dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

@@ -1,0 +1,105 @@
+"""Materialized GGD-BAM attention: every (Lq x Lk) score exists at once.
+
+`bam_attention_reference` is the ground truth the faster paths (`blocked_bam.py`, the Triton kernels of
+`triton_bam.py`) are tested against, and the "eager" attention; `bam_attention_sdpa` is the same through PyTorch's
+SDPA with a float mask, for custom 4D masks.
+
+Shapes: B batch, H query heads, Hkv key/value heads, Lq queries, Lk keys, D head size.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .prior_bam import attention_compute_dtype
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, Hkv, L, D) -> (B, Hkv * n_rep, L, D), each key/value head shared by n_rep query heads."""
+    if n_rep == 1:
+        return hidden_states
+    batch, kv_heads, length, head_dim = hidden_states.shape
+    expanded = hidden_states[:, :, None].expand(batch, kv_heads, n_rep, length, head_dim)
+    return expanded.reshape(batch, kv_heads * n_rep, length, head_dim)
+
+
+def _rows_with_keys(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows that see no key would give NaN: let them see everything, and report which rows are real."""
+    has_keys = visible.any(-1, keepdim=True)
+    return visible | ~has_keys, has_keys
+
+
+def bam_attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor,
+    bias: torch.Tensor,
+    scaling: float,
+    row_factor: torch.Tensor | None = None,
+    ssmax_prior: bool = True,
+    dropout: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Materialized GGD-BAM attention with an fp32 softmax.
+
+    score_ij = c_i * (q_i.k_j * scaling + b_ij)   (ssmax_prior) or   c_i * q_i.k_j * scaling + b_ij
+
+    Args:
+        query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D).
+        visible: bool, broadcastable to (B, H, Lq, Lk).
+        bias: float32, broadcastable to (B, H, Lq, Lk).
+        row_factor: SSMax factor c (B, H, Lq, 1) float32, or None for plain softmax.
+    Returns:
+        output (B, H, Lq, D) in the query dtype (zero for rows that see no key), probabilities (B, H, Lq, Lk).
+    """
+    n_rep = query.shape[1] // key.shape[1]
+    key = repeat_kv(key, n_rep)
+    value = repeat_kv(value, n_rep)
+    scores = torch.matmul(query, key.transpose(2, 3)).float() * scaling
+    if row_factor is None:
+        scores = scores + bias
+    elif ssmax_prior:
+        scores = (scores + bias) * row_factor
+    else:
+        scores = scores * row_factor + bias
+    visible, has_keys = _rows_with_keys(visible)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(has_keys, probs, torch.zeros_like(probs))
+    if dropout > 0.0:
+        probs = F.dropout(probs, p=dropout, training=True)
+    output = torch.matmul(probs.to(value.dtype), value)
+    return output, probs
+
+
+def bam_attention_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor,
+    bias: torch.Tensor,
+    scaling: float,
+    row_factor: torch.Tensor | None = None,
+    ssmax_prior: bool = True,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Same result as `bam_attention_reference` through `F.scaled_dot_product_attention` with a float mask.
+
+    The SSMax factor multiplies the queries (so q.k is scaled per row); the prior, scaled or not, is the mask.
+    The mask stays float32 and 16-bit inputs are computed in float32: in fp16 the prior overflows to -inf
+    (distance 0 with a negative beta), in bf16 far priors round to equal values.
+    """
+    input_dtype = query.dtype
+    query, key, value = (tensor.to(attention_compute_dtype(input_dtype)) for tensor in (query, key, value))
+    n_rep = query.shape[1] // key.shape[1]
+    key = repeat_kv(key, n_rep)
+    value = repeat_kv(value, n_rep)
+    visible, has_keys = _rows_with_keys(visible)
+    if row_factor is not None:
+        query = query * row_factor.to(query.dtype)
+        if ssmax_prior:
+            bias = bias * row_factor
+    float_mask = torch.where(visible, bias, torch.full_like(bias, float("-inf"))).to(query.dtype)
+    output = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=float_mask, dropout_p=dropout, scale=scaling
+    )
+    return torch.where(has_keys, output, torch.zeros_like(output)).to(input_dtype)
