@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .arguments_bam import device_name, length_list, positive_float, positive_int
-from .evaluation_bam import (
+from .training.arguments import device_name, length_list, positive_float, positive_int
+from .evaluation.passkey import (
     PasskeyResults,
     PasskeyTemplate,
     build_passkey_prompt,
@@ -32,7 +32,7 @@ from .evaluation_bam import (
     random_passkey,
     save_passkey_template,
 )
-from .io_bam import OutputError, exit_on_sigterm, staged_output_dir
+from .outputs import OutputError, exit_on_sigterm, staged_output_dir
 
 
 if TYPE_CHECKING:  # torch, Transformers and the model are imported where used, so that --help does not load them
@@ -129,7 +129,7 @@ class ModelSize:
     intermediate_size: int | None = None
 
     def llama_fields(self) -> dict:
-        from .tokenization_bam import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
+        from .data.tokenizers import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
 
         return dict(
             vocab_size=BYTE_VOCAB_SIZE,
@@ -374,7 +374,7 @@ def train_evaluate_and_save(args: argparse.Namespace, folder: Path, start: float
     """Every model trained and evaluated, its outputs written to `folder`: (results, summary line, table)."""
     from transformers import set_seed
 
-    from .tokenization_bam import build_byte_tokenizer
+    from .data.tokenizers import build_byte_tokenizer
 
     settings = settings_from_args(args)
     tokenizer = build_byte_tokenizer()

@@ -22,11 +22,11 @@ from pathlib import Path
 
 
 COMMANDS = {
-    "bam-eval": "bam_llama.evaluation_bam",
+    "bam-eval": "bam_llama.evaluation.passkey",
     "bam-demo": "bam_llama.demo",
-    "bam-finetune": "bam_llama.finetune_bam",
-    "bam-convert": "bam_llama.convert_bam",
-    "bam-card": "bam_llama.card_bam",
+    "bam-finetune": "bam_llama.training.finetune",
+    "bam-convert": "bam_llama.conversion.reference",
+    "bam-card": "bam_llama.hub.card",
 }
 REPOSITORY = Path(__file__).resolve().parents[1]
 

@@ -2,7 +2,7 @@
 
 Six models trained by `bam-pretrain` (its Python API) with one recipe at a short length (128 tokens) on the same
 data: BAM, BAM + SSMax, ALiBi, NoPE, RoPE and RoPE local (RoPE with a sliding window of the training length). The
-data is the no-download Python corpus (`bam_llama.corpus_bam`: language reference + standard library sources, split
+data is the no-download Python corpus (`bam_llama.data.corpus`: language reference + standard library sources, split
 by file) with a share of synthetic passkey documents (the prompt `bam-demo` trains on, answer included) mixed into
 the training split, so the same models answer both questions. Then, for every model:
 
@@ -10,7 +10,7 @@ the training split, so the same models answer both questions. Then, for every mo
   first 64x tokens of each of the first 8 held-out files that long, cut into non-overlapping sequences of each
   length (so a sequence never spans two files), each behind BOS; log axes; and the same over the positions past the
   training length only;
-* passkey retrieval at the same lengths, 20 depths each (`bam_llama.evaluation_bam.evaluate_passkey`);
+* passkey retrieval at the same lengths, 20 depths each (`bam_llama.evaluation.passkey.evaluate_passkey`);
 * RoPE also with Transformers' dynamic-NTK and YaRN `rope_parameters` set for each evaluation length (no
   retraining), the context extension a RoPE user would reach for.
 
@@ -38,9 +38,9 @@ from pathlib import Path
 REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPOSITORY))
 
-from bam_llama.corpus_bam import Document, corpus_statistics, python_documents, split_documents  # noqa: E402
-from bam_llama.evaluation_bam import PasskeyTemplate, random_passkey  # noqa: E402
-from bam_llama.io_bam import staged_output_dir  # noqa: E402
+from bam_llama.data.corpus import Document, corpus_statistics, python_documents, split_documents  # noqa: E402
+from bam_llama.evaluation.passkey import PasskeyTemplate, random_passkey  # noqa: E402
+from bam_llama.outputs import staged_output_dir  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 
 
@@ -184,7 +184,7 @@ def perplexity_documents(heldout: list[Document], tokenizer, recipe: Recipe) -> 
 
 
 def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe, **overrides):
-    from bam_llama.pretrain_bam import ROTARY_POSITIONALS, PretrainArguments, run_pretraining
+    from bam_llama.training.pretrain import ROTARY_POSITIONALS, PretrainArguments, run_pretraining
 
     positional, ssmax = MODELS[name]
     args = PretrainArguments(
@@ -225,7 +225,7 @@ def sequence_perplexity(model, tokenizer, documents: dict[str, list[int]], lengt
     positional encoding meets distances it never trained on."""
     import math
 
-    from bam_llama.evaluation_bam import evaluate_perplexity
+    from bam_llama.evaluation.passkey import evaluate_perplexity
 
     whole, past = [], []
     for tokens in documents.values():
@@ -245,7 +245,7 @@ def sequence_perplexity(model, tokenizer, documents: dict[str, list[int]], lengt
 
 def evaluate(folder: Path, extension: str | None, documents: dict[str, list[int]], tokenizer, recipe: Recipe) -> dict:
     """Whole-sequence perplexity and passkey accuracy per length (a RoPE extension is set per length)."""
-    from bam_llama.evaluation_bam import evaluate_passkey
+    from bam_llama.evaluation.passkey import evaluate_passkey
 
     perplexity, passkey = {}, {}
     model = None
@@ -346,8 +346,8 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
     import torch
     import transformers
 
-    from bam_llama.evaluation_bam import PasskeyResults
-    from bam_llama.tokenization_bam import train_bpe_tokenizer
+    from bam_llama.evaluation.passkey import PasskeyResults
+    from bam_llama.data.tokenizers import train_bpe_tokenizer
 
     if recipe.threads is not None:
         torch.set_num_threads(recipe.threads)

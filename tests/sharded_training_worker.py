@@ -71,7 +71,7 @@ def global_loss(loss: torch.Tensor) -> float:
 
 
 def train_fsdp2(variant: str, rank: int, size: int, output_dir: Path) -> dict:
-    from bam_llama.distributed_bam import full_state_dict, save_sharded_pretrained, shard_fsdp2
+    from bam_llama.training.distributed import full_state_dict, save_sharded_pretrained, shard_fsdp2
 
     model = shard_fsdp2(build_model(variant))
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
@@ -91,7 +91,7 @@ def train_fsdp2(variant: str, rank: int, size: int, output_dir: Path) -> dict:
 def train_zero(stage: int, variant: str, rank: int, size: int) -> dict:
     import deepspeed
 
-    from bam_llama.distributed_bam import zero_config
+    from bam_llama.training.distributed import zero_config
 
     model = build_model(variant)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 from huggingface_hub import HfApi, ModelCard
 
-from bam_llama.card_bam import card_template, main, push_model_to_hub, write_model_card
-from bam_llama.evaluation_bam import PerplexityResults, evaluate_passkey, plot_prior
-from bam_llama.tokenization_bam import build_byte_tokenizer
+from bam_llama.hub.card import card_template, main, push_model_to_hub, write_model_card
+from bam_llama.evaluation.passkey import PerplexityResults, evaluate_passkey, plot_prior
+from bam_llama.data.tokenizers import build_byte_tokenizer
 from conftest import tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -181,7 +181,7 @@ def test_model_push_to_hub_uploads_the_bam_card(byte_model, hub):
 
 
 def test_model_push_to_hub_without_bam_llama_falls_back_to_transformers(byte_model, hub, monkeypatch):
-    monkeypatch.setitem(sys.modules, "bam_llama.card_bam", None)  # as in a remote-code-only environment
+    monkeypatch.setitem(sys.modules, "bam_llama.hub.card", None)  # as in a remote-code-only environment
     generic = ModelCard("---\nlibrary_name: transformers\n---\nGeneric card")
     monkeypatch.setattr("transformers.utils.hub.create_and_tag_model_card", lambda *args, **kwargs: generic)
 

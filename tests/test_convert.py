@@ -9,7 +9,7 @@ from conftest import FIXTURES_DIR, checkout_environment, require_reference_fixtu
 from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
-from bam_llama.convert_bam import (
+from bam_llama.conversion.reference import (
     ConversionError,
     bam_parameter_shapes,
     convert_bam_to_reference,
@@ -18,8 +18,8 @@ from bam_llama.convert_bam import (
     main,
     reference_key_table,
 )
-from bam_llama.io_bam import OutputError
-from bam_llama.tokenization_bam import build_byte_tokenizer
+from bam_llama.outputs import OutputError
+from bam_llama.data.tokenizers import build_byte_tokenizer
 
 
 # The documented reference -> BamLlama names, written out here independently of the converter's tables.
@@ -371,7 +371,7 @@ def test_output_may_not_replace_the_input(tmp_path):
 
 
 def test_failure_while_writing_leaves_nothing_behind(tmp_path, monkeypatch):
-    import bam_llama.convert_bam as convert_bam
+    import bam_llama.conversion.reference as convert_bam
 
     write_reference_run(tmp_path / "run")
     before = folder_listing(tmp_path)
@@ -550,7 +550,8 @@ def test_command_line_converts_and_reports_errors(tmp_path, capsys):
 
 CONVERT_THEN_WAIT = """
 import sys, time
-from bam_llama import convert_bam, io_bam
+from bam_llama.conversion import reference as convert_bam
+from bam_llama import outputs as io_bam
 
 finish = io_bam.SafetensorsShardWriter.finish
 
@@ -606,7 +607,7 @@ def test_a_nan_ssmax_scale_is_refused_before_writing(tiny_llama, tmp_path, capsy
 
 
 def test_an_unwritable_output_parent_is_one_line_and_status_2(tmp_path, monkeypatch, capsys):
-    from bam_llama import io_bam
+    from bam_llama import outputs as io_bam
 
     write_reference_run(tmp_path / "run")
 

@@ -4,7 +4,7 @@ import hashlib
 import json
 import random
 
-from bam_llama.corpus_bam import Document, python_documents, split_documents, write_corpus
+from bam_llama.data.corpus import Document, python_documents, split_documents, write_corpus
 
 
 def held_out_by_name(name: str, fraction: float) -> bool:

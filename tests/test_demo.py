@@ -23,8 +23,8 @@ from bam_llama.demo import (
     run_demo,
     training_batch,
 )
-from bam_llama.evaluation_bam import PasskeyResults
-from bam_llama.tokenization_bam import build_byte_tokenizer
+from bam_llama.evaluation.passkey import PasskeyResults
+from bam_llama.data.tokenizers import build_byte_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ from conftest import randomize_prior
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
-from bam_llama import evaluation_bam
+from bam_llama.evaluation import passkey as evaluation_bam
 from bam_llama.model.prior_bam import ggd_bias
-from bam_llama.evaluation_bam import (
+from bam_llama.evaluation.passkey import (
     PasskeyResults,
     PasskeyTemplate,
     PerplexityResults,
@@ -26,7 +26,7 @@ from bam_llama.evaluation_bam import (
     prefill,
     prior_curves,
 )
-from bam_llama.tokenization_bam import build_byte_tokenizer
+from bam_llama.data.tokenizers import build_byte_tokenizer
 
 
 TEMPLATE = PasskeyTemplate()
@@ -357,7 +357,7 @@ def test_lengths_below_the_template_are_flagged(saved_model, capsys):
 
 def test_a_prompt_that_fills_its_length_behind_bos_is_not_flagged(tokenizer, capsys):
     """`length` counts the prompt's text; a BOS in front of an exactly filled prompt is no reason to warn."""
-    from bam_llama.evaluation_bam import PasskeyTemplate, build_passkey_prompt, evaluate_passkey
+    from bam_llama.evaluation.passkey import PasskeyTemplate, build_passkey_prompt, evaluate_passkey
 
     template = PasskeyTemplate(task="", filler="ab", info="k{passkey}.", question="?")  # bytes: 2, 7, 1
     assert len(build_passkey_prompt(tokenizer, 12, 0.0, "12345", template, add_bos=True)) == 13
@@ -509,7 +509,7 @@ def test_a_model_without_tokenizer_and_a_foreign_vocabulary_is_a_clear_error(tmp
 
 
 def test_a_binary_evaluation_text_is_named(tmp_path):
-    from bam_llama.evaluation_bam import load_text_documents
+    from bam_llama.evaluation.passkey import load_text_documents
 
     binary = tmp_path / "text.txt"
     binary.write_bytes(b"first line\n\x89PNG\r\n")

@@ -20,7 +20,7 @@ from conftest import checkout_environment, default_sigint, tiny_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from bam_llama.finetune_bam import (
+from bam_llama.training.finetune import (
     FinetuneArguments,
     collate_packed_rows,
     finetune,
@@ -30,8 +30,8 @@ from bam_llama.finetune_bam import (
     prepare_model,
     resolve_checkpoint,
 )
-from bam_llama.tokenization_bam import build_byte_tokenizer
-from bam_llama.trainer_bam import BamTrainer, training_arguments
+from bam_llama.data.tokenizers import build_byte_tokenizer
+from bam_llama.training.trainer import BamTrainer, training_arguments
 
 
 TRAIN_LENGTH, TARGET_LENGTH = 32, 64
@@ -421,7 +421,7 @@ def test_ddp_on_two_cpu_processes(workspace, tmp_path):
     output_dir = tmp_path / "ddp"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "bam_llama.finetune_bam",
+        "-m", "bam_llama.training.finetune",
         "--model", str(workspace["base"]), "--data", str(workspace["data"]), "--output-dir", str(output_dir),
         "--context-length", str(TARGET_LENGTH), "--max-steps", "4", "--batch-size", "2", "--save-steps", "2",
         "--learning-rate", "1e-2", "--lora-rank", "4", "--merge", "--disable-progress-bars",
@@ -479,7 +479,7 @@ def test_resume_latest_skips_incomplete_checkpoints_and_says_so(tmp_path, caplog
 FINETUNE_INTERRUPTED_WHILE_SAVING = """
 import sys, time
 from transformers import Trainer
-from bam_llama import finetune_bam
+from bam_llama.training import finetune as finetune_bam
 
 save_rng_state, saves = Trainer._save_rng_state, []
 

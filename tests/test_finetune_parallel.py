@@ -6,8 +6,8 @@ import pytest
 from conftest import tiny_model
 from peft import LoraConfig, get_peft_model
 
-from bam_llama.distributed_bam import parallel_training_arguments
-from bam_llama.finetune_bam import main, prior_values
+from bam_llama.training.distributed import parallel_training_arguments
+from bam_llama.training.finetune import main, prior_values
 
 
 def test_no_mode_sets_nothing():

@@ -18,8 +18,8 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "module",
     [
-        "bam_llama.evaluation_bam", "bam_llama.demo", "bam_llama.finetune_bam", "bam_llama.pretrain_bam", "bam_llama.convert_bam",
-        "bam_llama.card_bam",
+        "bam_llama.evaluation.passkey", "bam_llama.demo", "bam_llama.training.finetune", "bam_llama.training.pretrain", "bam_llama.conversion.reference",
+        "bam_llama.hub.card",
     ],
 )
 def test_help_imports_no_heavy_module(module):

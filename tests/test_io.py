@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import checkout_environment
 
-from bam_llama import io_bam
-from bam_llama.io_bam import OutputError, check_output_dir, staged_output_dir
+from bam_llama import outputs as io_bam
+from bam_llama.outputs import OutputError, check_output_dir, staged_output_dir
 
 
 
@@ -22,7 +22,7 @@ WRITER = textwrap.dedent(
     """
     import os, signal, sys, time
     from pathlib import Path
-    from bam_llama import io_bam
+    from bam_llama import outputs as io_bam
 
     out, content, action = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     io_bam.exit_on_sigterm()

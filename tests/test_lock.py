@@ -11,12 +11,12 @@ import threading
 import pytest
 from conftest import checkout_environment
 
-from bam_llama.lock_bam import LOCK_NAME, OutputDirError, OutputDirInUse, hold_output_dir, resumes_in
+from bam_llama.training.lock import LOCK_NAME, OutputDirError, OutputDirInUse, hold_output_dir, resumes_in
 
 
 HOLDER = """
 import sys, time
-from bam_llama.lock_bam import hold_output_dir
+from bam_llama.training.lock import hold_output_dir
 
 with hold_output_dir(sys.argv[1], "bam-holder"):
     print("held", flush=True)

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bam_llama import evaluation_bam
-from bam_llama.card_bam import write_model_card
+from bam_llama.evaluation import passkey as evaluation_bam
+from bam_llama.hub.card import write_model_card
 from bam_llama.demo import run_demo
-from bam_llama.evaluation_bam import PasskeyResults, main, plot_prior, uniform_depths
+from bam_llama.evaluation.passkey import PasskeyResults, main, plot_prior, uniform_depths
 from conftest import tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def test_the_demo_model_carries_its_passkey_prompt_through_a_resave(demo_output,
 
 
 def test_bam_finetune_merged_copy_keeps_the_passkey_prompt(demo_output, tmp_path):
-    from bam_llama import finetune_bam
+    from bam_llama.training import finetune as finetune_bam
 
     documents = ["The sky is blue. " * 5 + f"The pass key is {key}. The pass key is {key}." for key in range(10000, 10060)]
     (tmp_path / "corpus.txt").write_text("\n\n".join(documents))
@@ -151,7 +151,7 @@ def test_a_bad_template_is_one_clear_error(demo_output, tmp_path, content, messa
 
 
 def test_a_model_without_a_template_gets_the_paper_prompt(tmp_path, recorded_prompts, capsys):
-    from bam_llama.tokenization_bam import build_byte_tokenizer
+    from bam_llama.data.tokenizers import build_byte_tokenizer
 
     tiny_model(vocab_size=259).save_pretrained(tmp_path / "model")
     build_byte_tokenizer().save_pretrained(tmp_path / "model")
@@ -250,7 +250,7 @@ def test_the_package_works_without_triton(tmp_path):
             loaded = AutoModelForCausalLM.from_pretrained("saved", **kwargs).eval()
             with torch.no_grad():
                 torch.testing.assert_close(loaded(ids).logits, logits)
-        import bam_llama.finetune_bam, bam_llama.convert_bam, bam_llama.card_bam, bam_llama.demo  # noqa: F401
+        import bam_llama.training.finetune, bam_llama.conversion.reference, bam_llama.hub.card, bam_llama.demo  # noqa: F401
         assert "triton" not in sys.modules
         """,
         tmp_path,

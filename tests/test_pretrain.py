@@ -15,10 +15,10 @@ from conftest import tiny_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from bam_llama.lock_bam import hold_output_dir
-from bam_llama.packing_bam import collate_packed_rows, pack_documents
-from bam_llama.pretrain_bam import PretrainArguments, main, run_pretraining
-from bam_llama.tokenization_bam import train_bpe_tokenizer
+from bam_llama.training.lock import hold_output_dir
+from bam_llama.data.packing import collate_packed_rows, pack_documents
+from bam_llama.training.pretrain import PretrainArguments, main, run_pretraining
+from bam_llama.data.tokenizers import train_bpe_tokenizer
 
 
 CONTEXT_LENGTH = 64
@@ -244,7 +244,7 @@ def test_ddp_on_two_cpu_processes_with_a_bpe_trained_once(data, tmp_path):
     output_dir = tmp_path / "ddp"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "bam_llama.pretrain_bam", "--data", str(data), "--output-dir", str(output_dir),
+        "-m", "bam_llama.training.pretrain", "--data", str(data), "--output-dir", str(output_dir),
         "--context-length", str(CONTEXT_LENGTH), "--hidden-size", "32", "--layers", "2", "--heads", "4",
         "--tokenizer", "bpe", "--vocab-size", "300", "--max-steps", "4", "--batch-size", "2", "--save-steps", "4",
         "--disable-progress-bars",
@@ -285,7 +285,7 @@ def test_an_earlier_run_is_kept_unless_overwritten_and_a_held_folder_is_refused(
 
 
 def test_prior_scope_choices_are_the_configs():
-    from bam_llama import pretrain_bam
+    from bam_llama.training import pretrain as pretrain_bam
     from bam_llama.model.configuration_bam import PRIOR_SCOPES
 
     assert pretrain_bam.PRIOR_SCOPES == PRIOR_SCOPES
@@ -293,7 +293,7 @@ def test_prior_scope_choices_are_the_configs():
 
 @pytest.mark.parametrize("theta", [None, 1000.0])
 def test_rope_theta_reaches_the_rotary_frequencies(tmp_path, theta):
-    from bam_llama.pretrain_bam import build_config
+    from bam_llama.training.pretrain import build_config
 
     args = arguments(tmp_path / "data.txt", tmp_path / "run", positional="rope", rope_theta=theta)
     config = build_config(args, vocab_size=300, token_ids={"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})
@@ -307,7 +307,7 @@ def test_rope_theta_reaches_the_rotary_frequencies(tmp_path, theta):
 def test_rope_local_sees_exactly_the_last_context_length_tokens(tmp_path):
     """One layer, so a logit depends on the tokens its query attends to and no others: at a length 3x the training
     length, the last position moves with a token CONTEXT_LENGTH - 1 back and not with one CONTEXT_LENGTH back."""
-    from bam_llama.pretrain_bam import build_config, build_model
+    from bam_llama.training.pretrain import build_config, build_model
 
     sizes = {**TINY_SIZES, "num_hidden_layers": 1}
     args = arguments(tmp_path / "data.txt", tmp_path / "run", positional="rope-local", **sizes)

@@ -62,9 +62,9 @@ def test_training_passkey_documents_tokenize_like_the_evaluation_prompts():
     byte-level BPE they must give the same tokens, or the models are asked in a form they never saw."""
     import random
 
-    from bam_llama.corpus_bam import python_documents, split_documents
-    from bam_llama.evaluation_bam import build_passkey_prompt
-    from bam_llama.tokenization_bam import train_bpe_tokenizer
+    from bam_llama.data.corpus import python_documents, split_documents
+    from bam_llama.evaluation.passkey import build_passkey_prompt
+    from bam_llama.data.tokenizers import train_bpe_tokenizer
 
     benchmark = load_benchmark()
     recipe = benchmark.QUICK
@@ -91,8 +91,8 @@ def test_training_passkey_documents_tokenize_like_the_evaluation_prompts():
 def test_perplexity_uses_the_same_prefix_of_long_held_out_files_at_every_length():
     from dataclasses import replace
 
-    from bam_llama.corpus_bam import Document
-    from bam_llama.tokenization_bam import build_byte_tokenizer
+    from bam_llama.data.corpus import Document
+    from bam_llama.data.tokenizers import build_byte_tokenizer
 
     benchmark = load_benchmark()
     recipe = replace(benchmark.QUICK, train_length=8, scales=(1, 2, 4), perplexity_documents=2)
@@ -115,7 +115,7 @@ def test_perplexity_past_the_training_length_counts_only_those_positions():
     import torch
     from conftest import tiny_model
 
-    from bam_llama.tokenization_bam import build_byte_tokenizer
+    from bam_llama.data.tokenizers import build_byte_tokenizer
 
     benchmark = load_benchmark()
     tokenizer = build_byte_tokenizer()

@@ -36,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.processing_utils import Unpack
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM, BamLlamaModel
-from bam_llama.tokenization_bam import BYTE_VOCAB_SIZE, build_byte_tokenizer
+from bam_llama.data.tokenizers import BYTE_VOCAB_SIZE, build_byte_tokenizer
 
 
 VOCAB = 97

@@ -44,7 +44,7 @@ def build_tiny_bam(folder: Path, seed: int, **overrides):
     """A tiny BamLlama with random weights and a random prior per head (negative and positive theta_beta, mu != 0),
     saved with the byte tokenizer. Weights are drawn large enough that greedy decoding has no near ties."""
     from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
-    from bam_llama.tokenization_bam import build_byte_tokenizer
+    from bam_llama.data.tokenizers import build_byte_tokenizer
 
     values = dict(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

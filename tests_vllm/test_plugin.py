@@ -12,9 +12,9 @@ from conftest import build_tiny_bam
 
 def test_entry_point_registers_bam_llama_with_vllm():
     (plugin,) = [point for point in entry_points(group="vllm.general_plugins") if point.name == "bam_llama"]
-    assert plugin.value == "bam_llama.vllm_bam:register"
+    assert plugin.value == "bam_llama.serving.vllm_plugin:register"
     script = (
-        "import bam_llama.vllm_bam as plugin; plugin.register(); plugin.register()\n"  # twice: vLLM calls it per process
+        "import bam_llama.serving.vllm_plugin as plugin; plugin.register(); plugin.register()\n"  # twice: vLLM calls it per process
         "from vllm import ModelRegistry\n"
         "from transformers import AutoConfig\n"
         "assert 'BamLlamaForCausalLM' in ModelRegistry.get_supported_archs()\n"
@@ -36,7 +36,7 @@ def test_no_other_module_of_the_package_imports_vllm():
             )
             assert not any(name.split(".")[0] == "vllm" for name in names), f"{path.name} imports {names}"
     script = (
-        "import sys, bam_llama, bam_llama.model.modeling_bam, bam_llama.model.configuration_bam, bam_llama.tokenization_bam\n"
+        "import sys, bam_llama, bam_llama.model.modeling_bam, bam_llama.model.configuration_bam, bam_llama.data.tokenizers\n"
         "leaked = sorted(name for name in sys.modules if name.split('.')[0] == 'vllm')\n"
         "assert not leaked, leaked\n"
     )

@@ -24,7 +24,7 @@ def main_suite_conftest():
 
 
 def test_converted_reference_checkpoint_served_by_vllm_matches_reference_logits(tmp_path):
-    from bam_llama.convert_bam import convert_reference_checkpoint
+    from bam_llama.conversion.reference import convert_reference_checkpoint
 
     fixtures = main_suite_conftest().require_reference_fixtures()
     folder = convert_reference_checkpoint(

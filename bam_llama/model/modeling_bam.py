@@ -558,13 +558,13 @@ class BamLlamaPreTrainedModel(PreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
-        """Upload config, weights, remote code and the BamLlama model card (`bam_llama.card_bam`) in one commit.
+        """Upload config, weights, remote code and the BamLlama model card (`bam_llama.hub.card`) in one commit.
         Where `bam_llama` is not installed (this file loaded as remote code), Transformers' generic card is used.
         card_bam is imported by name, not relatively, so save_pretrained does not ship it as remote code."""
         import importlib
 
         try:
-            card_bam = importlib.import_module("bam_llama.card_bam")
+            card_bam = importlib.import_module("bam_llama.hub.card")
         except ImportError:
             return super().push_to_hub(repo_id, **kwargs)
         return card_bam.push_pretrained_model(self, repo_id, **kwargs)

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from .arguments_bam import (
+from .arguments import (
     TrainingRunArguments,
     add_data_arguments,
     add_dataset_arguments,
@@ -43,12 +43,12 @@ from .arguments_bam import (
     positive_float,
     positive_int,
 )
-from .checkpoints_bam import checkpoint_step, resolve_checkpoint
-from .data_bam import load_documents, looks_like_a_local_path, tokenize_documents
-from .io_bam import exit_on_sigterm, staged_output_dir
-from .lock_bam import OutputDirHold, hold_output_dir, resumes_in
-from .packing_bam import PackedRows, collate_packed_rows, pack_documents, split_eval_rows
-from .summary_bam import TrainingSummary, format_rows, training_rows, write_summary
+from .checkpoints import checkpoint_step, resolve_checkpoint
+from ..data.documents import load_documents, looks_like_a_local_path, tokenize_documents
+from ..outputs import exit_on_sigterm, staged_output_dir
+from .lock import OutputDirHold, hold_output_dir, resumes_in
+from ..data.packing import PackedRows, collate_packed_rows, pack_documents, split_eval_rows
+from .summary import TrainingSummary, format_rows, training_rows, write_summary
 
 
 logger = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ def named_tokenizer(choice: str):
     """`--tokenizer byte` or a tokenizer folder / Hub id; loaded before any data, so a bad one stops the run early."""
     from transformers import AutoTokenizer
 
-    from .tokenization_bam import build_byte_tokenizer
+    from ..data.tokenizers import build_byte_tokenizer
 
     if choice == "byte":
         return build_byte_tokenizer()
@@ -233,7 +233,7 @@ def bpe_tokenizer(args: PretrainArguments, documents: list[str], checkpoint: str
     other processes read it; a resumed run reads the checkpoint's own."""
     from transformers import AutoTokenizer
 
-    from .tokenization_bam import train_bpe_tokenizer
+    from ..data.tokenizers import train_bpe_tokenizer
 
     if checkpoint is not None:
         return AutoTokenizer.from_pretrained(checkpoint)
@@ -270,7 +270,7 @@ def build_config(args: PretrainArguments, vocab_size: int, token_ids: dict[str, 
             config = MistralConfig(sliding_window=args.context_length, **rotary)
         config.train_context_length = args.context_length
         return config
-    from .model.configuration_bam import BamLlamaConfig
+    from ..model.configuration_bam import BamLlamaConfig
 
     prior = {
         "bam": dict(theta_alpha_init=0.0, theta_beta_init=0.0, train_theta_alpha=True, train_theta_beta=True),
@@ -291,7 +291,7 @@ def build_model(args: PretrainArguments, config):
 
         model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn_implementation or "sdpa", dtype=torch.float32)
     else:
-        from .model.modeling_bam import BamLlamaForCausalLM
+        from ..model.modeling_bam import BamLlamaForCausalLM
 
         model = BamLlamaForCausalLM._from_config(config, attn_implementation=args.attn_implementation, dtype=torch.float32)
         model.apply_prior_trainability()
@@ -344,8 +344,8 @@ def run_pretraining(args: PretrainArguments):
 def _run_pretraining(args: PretrainArguments, hold: OutputDirHold, started: float):
     from transformers import set_seed
 
-    from .distributed_bam import gathered_state_dict, parameters_sharded
-    from .trainer_bam import BamTrainer, mean_token_loss, training_arguments
+    from .distributed import gathered_state_dict, parameters_sharded
+    from .trainer import BamTrainer, mean_token_loss, training_arguments
 
     checkpoint = resolve_checkpoint(args)
     resumed_from_step = 0 if checkpoint is None else checkpoint_step(checkpoint)

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .arguments_bam import device_name, length_list, non_negative_int, positive_int
-from .io_bam import check_model_path, check_safetensors_files, load_tokenizer, read_utf8_text
+from ..training.arguments import device_name, length_list, non_negative_int, positive_int
+from ..outputs import check_model_path, check_safetensors_files, load_tokenizer, read_utf8_text
 
 
 if TYPE_CHECKING:  # torch and Transformers are imported where used, so that --help does not load them
@@ -520,7 +520,7 @@ def prior_curves(prior, max_distance: int) -> torch.Tensor:
     """(H, max_distance + 1) prior b_h at causal distances i - j = 0 .. max_distance."""
     import torch
 
-    from .model.prior_bam import ggd_bias
+    from ..model.prior_bam import ggd_bias
 
     distance = -torch.arange(max_distance + 1, dtype=torch.float32, device=prior.theta_alpha.device)
     formula, eps = getattr(prior, "formula", "current"), getattr(prior, "eps", 1e-5)
@@ -534,7 +534,7 @@ def plot_prior(model_or_path, path, max_distance: int = 1024, layer: int | None 
     value at distance 0 in the legend, one subplot per prior: the shared prior, every layer's, or only `layer`'s."""
     from matplotlib.figure import Figure
 
-    from .model.prior_bam import prior_offset
+    from ..model.prior_bam import prior_offset
 
     model = model_or_path
     if isinstance(model_or_path, (str, Path)):
@@ -598,7 +598,7 @@ def load_model(path, device=None, dtype=None, attn_implementation=None):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from . import register
+    from .. import register
 
     register()  # BamLlama with the Auto classes
 

@@ -329,7 +329,7 @@ def check_safetensors_files(model_path) -> None:
 def load_tokenizer(model_path, config, tokenizer=None):
     """`tokenizer` (an object, or a path to load), else the one saved at `model_path`, else the built-in byte
     tokenizer (with a note on stderr, and a warning when the model's vocabulary is not the byte tokenizer's)."""
-    from .tokenization_bam import BYTE_VOCAB_SIZE, build_byte_tokenizer
+    from .data.tokenizers import BYTE_VOCAB_SIZE, build_byte_tokenizer
 
     if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
         return tokenizer

@@ -20,7 +20,7 @@ import yaml
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from .io_bam import check_safetensors_files
+from ..outputs import check_safetensors_files
 
 
 TEMPLATE_NAME = "model_card_template.md"  # a symlink to model_cards/bam_llama_card_template.md, copied into wheels
@@ -101,7 +101,7 @@ def read_shared_prior(model_dir: Path) -> dict:
 
 def prior_table(model_dir: Path) -> str | None:
     """Markdown table of the learned prior per head; per-layer priors are left to the prior plot."""
-    from .model.prior_bam import prior_offset
+    from ..model.prior_bam import prior_offset
 
     theta = read_shared_prior(model_dir)
     if not theta:
@@ -167,7 +167,7 @@ def training_text(config: dict, datasets: list[str], base_model: str | None) -> 
 
 def as_results(results):
     """PasskeyResults / PerplexityResults from an object, its `to_dict()`, or a `bam-eval --out` .json file."""
-    from .evaluation_bam import PasskeyResults, PerplexityResults, load_results
+    from ..evaluation.passkey import PasskeyResults, PerplexityResults, load_results
 
     if isinstance(results, (str, Path)):
         return load_results(results)
@@ -182,7 +182,7 @@ def as_results(results):
 
 
 def evaluation_section(results) -> dict:
-    from .evaluation_bam import PasskeyResults
+    from ..evaluation.passkey import PasskeyResults
 
     if isinstance(results, PasskeyResults):
         digits = len(results.passkeys[0][0]) if results.passkeys else "random"

@@ -9,7 +9,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .io_bam import current_umask
+from ..outputs import current_umask
 
 
 @dataclasses.dataclass

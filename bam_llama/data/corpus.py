@@ -27,7 +27,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from .io_bam import staged_output_dir
+from ..outputs import staged_output_dir
 
 
 SKIPPED_FOLDERS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})

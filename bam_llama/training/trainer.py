@@ -12,8 +12,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainingArguments
 
-from .distributed_bam import parallel_training_arguments
-from .packing_bam import IGNORE_INDEX, collate_packed_rows
+from .distributed import parallel_training_arguments
+from ..data.packing import IGNORE_INDEX, collate_packed_rows
 
 
 # Parameters of the prior and SSMax modules, also inside PEFT's `modules_to_save` wrappers.

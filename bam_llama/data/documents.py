@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from .io_bam import read_utf8_text
+from ..outputs import read_utf8_text
 
 
 TEXT_SUFFIXES = (".txt", ".jsonl")

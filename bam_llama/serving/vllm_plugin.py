@@ -39,8 +39,8 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from .model.prior_bam import ggd_bias, relative_distance, ssmax_factor
-from .model.reference_bam import bam_attention_reference
+from ..model.prior_bam import ggd_bias, relative_distance, ssmax_factor
+from ..model.reference_bam import bam_attention_reference
 
 
 ARCHITECTURE = "BamLlamaForCausalLM"
@@ -52,7 +52,7 @@ def register() -> None:
     needed), vLLM learns the architecture."""
     from vllm import ModelRegistry
 
-    from . import register_config
+    from .. import register_config
 
     register_config()
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .io_bam import (
+from ..outputs import (
     DEFAULT_MAX_SHARD_SIZE,
     OutputError,
     SafetensorsShardWriter,
@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used
     import torch
     from transformers import LlamaConfig
 
-    from .model.configuration_bam import BamLlamaConfig
+    from ..model.configuration_bam import BamLlamaConfig
 
 
 VARIANTS = ("bam", "bam_ssmax")
@@ -183,7 +183,7 @@ def bam_parameter_shapes(config: BamLlamaConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of every BamLlamaForCausalLM parameter for `config` (built on the meta device)."""
     import torch
 
-    from .model.modeling_bam import BamLlamaForCausalLM
+    from ..model.modeling_bam import BamLlamaForCausalLM
 
     with torch.device("meta"):
         model = BamLlamaForCausalLM(config)
@@ -221,7 +221,7 @@ def save_config_and_code(config: BamLlamaConfig, folder: Path) -> None:
     """config.json plus the modeling code, so the folder loads with trust_remote_code=True."""
     from transformers.dynamic_module_utils import custom_object_save
 
-    from .model.modeling_bam import REMOTE_CODE_AUTO_MAP, BamLlamaForCausalLM
+    from ..model.modeling_bam import REMOTE_CODE_AUTO_MAP, BamLlamaForCausalLM
 
     config.architectures = ["BamLlamaForCausalLM"]
     config.auto_map = dict(REMOTE_CODE_AUTO_MAP)
@@ -248,9 +248,9 @@ def copy_files(files: Iterable[Path], folder: Path) -> None:
 
 def write_model_card(folder: Path, model_name: str, lines: list[str], base_model: str | None = None) -> None:
     """The package's Hub model card (metadata, architecture, prior), with how the folder was converted."""
-    from . import card_bam
+    from ..hub import card
 
-    card_bam.write_model_card(folder, model_name=model_name, description="\n".join(lines), base_model=base_model)
+    card.write_model_card(folder, model_name=model_name, description="\n".join(lines), base_model=base_model)
 
 
 def quiet(*args, **kwargs) -> None:
@@ -451,7 +451,7 @@ def train_flag(model_args: dict, index: int, default: bool) -> bool:
 
 def reference_config(run_args: dict, variant: str, prior_scope: str, formula: str) -> BamLlamaConfig:
     """The BamLlamaConfig of a reference run, from args.json's model_args."""
-    from .model.configuration_bam import BamLlamaConfig
+    from ..model.configuration_bam import BamLlamaConfig
 
     model_args = run_args["model_args"]
     heads = model_args["n_heads"]
@@ -505,7 +505,7 @@ def convert_reference_checkpoint(
         variant: "bam" or "bam_ssmax"; must agree with args.json's position_encoding when both are given.
         dtype: "auto" keeps the stored dtype; otherwise every weight but the prior / SSMax parameters is cast.
     """
-    from .model.configuration_bam import PRIOR_FORMULAS
+    from ..model.configuration_bam import PRIOR_FORMULAS
 
     log = print if verbose else quiet
     run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
@@ -647,7 +647,7 @@ def bam_config_from_llama(
     prior_scope: str,
     ssmax_scale_init: float,
 ) -> BamLlamaConfig:
-    from .model.configuration_bam import PRIOR_SCOPES, BamLlamaConfig
+    from ..model.configuration_bam import PRIOR_SCOPES, BamLlamaConfig
 
     if prior not in LLAMA_PRIOR_INITS:
         raise ConversionError(f"unknown prior initialisation {prior!r}; expected one of {', '.join(LLAMA_PRIOR_INITS)}")
@@ -684,7 +684,7 @@ def bam_config_from_llama(
 
 def initial_prior_state(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
     """Freshly initialised prior (and SSMax) parameters by the schemes in `config`, under their BamLlama names."""
-    from .model.modeling_bam import BamPrior, BamScalableSoftmax
+    from ..model.modeling_bam import BamPrior, BamScalableSoftmax
 
     prior = BamPrior(config).state_dict()
     state = {}
@@ -807,7 +807,7 @@ def convert_llama_checkpoint(
 
 
 def read_bam_config(bam_dir: Path) -> BamLlamaConfig:
-    from .model.configuration_bam import BamLlamaConfig
+    from ..model.configuration_bam import BamLlamaConfig
 
     path = bam_dir / "config.json"
     if not path.is_file():
@@ -1036,7 +1036,7 @@ def run_command(args: argparse.Namespace) -> Path:
             dtype=args.dtype, force=args.force, max_shard_size=args.max_shard_size,
         )
     if args.command == "llama":
-        from .gguf_bam import convert_gguf_checkpoint, gguf_source
+        from .gguf import convert_gguf_checkpoint, gguf_source
 
         gguf_path = gguf_source(args.llama_dir, args.gguf_file)
         return (convert_gguf_checkpoint if gguf_path else convert_llama_checkpoint)(

@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .convert_bam import ConversionError, convert_llama_checkpoint, dtype_name, parse_dtype, quiet
-from .io_bam import check_output_dir, leftover_prefix
+from .reference import ConversionError, convert_llama_checkpoint, dtype_name, parse_dtype, quiet
+from ..outputs import check_output_dir, leftover_prefix
 
 
 if TYPE_CHECKING:  # PyTorch and Transformers are imported where used, as in convert_bam

@@ -49,7 +49,7 @@ def save_sharded_pretrained(model: torch.nn.Module, output_dir: str | Path, toke
 
     Collective: every rank calls it. Rank 0 writes into a staging folder that becomes `output_dir` when complete.
     """
-    from .io_bam import staged_output_dir
+    from ..outputs import staged_output_dir
 
     state = full_state_dict(model)
     if dist.get_rank() == 0:

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .arguments_bam import (
+from .arguments import (
     TrainingRunArguments,
     add_data_arguments,
     add_dataset_arguments,
@@ -43,25 +43,25 @@ from .arguments_bam import (
     positive_int,
     probability,
 )
-from .checkpoints_bam import checkpoint_step, resolve_checkpoint
-from .data_bam import load_documents, tokenize_documents
-from .io_bam import (
+from .checkpoints import checkpoint_step, resolve_checkpoint
+from ..data.documents import load_documents, tokenize_documents
+from ..outputs import (
     check_model_path,
     check_safetensors_files,
     exit_on_sigterm,
     load_tokenizer,
     staged_output_dir,
 )
-from .lock_bam import OutputDirHold, hold_output_dir, resumes_in
-from .packing_bam import PackedRows, collate_packed_rows, pack_documents, split_eval_rows
-from .summary_bam import TrainingSummary, format_rows, training_rows, write_summary
+from .lock import OutputDirHold, hold_output_dir, resumes_in
+from ..data.packing import PackedRows, collate_packed_rows, pack_documents, split_eval_rows
+from .summary import TrainingSummary, format_rows, training_rows, write_summary
 
 
 if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used, so that --help does not load them
     import torch
 
-    from .model.configuration_bam import BamLlamaConfig
-    from .model.modeling_bam import BamLlamaForCausalLM
+    from ..model.configuration_bam import BamLlamaConfig
+    from ..model.modeling_bam import BamLlamaForCausalLM
 
 
 logger = logging.getLogger(__name__)
@@ -137,8 +137,8 @@ def check_model_config(model: str, context_length: int) -> BamLlamaConfig:
     """Read the config of `model`; refuse models that are not BamLlama and lengths below the training length."""
     from transformers import AutoConfig
 
-    from . import register
-    from .model.configuration_bam import BamLlamaConfig
+    from .. import register
+    from ..model.configuration_bam import BamLlamaConfig
 
     register()
     try:
@@ -173,7 +173,7 @@ def check_tokenizer(tokenizer, config: BamLlamaConfig) -> int:
 def load_model(args: FinetuneArguments) -> BamLlamaForCausalLM:
     import torch
 
-    from .model.modeling_bam import BamLlamaForCausalLM
+    from ..model.modeling_bam import BamLlamaForCausalLM
 
     check_safetensors_files(args.model)
     model = BamLlamaForCausalLM.from_pretrained(
@@ -212,7 +212,7 @@ def prepare_model(model: BamLlamaForCausalLM, args: FinetuneArguments):
 def prior_values(model: torch.nn.Module, state_dict: dict | None = None) -> dict[str, dict[str, list[float]]]:
     """The prior / SSMax values the model computes with, by BamLlama module name (PEFT's wrapping removed); read
     from `state_dict` when given (a sharded model's, gathered)."""
-    from .model.modeling_bam import BamPrior, BamScalableSoftmax
+    from ..model.modeling_bam import BamPrior, BamScalableSoftmax
 
     values: dict[str, dict[str, list[float]]] = {}
     for name, module in model.named_modules():
@@ -272,7 +272,7 @@ def check_no_stale_merged_model(args: FinetuneArguments, replaced: list[str]) ->
 
 def write_finetuned_card(model_dir: str, args: FinetuneArguments, train_context_length_before: int) -> None:
     """The BAM model card of a fine-tuned folder: base model, data and what the fine-tune did."""
-    from .card_bam import write_model_card
+    from ..hub.card import write_model_card
 
     mode = "LoRA (merged) with the prior trained in full" if args.lora else "full fine-tuning"
     description = (
@@ -325,8 +325,8 @@ def finetune(args: FinetuneArguments) -> FinetuneSummary:
 def _finetune(args: FinetuneArguments, hold: OutputDirHold) -> FinetuneSummary:
     from transformers import set_seed
 
-    from .distributed_bam import gathered_state_dict, parameters_sharded
-    from .trainer_bam import BamTrainer, mean_token_loss, training_arguments
+    from .distributed import gathered_state_dict, parameters_sharded
+    from .trainer import BamTrainer, mean_token_loss, training_arguments
 
     started = time.perf_counter()
     base_config = check_model_config(args.model, args.context_length)
