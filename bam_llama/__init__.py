@@ -10,10 +10,8 @@ already are), always before they can be used.
 """
 
 import importlib
-import importlib.abc
-import importlib.machinery
-import sys
 
+from .registration import register, register_config, register_now_or_on_auto_import
 
 __version__ = "0.1.0"
 __all__ = [
@@ -30,37 +28,6 @@ EXPORTED_FROM = {
     "BamLlamaPreTrainedModel": "model.modeling_bam",
     "register_bam_attention": "model.modeling_bam",
 }
-AUTO_PACKAGE = "transformers.models.auto"
-
-
-_registered = False
-
-
-def register() -> None:
-    """Register BamLlama with AutoConfig / AutoModel / AutoModelForCausalLM (and, by importing modeling_bam, BAM's
-    mask functions). Safe to call more than once."""
-    global _registered
-    if _registered:
-        return
-    from transformers.models.auto import AutoModel, AutoModelForCausalLM
-
-    from .model.modeling_bam import BamLlamaForCausalLM, BamLlamaModel
-
-    register_config()
-    config_class = BamLlamaForCausalLM.config_class
-    AutoModel.register(config_class, BamLlamaModel, exist_ok=True)
-    AutoModelForCausalLM.register(config_class, BamLlamaForCausalLM, exist_ok=True)
-    _registered = True
-
-
-def register_config() -> None:
-    """AutoConfig learns model_type "bam_llama". The models are registered when the first BamLlamaConfig is built
-    (BamLlamaConfig.__init__ calls `register`), which every Auto model class does before it looks for the model."""
-    from transformers.models.auto import AutoConfig
-
-    from .model.configuration_bam import BamLlamaConfig
-
-    AutoConfig.register(BamLlamaConfig.model_type, BamLlamaConfig, exist_ok=True)
 
 
 def __getattr__(name: str):
@@ -72,41 +39,4 @@ def __getattr__(name: str):
     return value
 
 
-class _RegisterConfigAfterAutoImport(importlib.abc.MetaPathFinder):
-    """Registers the config right after `transformers.models.auto` is first imported, before anyone can use it.
-    (Only the config: Transformers may import the Auto package half-way through importing what modeling_bam needs.)"""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != AUTO_PACKAGE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return None  # an unusual installation: leave it to the other finders, and register on first use
-        sys.meta_path.remove(self)
-        spec.loader = _ThenRegisterConfig(spec.loader)
-        return spec
-
-
-class _ThenRegisterConfig(importlib.abc.Loader):
-    def __init__(self, loader):
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        self.loader.exec_module(module)
-        register_config()
-
-    def __getattr__(self, name):  # get_source, get_filename, ... of the real loader
-        return getattr(self.loader, name)
-
-
-def _register_now_or_on_auto_import() -> None:
-    if AUTO_PACKAGE in sys.modules:
-        register()
-    elif not any(isinstance(finder, _RegisterConfigAfterAutoImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterConfigAfterAutoImport())
-
-
-_register_now_or_on_auto_import()
+register_now_or_on_auto_import()

@@ -16,31 +16,29 @@ import argparse
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .training.arguments import device_name, length_list, positive_float, positive_int
+from .data.packing import IGNORE_INDEX
+from .data.tokenizers import encode
 from .evaluation.passkey import (
     PasskeyResults,
     PasskeyTemplate,
     build_passkey_prompt,
     evaluate_passkey,
-    plot_prior,
     random_passkey,
     save_passkey_template,
 )
-from .outputs import OutputError, exit_on_sigterm, staged_output_dir
-
+from .evaluation.plots import plot_prior
+from .outputs import OutputError, staged_output_dir
 
 if TYPE_CHECKING:  # torch, Transformers and the model are imported where used, so that --help does not load them
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
-IGNORE_INDEX = -100
 
 # A short member of the paper's prompt family (same structure, shorter pieces), so that a document fits a
 # 128-token training context with room for several fillers.
@@ -62,10 +60,6 @@ class DataConfig:
     answer_only_loss: bool = True
     add_bos: bool = True
     num_digits: int = 5
-
-
-def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def passkey_example(
@@ -180,16 +174,15 @@ class TrainConfig:
     max_grad_norm: float = 1.0
 
 
-PRIOR_PARAMETER_SUFFIXES = ("theta_alpha", "theta_beta", "theta_mu", "ssmax.scale")
-
-
 def optimizer_for(model: PreTrainedModel, train: TrainConfig) -> torch.optim.Optimizer:
     import torch
+
+    from .model.prior_bam import is_prior_parameter
 
     prior, rest = [], []
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
-            (prior if name.endswith(PRIOR_PARAMETER_SUFFIXES) else rest).append(parameter)
+            (prior if is_prior_parameter(name) else rest).append(parameter)
     groups = [{"params": rest, "weight_decay": train.weight_decay}]
     if prior:
         groups.append({"params": prior, "weight_decay": 0.0, "lr": train.prior_lr or train.lr})
@@ -290,56 +283,6 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
     return settings
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    full, quick = default_settings(quick=False), default_settings(quick=True)
-
-    def default(full_value, quick_value) -> str:
-        return f"(default: {full_value}; with --quick: {quick_value})"
-
-    parser = argparse.ArgumentParser(
-        prog="bam-demo",
-        description="Train tiny models at a short context, then measure passkey retrieval far beyond it.",
-    )
-    parser.add_argument("--output-dir", default="bam-demo-output", help="(default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="a few seconds for CI; the numbers mean nothing")
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated subset of bam,rope,alibi (default: %(default)s)")
-    parser.add_argument("--device", type=device_name, default="cpu", help="e.g. cpu, cuda (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    parser.add_argument("--steps", type=positive_int, help=default(full.train.steps, quick.train.steps))
-    parser.add_argument("--batch-size", type=positive_int, help=default(full.train.batch_size, quick.train.batch_size))
-    parser.add_argument("--lr", type=positive_float, help=default(full.train.lr, quick.train.lr))
-    parser.add_argument(
-        "--prior-lr", type=positive_float,
-        help="learning rate of the prior and SSMax scales " + default(full.train.prior_lr, quick.train.prior_lr),
-    )
-    parser.add_argument(
-        "--train-length", type=positive_int,
-        help="training context in tokens " + default(full.data.train_length, quick.data.train_length),
-    )
-    parser.add_argument(
-        "--lengths", type=length_list,
-        help="comma-separated evaluation prompt lengths in tokens "
-        + default(",".join(map(str, full.lengths)), ",".join(map(str, quick.lengths))),
-    )
-    parser.add_argument("--depths", type=positive_int, help="passkey depths per length " + default(full.num_depths, quick.num_depths))
-    parser.add_argument("--hidden-size", type=positive_int, help=default(full.size.hidden_size, quick.size.hidden_size))
-    parser.add_argument("--layers", type=positive_int, help=default(full.size.num_hidden_layers, quick.size.num_hidden_layers))
-    parser.add_argument("--heads", type=positive_int, help=default(full.size.num_attention_heads, quick.size.num_attention_heads))
-    parser.add_argument(
-        "--prior-scope", choices=("global", "layer"), default="layer",
-        help="BAM prior per layer or shared (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--ssmax", action=argparse.BooleanOptionalAction, default=True, help="Scalable Softmax in BAM (default: on)"
-    )
-    args = parser.parse_args(argv)
-    unknown = set(args.models.split(",")) - set(MODEL_NAMES)
-    if unknown:
-        parser.error(f"unknown model(s) {sorted(unknown)}; choose from {','.join(MODEL_NAMES)}")
-    args.argv = sys.argv[1:] if argv is None else list(argv)
-    return args
-
-
 def accuracy_table(results: dict[str, PasskeyResults], train_length: int) -> str:
     """Markdown table: one row per model, one column per length (with its multiple of the training length)."""
     lengths = next(iter(results.values())).lengths
@@ -352,12 +295,11 @@ def accuracy_table(results: dict[str, PasskeyResults], train_length: int) -> str
     return "\n".join([header, rule, *rows])
 
 
-def run_demo(argv: list[str] | None = None) -> dict[str, PasskeyResults]:
-    """Train, evaluate and save as the command line says; returns each model's passkey results.
+def run(args: argparse.Namespace) -> dict[str, PasskeyResults]:
+    """Train, evaluate and save as `args` (bam-demo's parsed command line) say; returns each model's passkey results.
 
     Everything is written into a staging folder beside --output-dir, which replaces it only once complete: an
     interrupted run leaves no partial result, and an earlier complete one survives it."""
-    args = parse_args(argv)
     output_dir = Path(args.output_dir)
     check_replaceable(output_dir)
     import torch  # after parsing: --help and bad arguments need none of the model stack
@@ -420,27 +362,9 @@ def check_replaceable(output_dir: Path) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """bam-demo. Ctrl-C: one line and exit 130 (128 + SIGINT), the staged output already removed; SIGTERM: 143."""
-    exit_on_sigterm()
-    try:
-        run_demo(argv)
-    except OutputError as error:
-        print(f"bam-demo: error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("bam-demo: interrupted; nothing was written (an earlier complete result is kept)", file=sys.stderr)
-        return 130
-    return 0
-
-
 def save_bam(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, output_dir: Path) -> None:
     """The trained model and tokenizer as a loadable folder (staged, then renamed), and its prior plot."""
     with staged_output_dir(output_dir / "bam-model", force=True) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
     plot_prior(model, output_dir / "prior.png")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,14 +1,12 @@
-"""Files on disk shared by the commands: output folders staged and renamed into place, safetensors written shard
-by shard, and the model path and tokenizer of a model folder.
+"""Output folders shared by the commands: staged beside their destination and renamed into place when complete,
+with signals held during the renames and what killed runs left behind cleaned up.
 
-Light on imports (torch, safetensors and Transformers are imported where used), so the commands can parse their
-arguments and print --help without loading the model stack.
+Standard library only, so the commands can parse their arguments and print --help without loading the model stack.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -18,13 +16,6 @@ import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-
-if TYPE_CHECKING:
-    import torch
-
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
 class OutputError(ValueError):
@@ -214,138 +205,3 @@ def apply_umask_permissions(folder: Path) -> None:
     folder.chmod(0o777 & ~umask)
     for path in folder.rglob("*"):
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-def parse_size(size: str | int) -> int:
-    """'5GB', '500MB', '2GiB' or a number of bytes -> bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
-    if match is None or float(match.group(1)) <= 0:
-        raise OutputError(f"cannot read the shard size {size!r}; write it like 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * units[match.group(2) or ""])
-
-
-class SafetensorsShardWriter:
-    """Writes named tensors into `model.safetensors`, or into numbered shards plus an index when they exceed
-    `max_shard_size`. Holds at most one shard of tensors at a time."""
-
-    def __init__(self, folder: Path, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE):
-        self.folder = folder
-        self.max_shard_bytes = parse_size(max_shard_size)
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_storages: set[int] = set()
-        self.pending_bytes = 0
-        self.shard_names: list[list[str]] = []
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
-            self.flush()
-        storage = tensor.untyped_storage().data_ptr()
-        if storage in self.pending_storages:
-            tensor = tensor.clone()  # safetensors refuses tensors that share memory
-            storage = tensor.untyped_storage().data_ptr()
-        self.pending_storages.add(storage)
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += size
-        self.total_bytes += size
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        from safetensors.torch import save_file
-
-        save_file(self.pending, self.folder / self._partial_name(len(self.shard_names)), metadata={"format": "pt"})
-        self.shard_names.append(list(self.pending))
-        self.pending, self.pending_storages, self.pending_bytes = {}, set(), 0
-
-    def finish(self) -> list[str]:
-        """Write the last shard, give the shards their final names and write the index; return the file names."""
-        self.flush()
-        if len(self.shard_names) == 1:
-            os.replace(self.folder / self._partial_name(0), self.folder / "model.safetensors")
-            return ["model.safetensors"]
-        count = len(self.shard_names)
-        files, weight_map = [], {}
-        for index, names in enumerate(self.shard_names):
-            file_name = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(self.folder / self._partial_name(index), self.folder / file_name)
-            files.append(file_name)
-            weight_map.update(dict.fromkeys(names, file_name))
-        index_file = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2) + "\n")
-        return files + ["model.safetensors.index.json"]
-
-    @staticmethod
-    def _partial_name(index: int) -> str:
-        return f"shard-{index:05d}.safetensors.partial"
-
-
-# --------------------------------------------------------------------------------------------------------
-# Model folders and tokenizers
-# --------------------------------------------------------------------------------------------------------
-
-
-def check_model_path(path) -> None:
-    """A path that can only be local (absolute, ./ or ../, more than one '/') must exist: Transformers would
-    otherwise report it as an invalid Hub repo id."""
-    text = str(path)
-    looks_local = isinstance(path, Path) or text.startswith((os.sep, ".", "~")) or text.count("/") > 1
-    if looks_local and not Path(text).expanduser().exists():
-        raise FileNotFoundError(f"no model folder at {text}")
-
-
-def read_utf8_text(path: Path) -> str:
-    """The text of a user's data file; a file that is not UTF-8 (a binary file in a data folder) is a ValueError
-    naming the file, the line and the byte, like the JSON-lines errors (Python names neither file nor line)."""
-    data = Path(path).read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        raise ValueError(
-            f"{path}:{line} is not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}): a binary "
-            "file? Only UTF-8 text files can be read as training or evaluation text"
-        ) from None
-
-
-def check_safetensors_files(model_path) -> None:
-    """Every safetensors file of a local model folder must open: a corrupt or truncated one is named (safetensors
-    itself only says "Error while deserializing header")."""
-    folder = Path(model_path)
-    if not folder.is_dir():
-        return
-    from safetensors import SafetensorError, safe_open
-
-    for path in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(path, framework="pt"):
-                pass
-        except SafetensorError as error:
-            raise ValueError(f"{path} is not a readable safetensors file, probably corrupt or truncated ({error})") from None
-
-
-def load_tokenizer(model_path, config, tokenizer=None):
-    """`tokenizer` (an object, or a path to load), else the one saved at `model_path`, else the built-in byte
-    tokenizer (with a note on stderr, and a warning when the model's vocabulary is not the byte tokenizer's)."""
-    from .data.tokenizers import BYTE_VOCAB_SIZE, build_byte_tokenizer
-
-    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
-        return tokenizer
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(tokenizer if tokenizer is not None else model_path)
-    except (OSError, ValueError, TypeError):
-        if tokenizer is not None:
-            raise
-    vocab_size = getattr(config, "vocab_size", BYTE_VOCAB_SIZE)
-    if vocab_size != BYTE_VOCAB_SIZE:
-        raise ValueError(
-            f"no tokenizer found in {model_path}, and the built-in byte tokenizer does not fit the model: its "
-            f"vocab_size is {vocab_size}, the byte tokenizer's {BYTE_VOCAB_SIZE}; save the model's tokenizer in its "
-            "folder (bam-eval can also take one with --tokenizer)"
-        )
-    print(f"No tokenizer found in {model_path}; using the built-in byte tokenizer.", file=sys.stderr)
-    return build_byte_tokenizer()

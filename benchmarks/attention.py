@@ -37,13 +37,11 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bam_llama.model import prior_bam, reference_bam  # noqa: E402
-
 
 PEAK_BANDWIDTH_GBPS = {"H200": 4800.0, "H100 NVL": 3900.0, "H100 PCIe": 2000.0, "H100": 3350.0}
 MODES = ("fwd", "fwd+bwd")

@@ -41,7 +41,6 @@ from pathlib import Path
 
 import torch
 
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
@@ -52,7 +51,6 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM  # noqa: E402
 from bam_llama.model.modeling_bam import CACHE_NAME  # noqa: E402  (the installed Transformers' name of the KV cache)
 from benchmarks.machine import cpu_model  # noqa: E402
-
 
 SIZES = dict(
     vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,

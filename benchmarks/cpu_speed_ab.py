@@ -33,7 +33,6 @@ from cpu_speed import REPO_ROOT, build_model, input_ids, timed
 from bam_llama.model import modeling_bam
 from bam_llama.model.prior_bam import ggd_bias
 
-
 HEADS, KV_HEADS, HEAD_SIZE = 8, 4, 32
 
 

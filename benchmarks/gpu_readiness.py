@@ -34,7 +34,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 os.environ.pop("TRITON_INTERPRET", None)  # the compiler, not the interpreter: set before triton is imported
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -42,7 +41,6 @@ import torch  # noqa: E402
 
 from bam_llama.model import triton_bam  # noqa: E402
 from bam_llama.model.triton_kernels_bam import _activate_kernels  # noqa: E402
-
 
 ARCHS = (90, 80)
 SHARED_LIMIT = {90: 232448, 80: 166912}

@@ -1,5 +1,6 @@
-"""Time each command's --help: wall-clock and CPU seconds of `python -m bam_llama.<module> --help`, in fresh
-processes, for this checkout and optionally another one (e.g. the main branch) on the same machine.
+"""Time each command's --help: wall-clock and CPU seconds of `python -m <its module> --help`, in fresh processes,
+for this checkout and optionally another one (e.g. the main branch) on the same machine. Each checkout's
+pyproject.toml says which module runs each command, so checkouts of other layouts compare too.
 
     python benchmarks/help_time.py                              # this checkout, 5 runs per command
     python benchmarks/help_time.py --compare /path/to/other/checkout --out benchmarks/results/help-time.md
@@ -20,15 +21,16 @@ import sys
 import time
 from pathlib import Path
 
+import tomllib
 
-COMMANDS = {
-    "bam-eval": "bam_llama.evaluation.passkey",
-    "bam-demo": "bam_llama.demo",
-    "bam-finetune": "bam_llama.training.finetune",
-    "bam-convert": "bam_llama.conversion.reference",
-    "bam-card": "bam_llama.hub.card",
-}
+COMMANDS = ("bam-eval", "bam-demo", "bam-finetune", "bam-convert", "bam-card")
 REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def command_modules(checkout: Path) -> dict[str, str]:
+    """The module each command runs in `checkout`, from its pyproject.toml's console scripts."""
+    scripts = tomllib.loads((checkout / "pyproject.toml").read_text())["project"]["scripts"]
+    return {command: scripts[command].partition(":")[0] for command in COMMANDS}
 
 
 def time_help(checkout: Path, module: str) -> tuple[float, float]:
@@ -48,7 +50,7 @@ def time_help(checkout: Path, module: str) -> tuple[float, float]:
 def measure(checkout: Path, runs: int) -> dict[str, tuple[float, float]]:
     """Median wall and CPU seconds per command."""
     medians = {}
-    for command, module in COMMANDS.items():
+    for command, module in command_modules(checkout).items():
         samples = [time_help(checkout, module) for _ in range(runs)]
         medians[command] = (statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples))
     return medians

@@ -35,14 +35,13 @@ from pathlib import Path
 
 import torch
 
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bam_llama import BamLlamaForCausalLM  # noqa: E402
-from bam_llama.evaluation.passkey import evaluate_passkey, evaluate_perplexity  # noqa: E402
-
+from bam_llama.evaluation.passkey import evaluate_passkey  # noqa: E402
+from bam_llama.evaluation.perplexity import evaluate_perplexity
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PRIORS = ("uniform", "alibi")
@@ -154,7 +153,7 @@ def convert(gguf: Path, work: Path, setting: Setting) -> dict:
         timing_path = work / f"convert-{prior}.timing.json"
         if not (out_dir / "config.json").is_file() or not timing_path.is_file():
             write_json(timing_path, run_child(
-                [sys.executable, "-m", "bam_llama.conversion.reference", "llama", str(gguf), str(out_dir), "--prior", prior,
+                [sys.executable, "-m", "bam_llama.cli.convert", "llama", str(gguf), str(out_dir), "--prior", prior,
                  "--train-context-length", str(setting.train_context), "--base-model", f"HuggingFaceTB/SmolLM2-135M-Instruct ({gguf.name})", "--force"],
                 work / f"convert-{prior}.log",
             ))
@@ -209,7 +208,7 @@ def finetune(work: Path, setting: Setting, train: bool = True) -> dict:
             continue
         if read_json(summary_path) is None or timing is None:
             timing = run_child(
-                [sys.executable, "-m", "bam_llama.training.finetune", "--model", str(work / f"bam-{prior}"),
+                [sys.executable, "-m", "bam_llama.cli.finetune", "--model", str(work / f"bam-{prior}"),
                  "--data", str(work / "train.jsonl"), "--output-dir", str(output_dir),
                  "--context-length", str(setting.train_context), "--max-steps", str(setting.max_steps),
                  "--per-device-train-batch-size", str(setting.batch_size),

@@ -23,7 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPOSITORY))  # benchmarks.machine
 

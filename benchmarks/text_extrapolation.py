@@ -34,7 +34,6 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-
 REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPOSITORY))
 
@@ -42,7 +41,6 @@ from bam_llama.data.corpus import Document, corpus_statistics, python_documents,
 from bam_llama.evaluation.passkey import PasskeyTemplate, random_passkey  # noqa: E402
 from bam_llama.outputs import staged_output_dir  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
-
 
 MODELS = {  # name: (bam-pretrain --positional, --ssmax)
     "bam": ("bam", False),
@@ -225,7 +223,7 @@ def sequence_perplexity(model, tokenizer, documents: dict[str, list[int]], lengt
     positional encoding meets distances it never trained on."""
     import math
 
-    from bam_llama.evaluation.passkey import evaluate_perplexity
+    from bam_llama.evaluation.perplexity import evaluate_perplexity
 
     whole, past = [], []
     for tokens in documents.values():
@@ -346,8 +344,8 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
     import torch
     import transformers
 
-    from bam_llama.evaluation.passkey import PasskeyResults
     from bam_llama.data.tokenizers import train_bpe_tokenizer
+    from bam_llama.evaluation.passkey import PasskeyResults
 
     if recipe.threads is not None:
         torch.set_num_threads(recipe.threads)

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import tiny_model  # noqa: E402
 
-
 LENGTH = 24  # two chunks of 12 on two ranks
 # name: (attention implementation, config overrides, batch kind)
 CASES = {

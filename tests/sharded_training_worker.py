@@ -17,7 +17,6 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import tiny_model  # noqa: E402
 
-
 STEPS = 3
 LEARNING_RATE = 0.2
 ROWS, LENGTH = 4, 16

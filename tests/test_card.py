@@ -6,12 +6,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import tiny_model
 from huggingface_hub import HfApi, ModelCard
 
-from bam_llama.hub.card import card_template, main, push_model_to_hub, write_model_card
-from bam_llama.evaluation.passkey import PerplexityResults, evaluate_passkey, plot_prior
+from bam_llama.cli.card import main
 from bam_llama.data.tokenizers import build_byte_tokenizer
-from conftest import tiny_model
+from bam_llama.evaluation.passkey import evaluate_passkey
+from bam_llama.evaluation.perplexity import PerplexityResults
+from bam_llama.evaluation.plots import plot_prior
+from bam_llama.hub.card import card_template, write_model_card
+from bam_llama.hub.publish import push_model_to_hub
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REMOTE_CODE = {"configuration_bam.py", "modeling_bam.py", "prior_bam.py", "reference_bam.py", "blocked_bam.py", "triton_bam.py"}
@@ -90,7 +94,7 @@ def test_card_metadata_and_text(model_dir):
     assert all(f"`{name}`" in card.text for name in REMOTE_CODE)
     assert "No evaluation results" in card.text
     assert ModelCard(path.read_text()).data.to_dict() == card.data.to_dict()
-    assert card_template() == (REPO_ROOT / "model_cards" / "bam_llama_card_template.md").read_text()
+    assert card_template() == (REPO_ROOT / "bam_llama" / "hub" / "card_template.md").read_text()
 
 
 def test_base_model_from_config_and_absent_without_one(model_dir, tmp_path):
@@ -173,7 +177,7 @@ def test_model_push_to_hub_uploads_the_bam_card(byte_model, hub):
     (upload,) = hub.uploads
     assert not hub.commits
     assert {"README.md", "config.json", "model.safetensors", *REMOTE_CODE} <= upload.files
-    assert "card_bam.py" not in upload.files  # not shipped as remote code
+    assert not {"card.py", "publish.py"} & upload.files  # not shipped as remote code
     card = ModelCard(upload.readme)
     assert_bam_metadata(card)
     assert "demo" in card.data.tags
@@ -181,7 +185,7 @@ def test_model_push_to_hub_uploads_the_bam_card(byte_model, hub):
 
 
 def test_model_push_to_hub_without_bam_llama_falls_back_to_transformers(byte_model, hub, monkeypatch):
-    monkeypatch.setitem(sys.modules, "bam_llama.hub.card", None)  # as in a remote-code-only environment
+    monkeypatch.setitem(sys.modules, "bam_llama.hub.publish", None)  # as in a remote-code-only environment
     generic = ModelCard("---\nlibrary_name: transformers\n---\nGeneric card")
     monkeypatch.setattr("transformers.utils.hub.create_and_tag_model_card", lambda *args, **kwargs: generic)
 

@@ -9,18 +9,12 @@ from conftest import FIXTURES_DIR, checkout_environment, require_reference_fixtu
 from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
-from bam_llama.conversion.reference import (
-    ConversionError,
-    bam_parameter_shapes,
-    convert_bam_to_reference,
-    convert_llama_checkpoint,
-    convert_reference_checkpoint,
-    main,
-    reference_key_table,
-)
-from bam_llama.outputs import OutputError
+from bam_llama.cli.convert import main
+from bam_llama.conversion.common import ConversionError, bam_parameter_shapes
+from bam_llama.conversion.llama import convert_llama_checkpoint
+from bam_llama.conversion.reference import convert_bam_to_reference, convert_reference_checkpoint, reference_key_table
 from bam_llama.data.tokenizers import build_byte_tokenizer
-
+from bam_llama.outputs import OutputError
 
 # The documented reference -> BamLlama names, written out here independently of the converter's tables.
 PRIOR_TO_BAM = {"shape": "theta_beta", "scale": "theta_alpha", "loc": "theta_mu"}
@@ -550,10 +544,10 @@ def test_command_line_converts_and_reports_errors(tmp_path, capsys):
 
 CONVERT_THEN_WAIT = """
 import sys, time
-from bam_llama.conversion import reference as convert_bam
-from bam_llama import outputs as io_bam
+from bam_llama.cli import convert as convert_cli
+from bam_llama.conversion import common
 
-finish = io_bam.SafetensorsShardWriter.finish
+finish = common.SafetensorsShardWriter.finish
 
 def finish_then_wait(self):
     files = finish(self)
@@ -561,8 +555,8 @@ def finish_then_wait(self):
     time.sleep(60)
     return files
 
-io_bam.SafetensorsShardWriter.finish = finish_then_wait
-sys.exit(convert_bam.main(sys.argv[1:]))
+common.SafetensorsShardWriter.finish = finish_then_wait
+sys.exit(convert_cli.main(sys.argv[1:]))
 """
 
 
@@ -607,14 +601,14 @@ def test_a_nan_ssmax_scale_is_refused_before_writing(tiny_llama, tmp_path, capsy
 
 
 def test_an_unwritable_output_parent_is_one_line_and_status_2(tmp_path, monkeypatch, capsys):
-    from bam_llama import outputs as io_bam
+    from bam_llama import outputs
 
     write_reference_run(tmp_path / "run")
 
     def refuse(*args, dir=None, **kwargs):
         raise PermissionError(13, "Permission denied", str(dir))
 
-    monkeypatch.setattr(io_bam.tempfile, "mkdtemp", refuse)
+    monkeypatch.setattr(outputs.tempfile, "mkdtemp", refuse)
     assert main(["reference", str(tmp_path / "run"), str(tmp_path / "bam")]) == 2
     error = capsys.readouterr().err.strip()
     assert error == f"bam-convert: error: cannot create {tmp_path / 'bam'}: no permission to write in {tmp_path}"

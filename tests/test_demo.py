@@ -12,19 +12,11 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from bam_llama import BamLlamaForCausalLM
-from bam_llama.demo import (
-    DEMO_TEMPLATE,
-    IGNORE_INDEX,
-    DataConfig,
-    ModelSize,
-    build_model,
-    default_settings,
-    main,
-    run_demo,
-    training_batch,
-)
-from bam_llama.evaluation.passkey import PasskeyResults
+from bam_llama.cli.demo import main, run_demo
+from bam_llama.data.packing import IGNORE_INDEX
 from bam_llama.data.tokenizers import build_byte_tokenizer
+from bam_llama.demo import DEMO_TEMPLATE, DataConfig, ModelSize, build_model, default_settings, training_batch
+from bam_llama.evaluation.passkey import PasskeyResults
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +135,7 @@ def test_unknown_model_is_refused():
 DEMO_INTERRUPTED_WHILE_SAVING = """
 import sys, time
 from bam_llama import demo
+from bam_llama.cli import demo as demo_cli
 
 def save_bam_then_wait(*args, **kwargs):
     print("saving", flush=True)
@@ -152,7 +145,7 @@ def save_bam_then_wait(*args, **kwargs):
     sys.exit("no SIGINT came while saving")
 
 demo.save_bam = save_bam_then_wait
-sys.exit(demo.main(sys.argv[1:]))
+sys.exit(demo_cli.main(sys.argv[1:]))
 """
 
 

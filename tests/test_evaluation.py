@@ -8,26 +8,16 @@ from conftest import randomize_prior
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
-from bam_llama.evaluation import passkey as evaluation_bam
-from bam_llama.model.prior_bam import ggd_bias
-from bam_llama.evaluation.passkey import (
-    PasskeyResults,
-    PasskeyTemplate,
-    PerplexityResults,
-    build_passkey_prompt,
-    evaluate_passkey,
-    evaluate_perplexity,
-    find_priors,
-    load_model_and_tokenizer,
-    load_results,
-    main,
-    parse_lengths,
-    plot_prior,
-    prefill,
-    prior_curves,
-)
+from bam_llama.cli.eval import main, parse_lengths
+from bam_llama.data.documents import load_documents
 from bam_llama.data.tokenizers import build_byte_tokenizer
-
+from bam_llama.evaluation import passkey as evaluation_bam
+from bam_llama.evaluation.decoding import load_model_and_tokenizer, prefill
+from bam_llama.evaluation.passkey import PasskeyResults, PasskeyTemplate, build_passkey_prompt, evaluate_passkey
+from bam_llama.evaluation.perplexity import PerplexityResults, evaluate_perplexity
+from bam_llama.evaluation.plots import find_priors, plot_prior, prior_curves
+from bam_llama.evaluation.results import load_results
+from bam_llama.model.prior_bam import ggd_bias
 
 TEMPLATE = PasskeyTemplate()
 
@@ -403,7 +393,7 @@ def test_perplexity_data_from_a_saved_dataset(tmp_path):
     import datasets
 
     datasets.Dataset.from_dict({"text": [TEXT[:300], TEXT[300:]]}).save_to_disk(str(tmp_path / "dataset"))
-    documents = evaluation_bam.load_text_documents(tmp_path / "dataset", split="train", max_documents=1)
+    documents = load_documents(str(tmp_path / "dataset"), split="train", max_documents=1)
     assert documents == [TEXT[:300]]
 
 
@@ -478,11 +468,11 @@ def test_help_shows_the_default_lengths_as_typed(capsys):
 def test_library_calls_refuse_nonpositive_settings(tokenizer):
     model = tiny_bam()
     with pytest.raises(ValueError, match="max_sequences must be positive"):
-        evaluation_bam.evaluate_perplexity(model, tokenizer, TEXT, [32], window=8, max_sequences=0, progress=False)
+        evaluate_perplexity(model, tokenizer, TEXT, [32], window=8, max_sequences=0, progress=False)
     with pytest.raises(ValueError, match="window must be positive"):
-        evaluation_bam.evaluate_perplexity(model, tokenizer, TEXT, [32], window=0, progress=False)
+        evaluate_perplexity(model, tokenizer, TEXT, [32], window=0, progress=False)
     with pytest.raises(ValueError, match="lengths must be positive"):
-        evaluation_bam.evaluate_passkey(model, tokenizer, [64, -50], num_depths=1, progress=False)
+        evaluate_passkey(model, tokenizer, [64, -50], num_depths=1, progress=False)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
@@ -509,9 +499,7 @@ def test_a_model_without_tokenizer_and_a_foreign_vocabulary_is_a_clear_error(tmp
 
 
 def test_a_binary_evaluation_text_is_named(tmp_path):
-    from bam_llama.evaluation.passkey import load_text_documents
-
     binary = tmp_path / "text.txt"
     binary.write_bytes(b"first line\n\x89PNG\r\n")
     with pytest.raises(ValueError, match=re.escape(f"{binary}:2 is not UTF-8 text (byte 0x89 at offset 11)")):
-        load_text_documents(str(binary))
+        load_documents(str(binary))

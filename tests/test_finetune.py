@@ -20,19 +20,13 @@ from conftest import checkout_environment, default_sigint, tiny_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from bam_llama.training.finetune import (
-    FinetuneArguments,
-    collate_packed_rows,
-    finetune,
-    load_documents,
-    main,
-    pack_documents,
-    prepare_model,
-    resolve_checkpoint,
-)
+from bam_llama.cli.finetune import main
+from bam_llama.data.documents import load_documents
+from bam_llama.data.packing import collate_packed_rows, pack_documents
 from bam_llama.data.tokenizers import build_byte_tokenizer
+from bam_llama.training.checkpoints import resolve_checkpoint
+from bam_llama.training.finetune import FinetuneArguments, finetune, prepare_model
 from bam_llama.training.trainer import BamTrainer, training_arguments
-
 
 TRAIN_LENGTH, TARGET_LENGTH = 32, 64
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -421,7 +415,7 @@ def test_ddp_on_two_cpu_processes(workspace, tmp_path):
     output_dir = tmp_path / "ddp"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "bam_llama.training.finetune",
+        "-m", "bam_llama.cli.finetune",
         "--model", str(workspace["base"]), "--data", str(workspace["data"]), "--output-dir", str(output_dir),
         "--context-length", str(TARGET_LENGTH), "--max-steps", "4", "--batch-size", "2", "--save-steps", "2",
         "--learning-rate", "1e-2", "--lora-rank", "4", "--merge", "--disable-progress-bars",
@@ -479,7 +473,7 @@ def test_resume_latest_skips_incomplete_checkpoints_and_says_so(tmp_path, caplog
 FINETUNE_INTERRUPTED_WHILE_SAVING = """
 import sys, time
 from transformers import Trainer
-from bam_llama.training import finetune as finetune_bam
+from bam_llama.cli import finetune as finetune_cli
 
 save_rng_state, saves = Trainer._save_rng_state, []
 
@@ -494,7 +488,7 @@ def save_rng_state_then_wait(self, output_dir):
     return save_rng_state(self, output_dir)
 
 Trainer._save_rng_state = save_rng_state_then_wait
-sys.exit(finetune_bam.main(sys.argv[2:]))
+sys.exit(finetune_cli.main(sys.argv[2:]))
 """
 WAIT_SECONDS = 300
 

@@ -6,8 +6,9 @@ import pytest
 from conftest import tiny_model
 from peft import LoraConfig, get_peft_model
 
+from bam_llama.cli.finetune import main
 from bam_llama.training.distributed import parallel_training_arguments
-from bam_llama.training.finetune import main, prior_values
+from bam_llama.training.finetune import prior_values
 
 
 def test_no_mode_sets_nothing():

@@ -13,8 +13,7 @@ from safetensors import safe_open
 from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
 from bam_llama import BamLlamaForCausalLM
-from bam_llama.conversion.reference import main
-
+from bam_llama.cli.convert import main
 
 gguf = pytest.importorskip("gguf")
 

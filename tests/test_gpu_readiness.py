@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-
 pytest.importorskip("triton")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

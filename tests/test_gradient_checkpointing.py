@@ -11,7 +11,6 @@ import pytest
 import torch
 from conftest import tiny_model
 
-
 LAYERS = 3  # the shared table is read by more than one checkpointed layer
 
 

@@ -7,7 +7,6 @@ import sys
 import pytest
 from conftest import checkout_environment, tiny_model
 
-
 HEAVY = ("torch", "transformers", "tokenizers", "safetensors", "matplotlib")
 
 
@@ -18,8 +17,8 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "module",
     [
-        "bam_llama.evaluation.passkey", "bam_llama.demo", "bam_llama.training.finetune", "bam_llama.training.pretrain", "bam_llama.conversion.reference",
-        "bam_llama.hub.card",
+        "bam_llama.cli.eval", "bam_llama.cli.demo", "bam_llama.cli.finetune", "bam_llama.cli.pretrain", "bam_llama.cli.convert",
+        "bam_llama.cli.card", "bam_llama.cli.corpus",
     ],
 )
 def test_help_imports_no_heavy_module(module):

@@ -13,8 +13,6 @@ from conftest import checkout_environment
 from bam_llama import outputs as io_bam
 from bam_llama.outputs import OutputError, check_output_dir, staged_output_dir
 
-
-
 # Writes OUT/content.txt through staged_output_dir. ACTION "wait" stops inside the staging block (prints
 # "staged"); "kill-after-rename-N" / "term-after-rename-N" send SIGKILL / SIGTERM to itself right after the N-th
 # os.replace of the move into place.

@@ -13,7 +13,6 @@ from conftest import checkout_environment
 
 from bam_llama.training.lock import LOCK_NAME, OutputDirError, OutputDirInUse, hold_output_dir, resumes_in
 
-
 HOLDER = """
 import sys, time
 from bam_llama.training.lock import hold_output_dir

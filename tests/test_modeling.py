@@ -12,7 +12,6 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCac
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM, BamLlamaModel
 from bam_llama.model.prior_bam import ggd_bias, relative_distance
 
-
 VARIANTS = {
     "plain": dict(),
     "ssmax": dict(ssmax=True),

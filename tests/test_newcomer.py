@@ -14,12 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from bam_llama.evaluation import passkey as evaluation_bam
-from bam_llama.hub.card import write_model_card
-from bam_llama.demo import run_demo
-from bam_llama.evaluation.passkey import PasskeyResults, main, plot_prior, uniform_depths
 from conftest import tiny_model
+
+from bam_llama.cli.demo import run_demo
+from bam_llama.cli.eval import main
+from bam_llama.evaluation import passkey as evaluation_bam
+from bam_llama.evaluation import plots
+from bam_llama.evaluation.passkey import PasskeyResults, uniform_depths
+from bam_llama.evaluation.plots import plot_prior
+from bam_llama.hub.card import write_model_card
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,11 +65,11 @@ def test_the_demo_model_carries_its_passkey_prompt_through_a_resave(demo_output,
 
 
 def test_bam_finetune_merged_copy_keeps_the_passkey_prompt(demo_output, tmp_path):
-    from bam_llama.training import finetune as finetune_bam
+    from bam_llama.cli import finetune as finetune_cli
 
     documents = ["The sky is blue. " * 5 + f"The pass key is {key}. The pass key is {key}." for key in range(10000, 10060)]
     (tmp_path / "corpus.txt").write_text("\n\n".join(documents))
-    finetune_bam.main([
+    finetune_cli.main([
         "--model", str(demo_output / "bam-model"), "--data", str(tmp_path / "corpus.txt"),
         "--output-dir", str(tmp_path / "ft"), "--context-length", "128", "--max-steps", "1", "--eval-rows", "2",
         "--batch-size", "2", "--merge", "--disable-progress-bars",
@@ -330,7 +333,7 @@ def test_apply_prior_trainability_refreezes_what_peft_unfreezes():
 def saved_figures(monkeypatch):
     """The matplotlib figures the plot functions would write."""
     figures = []
-    monkeypatch.setattr(evaluation_bam, "_save_figure", lambda figure, path: figures.append(figure))
+    monkeypatch.setattr(plots, "save_figure", lambda figure, path: figures.append(figure))
     return figures
 
 

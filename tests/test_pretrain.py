@@ -13,13 +13,20 @@ import pytest
 import torch
 from conftest import tiny_model
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
-from bam_llama.training.lock import hold_output_dir
+from bam_llama.cli.pretrain import main
 from bam_llama.data.packing import collate_packed_rows, pack_documents
-from bam_llama.training.pretrain import PretrainArguments, main, run_pretraining
 from bam_llama.data.tokenizers import train_bpe_tokenizer
-
+from bam_llama.training.lock import hold_output_dir
+from bam_llama.training.pretrain import PretrainArguments, run_pretraining
 
 CONTEXT_LENGTH = 64
 TINY_SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
@@ -244,7 +251,7 @@ def test_ddp_on_two_cpu_processes_with_a_bpe_trained_once(data, tmp_path):
     output_dir = tmp_path / "ddp"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "bam_llama.training.pretrain", "--data", str(data), "--output-dir", str(output_dir),
+        "-m", "bam_llama.cli.pretrain", "--data", str(data), "--output-dir", str(output_dir),
         "--context-length", str(CONTEXT_LENGTH), "--hidden-size", "32", "--layers", "2", "--heads", "4",
         "--tokenizer", "bpe", "--vocab-size", "300", "--max-steps", "4", "--batch-size", "2", "--save-steps", "4",
         "--disable-progress-bars",
@@ -285,8 +292,8 @@ def test_an_earlier_run_is_kept_unless_overwritten_and_a_held_folder_is_refused(
 
 
 def test_prior_scope_choices_are_the_configs():
-    from bam_llama.training import pretrain as pretrain_bam
     from bam_llama.model.configuration_bam import PRIOR_SCOPES
+    from bam_llama.training import pretrain as pretrain_bam
 
     assert pretrain_bam.PRIOR_SCOPES == PRIOR_SCOPES
 

@@ -14,7 +14,6 @@ from distributed_launch import require_deepspeed, torchrun
 from sequence_parallel_worker import CASES, DEEPSPEED_CASE, build_batch, build_model
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-
 # float32 throughout; the sharded run adds in another order (attention per head group, gradients summed over 2 ranks)
 LOSS_TOLERANCE = 1e-6
 LOGIT_TOLERANCE = 1e-6  # per element, logits of size ~1 (measured: equal)

@@ -8,7 +8,6 @@ import torch
 from distributed_launch import require_deepspeed, torchrun
 from sharded_training_worker import LEARNING_RATE, STEPS, VARIANTS, base_model, build_model, global_batch
 
-
 # float32; the sharded runs sum gradients in another order (per-rank halves, then an average over 2 ranks)
 LOSS_TOLERANCE = 1e-5
 PARAMETER_TOLERANCE = dict(rtol=1e-5, atol=1e-6)  # per element, after STEPS steps of SGD

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from conftest import checkout_environment
 
-
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "text_extrapolation.py"
 MODELS = ("bam", "bam-ssmax", "alibi", "nope", "rope", "rope-dynamic", "rope-yarn", "rope-local")
 
@@ -63,8 +62,8 @@ def test_training_passkey_documents_tokenize_like_the_evaluation_prompts():
     import random
 
     from bam_llama.data.corpus import python_documents, split_documents
-    from bam_llama.evaluation.passkey import build_passkey_prompt
     from bam_llama.data.tokenizers import train_bpe_tokenizer
+    from bam_llama.evaluation.passkey import build_passkey_prompt
 
     benchmark = load_benchmark()
     recipe = benchmark.QUICK

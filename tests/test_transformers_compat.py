@@ -5,8 +5,8 @@ References are computed here from the model's weights or from plain forward pass
 under test. Models are tiny (2 layers, hidden 32) so the whole file runs in well under a minute on 2 CPU cores.
 """
 
-import logging
 import inspect
+import logging
 import os
 import re
 import subprocess
@@ -37,7 +37,6 @@ from transformers.processing_utils import Unpack
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM, BamLlamaModel
 from bam_llama.data.tokenizers import BYTE_VOCAB_SIZE, build_byte_tokenizer
-
 
 VOCAB = 97
 NO_EOS = dict(eos_token_id=None, pad_token_id=0)  # generate to max_new_tokens, never stop early

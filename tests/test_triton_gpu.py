@@ -9,7 +9,6 @@ accuracy at lengths where tiles are full and many programs run.
 import pytest
 import torch
 
-
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (the CPU suite runs the kernels in Triton's interpreter)", allow_module_level=True)
 pytest.importorskip("triton")
@@ -17,7 +16,6 @@ pytest.importorskip("triton")
 from conftest import tiny_model  # noqa: E402
 
 from bam_llama.model import prior_bam, reference_bam, triton_bam  # noqa: E402
-
 
 DEVICE = torch.device("cuda")
 HEAD_SIZES = (32, 48, 64, 80, 96, 128)  # fp32 inputs are supported up to 64 (triton_bam.MAX_HEAD_DIM)

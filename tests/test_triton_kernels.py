@@ -6,7 +6,6 @@ Tiny shapes only: the interpreter is ~300x slower than torch. Every kernel outpu
 
 import os
 
-
 _PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"  # before bam_llama.model.triton_bam is first imported in this process
 
@@ -18,11 +17,9 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-
 pytest.importorskip("triton")
 
 from bam_llama.model import triton_bam  # noqa: E402
-
 
 # triton_bam reads TRITON_INTERPRET at call time: restore the variable so that it does not leak into the
 # other test modules of this session, and set it again around each test here.

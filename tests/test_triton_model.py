@@ -11,11 +11,9 @@ import torch
 from conftest import tiny_model
 from transformers import DynamicCache
 
-
 pytest.importorskip("triton")
 
 from bam_llama.model import modeling_bam  # noqa: E402
-
 
 MODEL = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
 

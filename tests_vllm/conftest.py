@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 HERE = Path(__file__).resolve().parent
 VOCAB_SIZE = 259  # the byte tokenizer's: 3 specials + 256 bytes
 HEAD_DIM = 32  # vLLM's CPU attention rejects 16; BAM's own attention takes any, 32 keeps the model like a real one

@@ -6,8 +6,9 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-import bam_llama
 from conftest import build_tiny_bam
+
+import bam_llama
 
 
 def test_entry_point_registers_bam_llama_with_vllm():

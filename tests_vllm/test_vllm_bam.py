@@ -8,9 +8,7 @@ the same folder, in this process.
 
 import pytest
 import torch
-
 from conftest import EagerReference, build_tiny_bam, run_vllm, text_token_ids
-
 
 NEW_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-4

@@ -7,9 +7,7 @@ import importlib.util
 from pathlib import Path
 
 import torch
-
 from conftest import run_vllm
-
 
 TOLERANCE = 1e-4
 

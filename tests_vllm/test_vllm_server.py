@@ -15,7 +15,6 @@ from pathlib import Path
 
 from conftest import EagerReference, build_tiny_bam, vllm_environment
 
-
 START_TIMEOUT_S = 420
 REQUEST_TIMEOUT_S = 120
 PROMPT = "def fibonacci(n):\n    return"

@@ -16,11 +16,11 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .reference import ConversionError, convert_llama_checkpoint, dtype_name, parse_dtype, quiet
 from ..outputs import check_output_dir, leftover_prefix
+from .common import ConversionError, dtype_name, parse_dtype, quiet
+from .llama import convert_llama_checkpoint
 
-
-if TYPE_CHECKING:  # PyTorch and Transformers are imported where used, as in convert_bam
+if TYPE_CHECKING:  # PyTorch and Transformers are imported where used, as in reference.py
     import torch
 
 

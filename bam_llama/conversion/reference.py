@@ -1,53 +1,51 @@
-"""Convert checkpoints to and from BamLlama.
+"""Reference GGD-BAM runs (model.pt + args.json, the paper's code) to BamLlama folders, and back.
 
-    bam-convert reference RUN_DIR OUT_DIR      reference GGD-BAM run (model.pt + args.json) -> BamLlama folder
-    bam-convert llama LLAMA_DIR OUT_DIR        Hugging Face LlamaForCausalLM folder -> BamLlama folder (RoPE dropped)
-    bam-convert llama MODEL.gguf OUT_DIR       Llama GGUF checkpoint -> BamLlama folder (dequantized; see gguf_bam.py)
-    bam-convert to-reference BAM_DIR OUT_DIR   BamLlama folder -> reference run (model.pt + args.json)
-
-Inputs are checked completely (keys, shapes, variant) before anything is written. Tensors are then streamed: the
-reference `model.pt` is memory-mapped, safetensors are read one shard at a time, and the output is written shard by
-shard. Everything goes to a hidden staging folder beside OUT_DIR that is renamed into place only once complete, so a
-failure leaves nothing behind and an existing OUT_DIR is replaced only with `force`.
+Inputs are checked completely (keys, shapes, variant) before anything is written. The reference `model.pt` is
+memory-mapped and the output written shard by shard into a staging folder that becomes OUT_DIR only once complete
+(see `common.py`). reference -> BamLlama -> reference is exact.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import re
-import shutil
-import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..outputs import (
+from ..outputs import check_output_dir, staged_output_dir
+from .common import (
     DEFAULT_MAX_SHARD_SIZE,
-    OutputError,
+    MIN_MAX_POSITION_EMBEDDINGS,
+    ConversionError,
     SafetensorsShardWriter,
-    check_output_dir,
-    exit_on_sigterm,
-    staged_output_dir,
+    bam_parameter_shapes,
+    cast_weight,
+    check_keys_and_shapes,
+    copy_files,
+    dtype_name,
+    format_names,
+    is_per_head_parameter,
+    iterate_safetensors,
+    parse_dtype,
+    quiet,
+    safetensors_files,
+    safetensors_shapes,
+    save_config_and_code,
+    saved_parameter_shapes,
+    tokenizer_files_at,
+    write_model_card,
 )
 
-
-if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used, so that --help does not load them
+if TYPE_CHECKING:  # PyTorch and the model are imported where used, so that --help does not load them
     import torch
-    from transformers import LlamaConfig
 
     from ..model.configuration_bam import BamLlamaConfig
 
 
 VARIANTS = ("bam", "bam_ssmax")
-LLAMA_PRIOR_INITS = {
-    "uniform": dict(theta_alpha_init=0.0, theta_beta_init=0.0),  # bias -1 everywhere: no positional preference
-    "alibi": dict(theta_alpha_init="alibi", theta_beta_init=1.0),  # bias -slope_h * |j - i|: ALiBi
-}
-DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}  # torch dtype names
-MIN_MAX_POSITION_EMBEDDINGS = 1 << 20
 
 # Reference (Meta Llama layout) names -> BamLlama names.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
@@ -74,187 +72,6 @@ PRIOR_TRAIN_FLAGS = {  # model_args flag per generation, for theta_beta, theta_a
     "theta": ("train_theta_beta", "train_theta_alpha", "train_theta_mu"),
 }
 REFERENCE_PRIOR_KEY = re.compile(r"(?:layers\.(\d+)\.attention\.)?prior\.(\w+)")
-ROTARY_BUFFER_KEY = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-
-
-class ConversionError(Exception):
-    """Bad input. The message names the file, key or setting at fault; nothing has been written."""
-
-
-# --------------------------------------------------------------------------------------------------------
-# Safetensors: reading shard headers
-# --------------------------------------------------------------------------------------------------------
-
-
-def safetensors_files(folder: Path) -> list[Path]:
-    """The weight files of a Transformers folder: the shards named by the index, or model.safetensors."""
-    index_path = folder / "model.safetensors.index.json"
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise ConversionError(f"{index_path} has no readable weight_map ({error})") from None
-        files = [folder / name for name in dict.fromkeys(weight_map.values())]
-        missing = [path.name for path in files if not path.is_file()]
-        if missing:
-            raise ConversionError(f"missing shard files listed in {index_path}: {', '.join(missing)}")
-        return files
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    hint = " (only PyTorch .bin weights found: save them as safetensors first)" if any(folder.glob("*.bin")) else ""
-    raise ConversionError(f"missing weights: no model.safetensors or model.safetensors.index.json in {folder}{hint}")
-
-
-def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape, read from the shard headers only."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path in files:
-        try:
-            with safe_open(path, framework="pt") as shard:
-                for name in shard.keys():
-                    if name in shapes:
-                        raise ConversionError(f"tensor {name!r} appears in more than one shard ({path.name} and another)")
-                    shapes[name] = tuple(shard.get_slice(name).get_shape())
-        except ConversionError:
-            raise
-        except Exception as error:
-            raise ConversionError(f"cannot read {path}: {error}") from None
-    return shapes
-
-
-def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors one at a time, opening one shard at a time."""
-    from safetensors import safe_open
-
-    for path in files:
-        with safe_open(path, framework="pt") as shard:
-            for name in shard.keys():
-                yield name, shard.get_tensor(name)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Shared checks and writing helpers
-# --------------------------------------------------------------------------------------------------------
-
-
-def format_names(names: list[str], limit: int = 12) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
-
-
-def check_keys_and_shapes(found: Mapping[str, tuple], expected: Mapping[str, tuple], source: str, layout: str) -> None:
-    """Raise a ConversionError naming every unknown key, missing key and shape mismatch."""
-    unknown = [name for name in found if name not in expected]
-    missing = [name for name in expected if name not in found]
-    mismatched = [
-        f"{name} has shape {tuple(found[name])}, expected {tuple(expected[name])}"
-        for name in expected
-        if name in found and tuple(found[name]) != tuple(expected[name])
-    ]
-    problems = []
-    if unknown:
-        problems.append(f"unknown keys: {format_names(unknown)}")
-    if missing:
-        problems.append(f"missing keys: {format_names(missing)}")
-    if mismatched:
-        problems.append(f"shape mismatches: {format_names(mismatched)}")
-    if problems:
-        raise ConversionError(f"{source} does not match {layout}:\n  " + "\n  ".join(problems))
-
-
-def is_per_head_parameter(bam_name: str) -> bool:
-    """Prior and SSMax parameters: (H,) in BamLlama, (1, H, 1, 1) in the reference code."""
-    return ".prior." in bam_name or bam_name.endswith(".ssmax.scale")
-
-
-def bam_parameter_shapes(config: BamLlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of every BamLlamaForCausalLM parameter for `config` (built on the meta device)."""
-    import torch
-
-    from ..model.modeling_bam import BamLlamaForCausalLM
-
-    with torch.device("meta"):
-        model = BamLlamaForCausalLM(config)
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-
-
-def saved_parameter_shapes(config: BamLlamaConfig) -> dict[str, tuple[int, ...]]:
-    """As `bam_parameter_shapes`, without the output head when it is tied to the embedding (not saved)."""
-    shapes = bam_parameter_shapes(config)
-    if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight")
-    return shapes
-
-
-def cast_weight(bam_name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """Cast to `dtype`, except the small prior / SSMax parameters, which keep their precision."""
-    if dtype is None or not tensor.is_floating_point() or is_per_head_parameter(bam_name):
-        return tensor
-    return tensor.to(dtype)
-
-
-def parse_dtype(name: str) -> torch.dtype | None:
-    import torch
-
-    if name not in DTYPES:
-        raise ConversionError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
-    return None if DTYPES[name] is None else getattr(torch, DTYPES[name])
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def save_config_and_code(config: BamLlamaConfig, folder: Path) -> None:
-    """config.json plus the modeling code, so the folder loads with trust_remote_code=True."""
-    from transformers.dynamic_module_utils import custom_object_save
-
-    from ..model.modeling_bam import REMOTE_CODE_AUTO_MAP, BamLlamaForCausalLM
-
-    config.architectures = ["BamLlamaForCausalLM"]
-    config.auto_map = dict(REMOTE_CODE_AUTO_MAP)
-    custom_object_save(BamLlamaForCausalLM, folder)  # modeling_bam.py and the modules it imports relatively
-    config.save_pretrained(folder)  # config.json and configuration_bam.py
-
-
-def tokenizer_files_at(path: Path) -> list[Path]:
-    """A tokenizer file, or the tokenizer files of a folder."""
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = [path / name for name in TOKENIZER_FILES if (path / name).is_file()]
-        if not files:
-            raise ConversionError(f"no tokenizer files in {path} (looked for {', '.join(TOKENIZER_FILES)})")
-        return files
-    raise ConversionError(f"the tokenizer path {path} does not exist")
-
-
-def copy_files(files: Iterable[Path], folder: Path) -> None:
-    for path in files:
-        shutil.copyfile(path, folder / path.name)
-
-
-def write_model_card(folder: Path, model_name: str, lines: list[str], base_model: str | None = None) -> None:
-    """The package's Hub model card (metadata, architecture, prior), with how the folder was converted."""
-    from ..hub import card
-
-    card.write_model_card(folder, model_name=model_name, description="\n".join(lines), base_model=base_model)
-
-
-def quiet(*args, **kwargs) -> None:
-    pass
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -291,7 +108,7 @@ def checked_reference_key_table(config: BamLlamaConfig, prior_names: str) -> tup
     shapes = bam_parameter_shapes(config)
     if set(table.values()) != set(shapes):
         drift = sorted(set(table.values()) ^ set(shapes))
-        raise RuntimeError(f"convert_bam's key table no longer matches BamLlamaForCausalLM: {format_names(drift)}")
+        raise RuntimeError(f"the conversion's key table no longer matches BamLlamaForCausalLM: {format_names(drift)}")
     return table, shapes
 
 
@@ -607,201 +424,6 @@ def describe_reference_layout(config: BamLlamaConfig, prior_names: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Hugging Face Llama -> BamLlama
-# --------------------------------------------------------------------------------------------------------
-
-
-def read_llama_config(llama_dir: Path) -> LlamaConfig:
-    from transformers import LlamaConfig
-    from transformers.activations import ACT2FN
-
-    path = llama_dir / "config.json"
-    if not path.is_file():
-        raise ConversionError(f"missing file {path}")
-    try:
-        model_type = json.loads(path.read_text()).get("model_type")
-    except (json.JSONDecodeError, AttributeError) as error:
-        raise ConversionError(f"{path} is not a JSON config: {error}") from None
-    if model_type != "llama":
-        raise ConversionError(f"{path} has model_type {model_type!r}; only Llama checkpoints (model_type 'llama') are supported")
-    config = LlamaConfig.from_pretrained(llama_dir)
-    unsupported = []
-    if getattr(config, "attention_bias", False):
-        unsupported.append("attention_bias=True (BamLlama's attention projections have no bias)")
-    if getattr(config, "mlp_bias", False):
-        unsupported.append("mlp_bias=True (BamLlama's MLP projections have no bias)")
-    if config.hidden_act not in ACT2FN:
-        unsupported.append(f"hidden_act={config.hidden_act!r} (not a Transformers activation)")
-    if getattr(config, "quantization_config", None) is not None:
-        unsupported.append("quantization_config (quantized weights; convert the unquantized checkpoint)")
-    if unsupported:
-        raise ConversionError(f"{path}: unsupported Llama settings: " + "; ".join(unsupported))
-    return config
-
-
-def bam_config_from_llama(
-    llama: LlamaConfig,
-    prior: str,
-    ssmax: bool,
-    train_context_length: int | None,
-    prior_scope: str,
-    ssmax_scale_init: float,
-) -> BamLlamaConfig:
-    from ..model.configuration_bam import PRIOR_SCOPES, BamLlamaConfig
-
-    if prior not in LLAMA_PRIOR_INITS:
-        raise ConversionError(f"unknown prior initialisation {prior!r}; expected one of {', '.join(LLAMA_PRIOR_INITS)}")
-    if prior_scope not in PRIOR_SCOPES:
-        raise ConversionError(f"unknown prior scope {prior_scope!r}; expected one of {PRIOR_SCOPES}")
-    train_context_length = train_context_length or llama.max_position_embeddings
-    try:
-        return BamLlamaConfig(
-            vocab_size=llama.vocab_size,
-            hidden_size=llama.hidden_size,
-            intermediate_size=llama.intermediate_size,
-            num_hidden_layers=llama.num_hidden_layers,
-            num_attention_heads=llama.num_attention_heads,
-            num_key_value_heads=llama.num_key_value_heads,
-            head_dim=getattr(llama, "head_dim", None),
-            hidden_act=llama.hidden_act,
-            rms_norm_eps=llama.rms_norm_eps,
-            initializer_range=llama.initializer_range,
-            attention_dropout=llama.attention_dropout,
-            tie_word_embeddings=llama.tie_word_embeddings,
-            pad_token_id=llama.pad_token_id,
-            bos_token_id=llama.bos_token_id,
-            eos_token_id=llama.eos_token_id,
-            train_context_length=train_context_length,
-            max_position_embeddings=max(MIN_MAX_POSITION_EMBEDDINGS, train_context_length),
-            prior_scope=prior_scope,
-            ssmax=ssmax,
-            ssmax_scale_init=ssmax_scale_init,
-            **LLAMA_PRIOR_INITS[prior],
-        )
-    except (ValueError, TypeError) as error:
-        raise ConversionError(f"the Llama config gives an invalid BamLlama config: {error}") from None
-
-
-def initial_prior_state(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
-    """Freshly initialised prior (and SSMax) parameters by the schemes in `config`, under their BamLlama names."""
-    from ..model.modeling_bam import BamPrior, BamScalableSoftmax
-
-    prior = BamPrior(config).state_dict()
-    state = {}
-    if config.prior_scope == "global":
-        state.update({f"model.prior.{name}": value for name, value in prior.items()})
-    for layer in range(config.num_hidden_layers):
-        if config.prior_scope == "layer":
-            state.update({f"model.layers.{layer}.self_attn.prior.{name}": value.clone() for name, value in prior.items()})
-        if config.ssmax:
-            state[f"model.layers.{layer}.self_attn.ssmax.scale"] = BamScalableSoftmax(config).scale.detach().clone()
-    return state
-
-
-def source_dtype(llama: LlamaConfig, files: list[Path]) -> torch.dtype:
-    import torch
-    from safetensors import safe_open
-
-    dtype = getattr(llama, "dtype", None)
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
-        return getattr(torch, dtype)
-    with safe_open(files[0], framework="pt") as shard:
-        return shard.get_tensor(next(iter(shard.keys()))).dtype
-
-
-def convert_llama_checkpoint(
-    llama_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    *,
-    prior: str = "uniform",
-    ssmax: bool = False,
-    train_context_length: int | None = None,
-    prior_scope: str = "global",
-    ssmax_scale_init: float = 1.0,
-    base_model: str | None = None,
-    dtype: str = "auto",
-    force: bool = False,
-    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-    verbose: bool = True,
-    source: dict | None = None,
-) -> Path:
-    """Convert a Hugging Face LlamaForCausalLM folder into a BamLlama folder: same weights, RoPE dropped.
-
-    The result is a starting point for context-extension fine-tuning, not a drop-in replacement: without RoPE the
-    attention is no longer position-aware until the prior (and SSMax) are trained.
-
-    Args:
-        prior: "uniform" (theta 0: a constant bias, no positional preference) or "alibi" (theta_beta 1,
-            theta_alpha = log ALiBi slopes: exactly ALiBi).
-        ssmax: add Scalable Softmax with scale `ssmax_scale_init`.
-        train_context_length: recorded in the config; defaults to the Llama max_position_embeddings.
-        base_model: the source recorded in the config and model card (e.g. its Hub id); defaults to the folder.
-        source: overrides of the provenance recorded in `config.converted_from` (e.g. the GGUF file it came from).
-    """
-    log = print if verbose else quiet
-    llama_dir, out_dir = Path(llama_dir).resolve(), Path(out_dir).resolve()
-    check_output_dir(out_dir, force, (llama_dir,))
-    target_dtype = parse_dtype(dtype)
-    if not llama_dir.is_dir():
-        raise ConversionError(f"the Llama folder {llama_dir} does not exist")
-
-    llama = read_llama_config(llama_dir)
-    files = safetensors_files(llama_dir)
-    found = safetensors_shapes(files)
-    config = bam_config_from_llama(llama, prior, ssmax, train_context_length, prior_scope, ssmax_scale_init)
-    expected = {name: shape for name, shape in saved_parameter_shapes(config).items() if not is_per_head_parameter(name)}
-    dropped = [name for name in found if ROTARY_BUFFER_KEY.fullmatch(name)]
-    if config.tie_word_embeddings and "lm_head.weight" in found:
-        dropped.append("lm_head.weight")  # tied to the embedding, as Transformers loads it
-    kept = {name: shape for name, shape in found.items() if name not in dropped}
-    check_keys_and_shapes(kept, expected, f"the weights in {llama_dir}", "the Llama layout of its config.json")
-
-    base_model = base_model or str(llama_dir)
-    config.dtype = dtype_name(target_dtype or source_dtype(llama, files))
-    config.base_model = base_model
-    config.converted_from = {
-        "format": "llama",
-        "source": str(llama_dir),
-        "base_model": base_model,
-        "prior_init": prior,
-        "ssmax": ssmax,
-        "dropped": "RoPE" + (f" (rope_parameters {llama.rope_parameters})" if getattr(llama, "rope_parameters", None) else ""),
-        **(source or {}),
-    }
-    extra_files = [llama_dir / name for name in (*TOKENIZER_FILES, "generation_config.json") if (llama_dir / name).is_file()]
-    log(f"Llama model {llama_dir} ({len(files)} weight file{'s' if len(files) > 1 else ''})")
-    log(f"  RoPE dropped; prior {prior} ({prior_scope}); SSMax {'on' if ssmax else 'off'}; train_context_length {config.train_context_length}")
-    log("  note: without RoPE the model must be fine-tuned before use")
-
-    with staged_output_dir(out_dir, force, (llama_dir,)) as staging:
-        writer = SafetensorsShardWriter(staging, max_shard_size)
-        for name, tensor in iterate_safetensors(files):
-            if name not in dropped:
-                writer.add(name, cast_weight(name, tensor, target_dtype))
-        for name, tensor in initial_prior_state(config).items():
-            writer.add(name, tensor)
-        written = writer.finish()
-        save_config_and_code(config, staging)
-        copy_files(extra_files, staging)
-        write_model_card(
-            staging,
-            out_dir.name,
-            [
-                f"Converted by `bam-convert llama` from `{base_model}`: the Llama weights unchanged, RoPE removed, a",
-                f"GGD-BAM positional prior added (initialised `{prior}`, {prior_scope})"
-                + (" and Scalable Softmax." if ssmax else "."),
-                "",
-                "It has not been trained with the prior yet: fine-tune it (e.g. for context extension) before use.",
-            ],
-            base_model=base_model,
-        )
-    log(f"wrote {out_dir} ({', '.join(written + [path.name for path in extra_files])})")
-    return out_dir
-
-
-# --------------------------------------------------------------------------------------------------------
 # BamLlama -> reference run
 # --------------------------------------------------------------------------------------------------------
 
@@ -952,122 +574,3 @@ def convert_bam_to_reference(
         (staging / "args.json").write_text(json.dumps(run_args, indent=4))
     log(f"wrote {out_run_dir} (model.pt, args.json)")
     return out_run_dir
-
-
-# --------------------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------------------
-
-
-def add_output_options(parser: argparse.ArgumentParser, with_dtype: bool = True) -> None:
-    parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
-    if with_dtype:
-        parser.add_argument(
-            "--dtype", choices=list(DTYPES), default="auto",
-            help="weights dtype (default: auto, keep the stored one); prior and SSMax parameters keep theirs",
-        )
-        parser.add_argument(
-            "--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
-            help=f"largest safetensors shard, e.g. 2GB (default {DEFAULT_MAX_SHARD_SIZE})",
-        )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="bam-convert",
-        description="Convert reference GGD-BAM runs and Hugging Face Llama models to BamLlama, and back.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    reference = commands.add_parser(
-        "reference", help="reference run (model.pt + args.json) -> BamLlama folder",
-        description="Convert a reference GGD-BAM run folder (model.pt + args.json) into a BamLlama folder.",
-    )
-    reference.add_argument("run_dir", metavar="RUN_DIR", help="folder with model.pt and args.json")
-    reference.add_argument("out_dir", metavar="OUT_DIR", help="BamLlama folder to create")
-    reference.add_argument("--tokenizer", metavar="PATH", help="tokenizer folder or file to copy into OUT_DIR")
-    reference.add_argument(
-        "--formula",
-        help="prior formula the run was trained with: current (default; reference code since May 2025) or legacy "
-        "(scale inside the power, older runs); the weights cannot tell",
-    )
-    reference.add_argument("--variant", choices=VARIANTS, help="needed when args.json has no args.position_encoding")
-    add_output_options(reference)
-
-    llama = commands.add_parser(
-        "llama", help="Hugging Face LlamaForCausalLM folder -> BamLlama folder (RoPE dropped)",
-        description="Convert a LlamaForCausalLM folder (config.json + safetensors) into a BamLlama folder: same "
-        "weights, RoPE dropped, a GGD prior added. Fine-tune the result before use.",
-    )
-    llama.add_argument("llama_dir", metavar="LLAMA_DIR", help="folder with config.json and safetensors weights, or a .gguf file")
-    llama.add_argument("out_dir", metavar="OUT_DIR", help="BamLlama folder to create")
-    llama.add_argument(
-        "--prior", choices=list(LLAMA_PRIOR_INITS), default="uniform",
-        help="prior initialisation: uniform (theta 0, no positional preference; default) or alibi (beta 1, ALiBi slopes)",
-    )
-    llama.add_argument(
-        "--prior-scope", default="global", help="global: one prior for all layers (default), or layer: one per layer"
-    )
-    llama.add_argument("--ssmax", action="store_true", help="add Scalable Softmax")
-    llama.add_argument("--ssmax-scale-init", type=float, default=1.0, metavar="S", help="initial SSMax scale (default 1)")
-    llama.add_argument("--train-context-length", type=int, metavar="N", help="default: the Llama max_position_embeddings")
-    llama.add_argument("--base-model", metavar="NAME", help="source recorded in the config and model card, e.g. its Hub id")
-    llama.add_argument("--gguf-file", metavar="NAME", help="convert the GGUF checkpoint LLAMA_DIR/NAME (needs the gguf package)")
-    add_output_options(llama)
-
-    to_reference = commands.add_parser(
-        "to-reference", help="BamLlama folder -> reference run (model.pt + args.json)",
-        description="Write a BamLlama folder as a reference GGD-BAM run folder (model.pt + args.json).",
-    )
-    to_reference.add_argument("bam_dir", metavar="BAM_DIR", help="BamLlama folder")
-    to_reference.add_argument("out_dir", metavar="OUT_RUN_DIR", help="reference run folder to create")
-    to_reference.add_argument(
-        "--prior-names", choices=list(PRIOR_NAME_GENERATIONS), default="shape-scale-loc",
-        help="prior parameter names: shape-scale-loc (default, the published reference code) or theta (newer upstream)",
-    )
-    add_output_options(to_reference, with_dtype=False)
-    return parser
-
-
-def run_command(args: argparse.Namespace) -> Path:
-    if args.command == "reference":
-        return convert_reference_checkpoint(
-            args.run_dir, args.out_dir, tokenizer=args.tokenizer, formula=args.formula, variant=args.variant,
-            dtype=args.dtype, force=args.force, max_shard_size=args.max_shard_size,
-        )
-    if args.command == "llama":
-        from .gguf import convert_gguf_checkpoint, gguf_source
-
-        gguf_path = gguf_source(args.llama_dir, args.gguf_file)
-        return (convert_gguf_checkpoint if gguf_path else convert_llama_checkpoint)(
-            gguf_path or args.llama_dir, args.out_dir, prior=args.prior, ssmax=args.ssmax,
-            train_context_length=args.train_context_length, prior_scope=args.prior_scope,
-            ssmax_scale_init=args.ssmax_scale_init, base_model=args.base_model, dtype=args.dtype, force=args.force,
-            max_shard_size=args.max_shard_size,
-        )
-    return convert_bam_to_reference(args.bam_dir, args.out_dir, prior_names=args.prior_names, force=args.force)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    exit_on_sigterm()
-    try:
-        run_command(args)
-    except (ConversionError, OutputError) as error:
-        print(f"bam-convert: error: {error}", file=sys.stderr)
-        return 2
-    return 0
-
-
-__all__ = [
-    "ConversionError",
-    "convert_bam_to_reference",
-    "convert_llama_checkpoint",
-    "convert_reference_checkpoint",
-    "main",
-    "reference_key_table",
-]
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,7 @@ read as an integer, fall in the held-out share of [0, 2^64). The split depends o
 every machine and in every file order for a given Python version (a Python with other files gives another corpus:
 its version and sizes are recorded with the corpus). Held-out documents are never trained on.
 
-    python -m bam_llama.corpus_bam OUTPUT_DIR [--heldout-percent 5]
+    python -m bam_llama.cli.corpus OUTPUT_DIR [--heldout-percent 5]
 
 writes OUTPUT_DIR/train.jsonl and OUTPUT_DIR/heldout.jsonl (`{"name", "text"}` per line, sorted by name) and
 OUTPUT_DIR/corpus.json (Python version, documents and characters per split), through a temporary folder.
@@ -18,17 +18,14 @@ OUTPUT_DIR/corpus.json (Python version, documents and characters per split), thr
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
 import platform
-import sys
 import sysconfig
 from pathlib import Path
 
 from ..outputs import staged_output_dir
-
 
 SKIPPED_FOLDERS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 SKIPPED_FILES = frozenset({"pydoc_data/topics.py"})  # the topics below, a second time
@@ -88,20 +85,3 @@ def write_corpus(output_dir: Path, heldout_fraction: float = 0.05, force: bool =
                     file.write(json.dumps({"name": document.name, "text": document.text}) + "\n")
         (staging / "corpus.json").write_text(json.dumps(statistics, indent=2) + "\n")
     return statistics
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bam_llama.corpus_bam", description=__doc__.split("\n\n")[0])
-    parser.add_argument("output_dir", type=Path)
-    parser.add_argument("--heldout-percent", type=float, default=5.0, help="share of documents held out (default 5)")
-    parser.add_argument("--force", action="store_true", help="replace an existing OUTPUT_DIR")
-    args = parser.parse_args(argv)
-    if not 0 < args.heldout_percent < 100:
-        parser.error(f"--heldout-percent must be in (0, 100), got {args.heldout_percent}")
-    statistics = write_corpus(args.output_dir, args.heldout_percent / 100, args.force)
-    print(json.dumps(statistics, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

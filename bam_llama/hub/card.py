@@ -1,36 +1,24 @@
-"""Model cards for saved BamLlama folders, and publishing a folder (remote code, weights, tokenizer, card) on the Hub.
+"""Model cards for saved BamLlama folders: Hub metadata, architecture, the learned prior, evaluation results and
+plots, rendered from `card_template.md`. Publishing a folder is `publish.py`; the command, `bam-card`."""
 
-    bam-card MODEL_DIR [--base-model ID] [--dataset ID ...] [--results passkey.json ...] [--plot a.png ...]
-             [--push REPO_ID]
-
-`BamLlamaForCausalLM.push_to_hub` goes through `push_pretrained_model` here, so a model pushed from Python gets the
-same card as a folder pushed with `bam-card --push`.
-"""
-
-import argparse
 import importlib.resources
 import json
 import math
 import shutil
-import tempfile
 from pathlib import Path
 
 import jinja2
-import yaml
-from huggingface_hub import HfApi, ModelCard, ModelCardData
+from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from ..outputs import check_safetensors_files
+from ..data.tokenizers import TOKENIZER_FILES
 
-
-TEMPLATE_NAME = "model_card_template.md"  # a symlink to model_cards/bam_llama_card_template.md, copied into wheels
+TEMPLATE_NAME = "card_template.md"  # package data of bam_llama.hub, so wheels carry it
 BAM_TAGS = ["bam", "ggd-bam", "custom_code", "long-context"]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-IGNORE_PATTERNS = ["__pycache__/*", "*.pyc", ".ipynb_checkpoints/*", ".cache/*"]
 
 
 def card_template() -> str:
-    return importlib.resources.files("bam_llama").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
+    return importlib.resources.files(__package__).joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -63,37 +51,16 @@ def check_weights(model_dir: Path) -> None:
         )
 
 
-def remote_code_files(model_dir: Path) -> list[str]:
-    return sorted(path.name for path in model_dir.glob("*.py"))
-
-
-def check_uploadable(model_dir: Path) -> None:
-    """The folder must hold weights and every module its auto_map names, or the pushed repo will not load."""
-    auto_map = read_config(model_dir).get("auto_map")
-    if not auto_map:
-        raise ValueError(f"{model_dir}/config.json has no auto_map; save the model with save_pretrained")
-    needed = {reference.split(".")[0] + ".py" for reference in auto_map.values()}
-    missing = sorted(needed - set(remote_code_files(model_dir)))
-    if missing:
-        raise FileNotFoundError(f"{model_dir} lacks the remote code {', '.join(missing)}; save it with save_pretrained")
-    check_weights(model_dir)
-
-
-def check_repo_id(repo_id: str) -> None:
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as error:
-        raise ValueError(f"invalid Hub repo id {repo_id!r}: {error}") from None
-
-
 def read_shared_prior(model_dir: Path) -> dict:
     """theta_alpha / theta_beta / theta_mu of a prior shared by all layers ({} for per-layer priors)."""
     from safetensors import safe_open
 
+    from ..model.prior_bam import PRIOR_PARAMETERS
+
     found = {}
     for weights in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(weights), framework="pt") as handle:
-            for name in ("theta_alpha", "theta_beta", "theta_mu"):
+            for name in PRIOR_PARAMETERS:
                 if f"model.prior.{name}" in handle.keys():
                     found[name] = handle.get_tensor(f"model.prior.{name}").float().flatten()
     return found if len(found) == 3 else {}
@@ -167,15 +134,14 @@ def training_text(config: dict, datasets: list[str], base_model: str | None) -> 
 
 def as_results(results):
     """PasskeyResults / PerplexityResults from an object, its `to_dict()`, or a `bam-eval --out` .json file."""
-    from ..evaluation.passkey import PasskeyResults, PerplexityResults, load_results
+    from ..evaluation.passkey import PasskeyResults
+    from ..evaluation.perplexity import PerplexityResults
+    from ..evaluation.results import load_results, results_from_dict
 
     if isinstance(results, (str, Path)):
         return load_results(results)
     if isinstance(results, dict):
-        kinds = {"passkey": PasskeyResults, "perplexity": PerplexityResults}
-        if results.get("kind") not in kinds:
-            raise ValueError(f"evaluation results of unknown kind {results.get('kind')!r}")
-        return kinds[results["kind"]].from_dict(results)
+        return results_from_dict(results)
     if not isinstance(results, (PasskeyResults, PerplexityResults)):
         raise TypeError(f"expected PasskeyResults or PerplexityResults, got {type(results).__name__}")
     return results
@@ -315,155 +281,13 @@ def write_model_card(
     return model_dir / "README.md"
 
 
-# --------------------------------------------------------------------------------------------------------
-# Pushing
-# --------------------------------------------------------------------------------------------------------
+
+def remote_code_files(model_dir: Path) -> list[str]:
+    return sorted(path.name for path in model_dir.glob("*.py"))
 
 
-def has_bam_card(model_dir: Path) -> bool:
-    """A README.md written by `write_model_card` (or as complete): kept on push, anything else is replaced."""
-    readme = model_dir / "README.md"
-    if not readme.is_file():
-        return False
+def check_repo_id(repo_id: str) -> None:
     try:
-        data = ModelCard.load(readme).data
-    except (ValueError, yaml.YAMLError):  # unreadable metadata: replace the card
-        return False
-    return (
-        data.library_name == "transformers"
-        and data.pipeline_tag == "text-generation"
-        and {"bam", "custom_code"} <= set(data.tags or [])
-    )
-
-
-def push_model_to_hub(
-    model_dir,
-    repo_id: str,
-    *,
-    token: str | None = None,
-    private: bool | None = None,
-    commit_message: str | None = None,
-    commit_description: str | None = None,
-    revision: str | None = None,
-    create_pr: bool = False,
-):
-    """Upload a saved BamLlama folder (config, weights, remote code, tokenizer, card) to `repo_id` in one commit.
-
-    A BAM card already in the folder (e.g. with evaluation results) is kept; otherwise one is written first. The repo
-    is created if needed. Returns the huggingface_hub CommitInfo."""
-    model_dir = Path(model_dir).resolve()
-    check_repo_id(repo_id)
-    check_uploadable(model_dir)
-    if not has_bam_card(model_dir):
-        write_model_card(model_dir, repo_id=repo_id)
-    api = HfApi(token=token)
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
-    if revision is not None and not revision.startswith("refs/pr"):
-        api.create_branch(repo_id, branch=revision, exist_ok=True)
-    return api.upload_folder(
-        repo_id=repo_id,
-        folder_path=model_dir,
-        repo_type="model",
-        commit_message=commit_message or "Upload BamLlama model: remote code, weights and model card",
-        commit_description=commit_description,
-        revision=revision,
-        create_pr=create_pr,
-        ignore_patterns=IGNORE_PATTERNS,
-    )
-
-
-def push_pretrained_model(
-    model,
-    repo_id: str,
-    *,
-    commit_message: str | None = None,
-    commit_description: str | None = None,
-    private: bool | None = None,
-    token: str | None = None,
-    revision: str | None = None,
-    create_pr: bool = False,
-    max_shard_size="50GB",
-    tags: list[str] | None = None,
-):
-    """`BamLlamaPreTrainedModel.push_to_hub` (same arguments): save the model to a temporary folder, write the BAM
-    card there and upload the folder in one commit. The card replaces the one on the Hub, if any."""
-    check_repo_id(repo_id)
-    with tempfile.TemporaryDirectory() as folder:
-        model.save_pretrained(folder, max_shard_size=max_shard_size)
-        write_model_card(folder, repo_id=repo_id, tags=tags or ())
-        return push_model_to_hub(
-            folder,
-            repo_id,
-            token=token,
-            private=private,
-            commit_message=commit_message,
-            commit_description=commit_description,
-            revision=revision,
-            create_pr=create_pr,
-        )
-
-
-# --------------------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="bam-card",
-        description="Write README.md (a Hub model card) for a saved BamLlama folder; optionally push the folder.",
-    )
-    parser.add_argument("model_dir", help="folder written by save_pretrained (config.json, weights, remote code)")
-    parser.add_argument(
-        "--base-model", help="Hub id of the model it was converted or fine-tuned from (default: config.json's)"
-    )
-    parser.add_argument("--dataset", action="append", default=[], help="training dataset (Hub id); repeatable")
-    parser.add_argument("--license", default="apache-2.0", help="license identifier (default: %(default)s)")
-    parser.add_argument("--tag", action="append", default=[], help="extra Hub tag; repeatable")
-    parser.add_argument("--results", nargs="+", default=[], help="results .json files written by bam-eval --out")
-    parser.add_argument("--plot", nargs="+", default=[], help="images to show (copied into MODEL_DIR/plots)")
-    parser.add_argument("--name", help="model name in the title (default: the repo or folder name)")
-    parser.add_argument("--description", help="a paragraph under the title")
-    parser.add_argument("--extra", help="a markdown file appended as 'Additional information'")
-    parser.add_argument("--push", metavar="REPO_ID", help="then upload the folder to this Hub repo in one commit")
-    parser.add_argument("--private", action="store_true", help="create the Hub repo private")
-    parser.add_argument("--token", help="Hub token (default: the logged-in one)")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        run(args)
-    except (FileNotFoundError, ValueError) as error:
-        parser.exit(2, f"bam-card: error: {error}\n")
-
-
-def run(args) -> None:
-    model_dir = Path(args.model_dir)
-    check_safetensors_files(model_dir)
-    if args.push:
-        check_repo_id(args.push)
-        check_uploadable(model_dir.resolve())
-    path = write_model_card(
-        model_dir,
-        base_model=args.base_model,
-        datasets=args.dataset,
-        license=args.license,
-        tags=args.tag,
-        eval_results=args.results,
-        plots=args.plot,
-        repo_id=args.push,
-        model_name=args.name,
-        description=args.description,
-        extra=Path(args.extra).read_text(encoding="utf-8") if args.extra else None,
-    )
-    print(f"Wrote {path}")
-    if args.push:
-        commit = push_model_to_hub(model_dir, args.push, token=args.token, private=args.private or None)
-        print(f"Pushed {model_dir} to {getattr(commit, 'commit_url', args.push)}")
-
-
-if __name__ == "__main__":
-    main()
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ValueError(f"invalid Hub repo id {repo_id!r}: {error}") from None

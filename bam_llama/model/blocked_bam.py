@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from .prior_bam import attention_compute_dtype, ssmax_factor, visible_key_counts
 
-
 HIDDEN = -1e30  # finite "minus infinity" for padded keys: a row that sees no key stays finite (then zeroed)
 
 

@@ -7,7 +7,6 @@ from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.utils import logging
 
-
 logger = logging.get_logger(__name__)
 
 

@@ -40,7 +40,6 @@ from .reference_bam import bam_attention_reference, bam_attention_sdpa
 from .sequence_parallel_bam import active_sequence_parallel
 from .triton_bam import TRITON_AVAILABLE, ggd_attention, triton_usable
 
-
 try:
     from transformers import initialization as hf_init
 except ImportError:  # older 5.x releases
@@ -558,16 +557,16 @@ class BamLlamaPreTrainedModel(PreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
-        """Upload config, weights, remote code and the BamLlama model card (`bam_llama.hub.card`) in one commit.
+        """Upload config, weights, remote code and the BamLlama model card (`bam_llama.hub.publish`) in one commit.
         Where `bam_llama` is not installed (this file loaded as remote code), Transformers' generic card is used.
-        card_bam is imported by name, not relatively, so save_pretrained does not ship it as remote code."""
+        The publisher is imported by name, not relatively, so save_pretrained does not ship it as remote code."""
         import importlib
 
         try:
-            card_bam = importlib.import_module("bam_llama.hub.card")
+            publish = importlib.import_module("bam_llama.hub.publish")
         except ImportError:
             return super().push_to_hub(repo_id, **kwargs)
-        return card_bam.push_pretrained_model(self, repo_id, **kwargs)
+        return publish.push_pretrained_model(self, repo_id, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -9,7 +9,6 @@ import math
 
 import torch
 
-
 # The parameters the model keeps per head, and the submodules holding them (`modules_to_save=["prior", "ssmax"]`).
 PRIOR_PARAMETERS = ("theta_alpha", "theta_beta", "theta_mu")  # BamPrior
 SSMAX_PARAMETER = "scale"  # BamScalableSoftmax

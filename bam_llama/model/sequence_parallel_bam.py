@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from .prior_bam import ssmax_factor
 
-
 ULYSSES_HINT = (
     "use Ulysses sequence parallelism (bam_llama.model.sequence_parallel_bam.enable_ulysses, or Accelerate's "
     "ParallelismConfig(sp_backend='deepspeed', sp_size=N))"

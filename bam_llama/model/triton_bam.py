@@ -35,7 +35,6 @@ import torch
 from .prior_bam import ggd_bias, ssmax_factor, visible_key_counts
 from .triton_kernels_bam import TRITON_AVAILABLE, _activate_kernels, _import_triton, _interpreting
 
-
 PRIOR_LIMIT = 2.0**100  # bound of the prior tables: |x| ** beta stays finite for any beta
 
 FORMULAS = ("current", "legacy")

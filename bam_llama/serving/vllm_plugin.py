@@ -42,7 +42,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from ..model.prior_bam import ggd_bias, relative_distance, ssmax_factor
 from ..model.reference_bam import bam_attention_reference
 
-
 ARCHITECTURE = "BamLlamaForCausalLM"
 QUERY_BLOCK = 512  # queries attended at once: bounds the (H, queries, K) score tensors of a long prefill
 
@@ -52,7 +51,7 @@ def register() -> None:
     needed), vLLM learns the architecture."""
     from vllm import ModelRegistry
 
-    from .. import register_config
+    from ..registration import register_config
 
     register_config()
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():

@@ -9,7 +9,6 @@ import os
 import re
 from pathlib import Path
 
-
 logger = logging.getLogger(__name__)
 
 

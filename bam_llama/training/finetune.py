@@ -21,41 +21,23 @@ and renamed into place, so a crash never leaves a half-written one.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import math
-import os
 import re
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .arguments import (
-    TrainingRunArguments,
-    add_data_arguments,
-    add_dataset_arguments,
-    add_parallel_arguments,
-    add_run_arguments,
-    add_trainer_arguments,
-    positive_float,
-    positive_int,
-    probability,
-)
-from .checkpoints import checkpoint_step, resolve_checkpoint
 from ..data.documents import load_documents, tokenize_documents
-from ..outputs import (
-    check_model_path,
-    check_safetensors_files,
-    exit_on_sigterm,
-    load_tokenizer,
-    staged_output_dir,
-)
-from .lock import OutputDirHold, hold_output_dir, resumes_in
 from ..data.packing import PackedRows, collate_packed_rows, pack_documents, split_eval_rows
+from ..data.tokenizers import load_tokenizer
+from ..model_folders import check_model_path, check_safetensors_files
+from ..outputs import staged_output_dir
+from .arguments import TrainingRunArguments
+from .checkpoints import checkpoint_step, resolve_checkpoint
+from .lock import OutputDirHold, hold_output_dir, resumes_in
 from .summary import TrainingSummary, format_rows, training_rows, write_summary
-
 
 if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used, so that --help does not load them
     import torch
@@ -137,8 +119,8 @@ def check_model_config(model: str, context_length: int) -> BamLlamaConfig:
     """Read the config of `model`; refuse models that are not BamLlama and lengths below the training length."""
     from transformers import AutoConfig
 
-    from .. import register
     from ..model.configuration_bam import BamLlamaConfig
+    from ..registration import register
 
     register()
     try:
@@ -213,12 +195,13 @@ def prior_values(model: torch.nn.Module, state_dict: dict | None = None) -> dict
     """The prior / SSMax values the model computes with, by BamLlama module name (PEFT's wrapping removed); read
     from `state_dict` when given (a sharded model's, gathered)."""
     from ..model.modeling_bam import BamPrior, BamScalableSoftmax
+    from ..model.prior_bam import PRIOR_PARAMETERS, SSMAX_PARAMETER
 
     values: dict[str, dict[str, list[float]]] = {}
     for name, module in model.named_modules():
         if not isinstance(module, (BamPrior, BamScalableSoftmax)) or ".original_module" in name:
             continue
-        parameters = ("theta_alpha", "theta_beta", "theta_mu") if isinstance(module, BamPrior) else ("scale",)
+        parameters = PRIOR_PARAMETERS if isinstance(module, BamPrior) else (SSMAX_PARAMETER,)
         read = (lambda key: getattr(module, key)) if state_dict is None else (lambda key: state_dict[f"{name}.{key}"])
         values[re.sub(r"\.modules_to_save\.[^.]+$", "", name).removeprefix("base_model.model.")] = {
             key: read(key).detach().float().cpu().tolist() for key in parameters
@@ -260,7 +243,7 @@ def save_final(
 
 
 def check_no_stale_merged_model(args: FinetuneArguments, replaced: list[str]) -> None:
-    """A merged/ folder that this run will not rewrite (nor delete: `replaced`, see `lock_bam`) belongs to an
+    """A merged/ folder that this run will not rewrite (nor delete: `replaced`, see `training.lock`) belongs to an
     earlier run and would not match the new adapter: refuse before training rather than leave the two side by side."""
     merged_dir = Path(args.output_dir) / "merged"
     if (merged_dir.exists() or merged_dir.is_symlink()) and not (args.lora and args.merge) and "merged" not in replaced:
@@ -308,7 +291,7 @@ def build_training_data(args: FinetuneArguments, tokenizer, pad_token_id: int, s
 
 
 # What a run leaves in --output-dir: a later run continues it (--resume-from-checkpoint) or replaces it
-# (--overwrite-output-dir), never writes over it silently (see `lock_bam`).
+# (--overwrite-output-dir), never writes over it silently (see `training.lock`).
 FINETUNE_RESULTS = ("checkpoint-*", "adapter", "model", "merged", "summary.json")
 
 
@@ -407,49 +390,3 @@ def _finetune(args: FinetuneArguments, hold: OutputDirHold) -> FinetuneSummary:
         print(summary.format_table(), flush=True)
     trainer.accelerator.wait_for_everyone()
     return summary
-
-
-def build_parser() -> argparse.ArgumentParser:
-    defaults = FinetuneArguments(model="", data="", output_dir="", context_length=0)
-    parser = argparse.ArgumentParser(
-        prog="bam-finetune",
-        description="Extend a BamLlama model's context with a short fine-tune (LoRA + fully trained prior, or full), "
-        "on packed documents with per-document masking. Run under torchrun / accelerate launch for DDP.",
-    )
-    parser.add_argument("--model", required=True, help="BamLlama folder or Hub id (convert Llama first: bam-convert llama)")
-    add_data_arguments(parser)
-    parser.add_argument("--context-length", type=positive_int, required=True, help="target length (>= the model's train_context_length)")
-    add_dataset_arguments(parser, defaults)
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--lora", dest="lora", action="store_true", default=True, help="LoRA on q/k/v/o (default)")
-    mode.add_argument("--full", dest="lora", action="store_false", help="full fine-tuning")
-    parser.add_argument("--lora-mlp", action="store_true", help="also put LoRA on the MLP projections")
-    parser.add_argument("--lora-rank", type=positive_int, default=defaults.lora_rank)
-    parser.add_argument("--lora-alpha", type=positive_float, default=defaults.lora_alpha)
-    parser.add_argument("--lora-dropout", type=probability, default=defaults.lora_dropout)
-    parser.add_argument("--learning-rate", type=positive_float, default=None, help="default 2e-4 with LoRA, 2e-5 full")
-    parser.add_argument("--prior-learning-rate", type=positive_float, default=defaults.prior_learning_rate)
-    add_trainer_arguments(parser, defaults)
-    parser.add_argument("--merge", action="store_true", help="also write OUTPUT_DIR/merged: LoRA merged into a BamLlama folder")
-    add_parallel_arguments(parser, defaults)
-    add_run_arguments(parser, defaults)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parsed = build_parser().parse_args(argv)
-    exit_on_sigterm()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = FinetuneArguments(**vars(parsed))
-    try:
-        finetune(args)
-    except (OSError, ValueError) as error:  # a missing model or data file; an invalid setting
-        print(f"bam-finetune: error: {error}", file=sys.stderr)
-        return 2
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    print(f"bam-finetune: rank {rank} of {world_size} finished", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -28,7 +28,6 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-
 LOCK_NAME = ".bam-run.lock"
 
 

@@ -1,8 +1,8 @@
 """Pretraining a model from a fresh config with `transformers.Trainer` (the `bam-pretrain` command).
 
 The paper's evidence comes from models trained from scratch at a short length. This command trains one on the
-same data sources as `bam-finetune` (`data_bam`), packed with per-document masking (`packing_bam`), through the
-same Trainer set-up (`trainer_bam`), with one recipe for every positional encoding so that baselines compare:
+same data sources as `bam-finetune` (`data.documents`), packed with per-document masking (`data.packing`), through the
+same Trainer set-up (`training.trainer`), with one recipe for every positional encoding so that baselines compare:
 
 * `bam`: BamLlama with the paper's init (uniform prior: theta_alpha = theta_beta = 0), alpha and beta trained,
   mu frozen; `--ssmax` adds Scalable Softmax;
@@ -24,32 +24,21 @@ written to a temporary folder and renamed into place.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import math
-import os
-import sys
 import time
 from pathlib import Path
 
+from ..data.documents import load_documents, looks_like_a_local_path, tokenize_documents
+from ..data.packing import PackedRows, collate_packed_rows, pack_documents, split_eval_rows
+from ..outputs import staged_output_dir
 from .arguments import (
     TrainingRunArguments,
-    add_data_arguments,
-    add_dataset_arguments,
-    add_parallel_arguments,
-    add_run_arguments,
-    add_trainer_arguments,
-    positive_float,
-    positive_int,
 )
 from .checkpoints import checkpoint_step, resolve_checkpoint
-from ..data.documents import load_documents, looks_like_a_local_path, tokenize_documents
-from ..outputs import exit_on_sigterm, staged_output_dir
 from .lock import OutputDirHold, hold_output_dir, resumes_in
-from ..data.packing import PackedRows, collate_packed_rows, pack_documents, split_eval_rows
 from .summary import TrainingSummary, format_rows, training_rows, write_summary
-
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +58,7 @@ PRIOR_SCOPES = ("global", "layer")  # BamLlamaConfig.prior_scope; not imported, 
 BUILT_IN_TOKENIZERS = ("byte", "bpe")
 REFERENCE_ROPE_THETA = 500_000.0  # the reference's RoPE baselines (and Llama 3); Transformers' LlamaConfig: 10,000
 LLAMA_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
-SMALLEST_BPE_VOCABULARY = 3 + 256  # <pad>, <s>, </s> and every byte, as tokenization_bam builds it
+SMALLEST_BPE_VOCABULARY = 3 + 256  # <pad>, <s>, </s> and every byte, as data.tokenizers builds it
 
 
 @dataclasses.dataclass
@@ -328,7 +317,7 @@ def pretrain(args: PretrainArguments) -> PretrainSummary:
 
 
 # What a run leaves in its output folder: a new run does not write over it unless it resumes that run or is told to
-# (--overwrite-output-dir), and two live runs never share the folder (see `lock_bam`).
+# (--overwrite-output-dir), and two live runs never share the folder (see `training.lock`).
 PRETRAIN_RESULTS = ("checkpoint-*", "tokenizer", "model", "summary.json")
 
 
@@ -421,66 +410,3 @@ def _run_pretraining(args: PretrainArguments, hold: OutputDirHold, started: floa
         print(summary.format_table(), flush=True)
     trainer.accelerator.wait_for_everyone()
     return summary, model, tokenizer
-
-
-def build_parser() -> argparse.ArgumentParser:
-    defaults = PretrainArguments(data="", output_dir="")
-    parser = argparse.ArgumentParser(
-        prog="bam-pretrain",
-        description="Pretrain a BamLlama (or, for comparison, an ALiBi, NoPE or RoPE model) from scratch on packed "
-        "documents with per-document masking. Run under torchrun / accelerate launch for DDP.",
-    )
-    add_data_arguments(parser)
-    parser.add_argument("--context-length", type=positive_int, default=defaults.context_length, help="training length in tokens")
-    parser.add_argument("--positional", choices=POSITIONALS, default=defaults.positional,
-                        help="bam: learned GGD prior (paper init); alibi / nope: the prior fixed to ALiBi / flat; rope: Llama; "
-                        "rope-local: RoPE with a sliding window of the training length (Mistral)")
-    parser.add_argument("--ssmax", action="store_true", help="Scalable Softmax (BamLlama models only)")
-    parser.add_argument("--prior-scope", choices=PRIOR_SCOPES, default=defaults.prior_scope,
-                        help="global: one prior per head shared by all layers (the reference's default); layer: one per "
-                        "layer and head (the paper's parameter count). BamLlama models only")
-    parser.add_argument("--rope-theta", type=positive_float, default=None,
-                        help=f"RoPE base with --positional rope / rope-local (default {REFERENCE_ROPE_THETA:g}: the reference's RoPE "
-                        "baselines; Transformers' Llama default is 10000)")
-    parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
-                        help=f"the paper's sizes (default {DEFAULT_PRESET}: 768 hidden, 12 layers, 16 heads); size flags override")
-    parser.add_argument("--hidden-size", type=positive_int, default=None)
-    parser.add_argument("--layers", dest="num_hidden_layers", metavar="N", type=positive_int, default=None)
-    parser.add_argument("--heads", dest="num_attention_heads", metavar="N", type=positive_int, default=None)
-    parser.add_argument("--kv-heads", dest="num_key_value_heads", metavar="N", type=positive_int, default=None, help="default: --heads (MHA)")
-    parser.add_argument("--intermediate-size", type=positive_int, default=None, help="default: 2x --hidden-size (SwiGLU)")
-    parser.add_argument("--tokenizer", default=defaults.tokenizer,
-                        help="byte (built in), bpe (trained on the training data, digits one per token), or a tokenizer folder / Hub id")
-    parser.add_argument("--vocab-size", type=positive_int, default=defaults.vocab_size, help="BPE vocabulary size (with --tokenizer bpe)")
-    add_dataset_arguments(parser, defaults)
-    parser.add_argument("--learning-rate", type=positive_float, default=defaults.learning_rate)
-    parser.add_argument("--prior-learning-rate", type=positive_float, default=None, help="default: --learning-rate")
-    add_trainer_arguments(parser, defaults)
-    add_parallel_arguments(parser, defaults)
-    parser.add_argument("--report-to", default=defaults.report_to, help="none (default), all, or integrations: tensorboard,wandb,...")
-    add_run_arguments(parser, defaults)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = PretrainArguments(**vars(parser.parse_args(argv)))
-    try:
-        check_arguments(args)
-    except ValueError as error:  # one line and exit 2, before any data or weights load
-        print(f"bam-pretrain: error: {error}", file=sys.stderr)
-        return 2
-    exit_on_sigterm()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        pretrain(args)
-    except (OSError, ValueError) as error:  # a missing data file or checkpoint; an invalid setting
-        print(f"bam-pretrain: error: {error}", file=sys.stderr)
-        return 2
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    print(f"bam-pretrain: rank {rank} of {world_size} finished", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,22 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 
 import torch
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainingArguments
 
-from .distributed import parallel_training_arguments
 from ..data.packing import IGNORE_INDEX, collate_packed_rows
-
-
-# Parameters of the prior and SSMax modules, also inside PEFT's `modules_to_save` wrappers.
-PRIOR_PARAMETER = re.compile(r"(^|\.)(prior|ssmax)\.(.+\.)?(theta_alpha|theta_beta|theta_mu|scale)$")
-
-
-def is_prior_parameter(name: str) -> bool:
-    return PRIOR_PARAMETER.search(name) is not None
+from ..model.prior_bam import is_prior_parameter
+from .distributed import parallel_training_arguments
 
 
 def optimizer_parameter_groups(model: torch.nn.Module, decay_names, weight_decay: float, prior_learning_rate: float):

@@ -1,0 +1,153 @@
+"""The command line pieces the commands share: argparse `type=` checks (a bad value becomes one line naming the
+argument and exit status 2, before any weights are loaded) and the flags of `bam-finetune` and `bam-pretrain`. Light
+on imports, so --help stays fast."""
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1), got {text!r}")
+    return value
+
+
+def length_list(text: str) -> list[int]:
+    """`"256,512,1k"` -> `[256, 512, 1024]`; `k` means 1024; every length must be positive."""
+    lengths = []
+    for item in filter(None, (part.strip().lower() for part in text.split(","))):
+        number, scale = (item[:-1], 1024) if item.endswith("k") else (item, 1)
+        try:
+            length = int(number) * scale
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not a length in tokens (write e.g. 512,1k,2k)") from None
+        if length <= 0:
+            raise argparse.ArgumentTypeError(f"lengths must be positive, got {item!r}")
+        lengths.append(length)
+    if not lengths:
+        raise argparse.ArgumentTypeError(f"no length in {text!r}")
+    return lengths
+
+
+def device_name(text: str) -> str:
+    """A torch device this PyTorch build can use: cpu, cuda, cuda:N, mps, ..."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "has no CUDA support" if torch.version.cuda is None else "sees no GPU"
+            raise argparse.ArgumentTypeError(f"{text!r}: this PyTorch build ({torch.__version__}) {build}; use cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r}: there are only {torch.cuda.device_count()} CUDA devices")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: MPS is not available on this machine; use cpu")
+    return text
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """The data and output flags of `bam-finetune` and `bam-pretrain`; in the functions below `defaults` is the
+    command's arguments dataclass."""
+    parser.add_argument(
+        "--data", required=True,
+        help=".txt (documents separated by blank lines), .jsonl, .json, .csv, .parquet, a folder of .txt/.jsonl "
+        "files, a datasets.save_to_disk folder, or a datasets name",
+    )
+    parser.add_argument("--output-dir", required=True)
+
+
+def add_dataset_arguments(parser: argparse.ArgumentParser, defaults) -> None:
+    parser.add_argument("--text-field", default=defaults.text_field, help="text field of JSON lines / dataset rows")
+    parser.add_argument("--dataset-config", default=None, help="configuration name of a datasets dataset")
+    parser.add_argument("--dataset-split", default=defaults.dataset_split)
+    parser.add_argument("--eval-rows", type=positive_int, default=defaults.eval_rows, help="packed rows held out for loss before/after")
+
+
+def add_trainer_arguments(parser: argparse.ArgumentParser, defaults) -> None:
+    """The `Trainer` flags both training commands share, after their learning rates."""
+    parser.add_argument("--weight-decay", type=non_negative_float, default=defaults.weight_decay)
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=defaults.warmup_steps)
+    parser.add_argument("--lr-scheduler-type", default=defaults.lr_scheduler_type)
+    parser.add_argument("--max-steps", type=int, default=defaults.max_steps, help="optimizer steps; <= 0 uses --num-train-epochs")
+    parser.add_argument("--num-train-epochs", type=positive_float, default=defaults.num_train_epochs)
+    parser.add_argument("--per-device-train-batch-size", "--batch-size", type=positive_int, default=defaults.per_device_train_batch_size)
+    parser.add_argument("--gradient-accumulation-steps", type=positive_int, default=defaults.gradient_accumulation_steps)
+    parser.add_argument(
+        "--gradient-checkpointing", action="store_true",
+        help="recompute each layer in the backward pass (torch's non-reentrant checkpoint, Transformers' default)",
+    )
+    parser.add_argument(
+        "--reentrant-checkpointing", action="store_true",
+        help="gradient checkpointing with use_reentrant=True, as many PEFT / QLoRA recipes pass (same gradients)",
+    )
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on where the GPU supports it")
+    parser.add_argument("--attn-implementation", default=None, help="sdpa, eager or bam_triton (default: fastest available)")
+    parser.add_argument("--save-steps", type=positive_int, default=defaults.save_steps)
+    parser.add_argument("--save-total-limit", type=positive_int, default=defaults.save_total_limit)
+    parser.add_argument("--resume-from-checkpoint", default=None, help="a checkpoint folder, or 'latest' in --output-dir")
+    parser.add_argument(
+        "--overwrite-output-dir", action="store_true",
+        help="delete an earlier run's results in --output-dir (checkpoints, saved model, summary.json) and start "
+        "afresh; without it such a folder is refused unless --resume-from-checkpoint continues that run",
+    )
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser, defaults) -> None:
+    parallel = parser.add_argument_group("sharding and sequence parallelism (CUDA; launch with accelerate launch / torchrun)")
+    parallel.add_argument("--fsdp", action="store_true", help="FSDP2: shard parameters, gradients and optimizer state")
+    parallel.add_argument("--deepspeed", default=None, metavar="zero2|zero3|CONFIG", help="DeepSpeed ZeRO (pip install 'bam-llama[deepspeed]')")
+    parallel.add_argument(
+        "--sp-size", type=positive_int, default=defaults.sp_size,
+        help="Ulysses sequence parallelism over N GPUs (needs --deepspeed, --attn-implementation sdpa)",
+    )
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, defaults) -> None:
+    parser.add_argument("--logging-steps", type=positive_int, default=defaults.logging_steps)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--disable-progress-bars", action="store_true")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None

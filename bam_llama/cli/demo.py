@@ -1,0 +1,83 @@
+"""`bam-demo`: train tiny models at a short context, then measure passkey retrieval far beyond it (`demo.py`)."""
+
+import argparse
+import sys
+
+from ..demo import DEFAULT_MODELS, MODEL_NAMES, default_settings, run
+from ..evaluation.passkey import PasskeyResults
+from ..outputs import OutputError, exit_on_sigterm
+from .arguments import device_name, length_list, positive_float, positive_int
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    full, quick = default_settings(quick=False), default_settings(quick=True)
+
+    def default(full_value, quick_value) -> str:
+        return f"(default: {full_value}; with --quick: {quick_value})"
+
+    parser = argparse.ArgumentParser(
+        prog="bam-demo",
+        description="Train tiny models at a short context, then measure passkey retrieval far beyond it.",
+    )
+    parser.add_argument("--output-dir", default="bam-demo-output", help="(default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="a few seconds for CI; the numbers mean nothing")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated subset of bam,rope,alibi (default: %(default)s)")
+    parser.add_argument("--device", type=device_name, default="cpu", help="e.g. cpu, cuda (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    parser.add_argument("--steps", type=positive_int, help=default(full.train.steps, quick.train.steps))
+    parser.add_argument("--batch-size", type=positive_int, help=default(full.train.batch_size, quick.train.batch_size))
+    parser.add_argument("--lr", type=positive_float, help=default(full.train.lr, quick.train.lr))
+    parser.add_argument(
+        "--prior-lr", type=positive_float,
+        help="learning rate of the prior and SSMax scales " + default(full.train.prior_lr, quick.train.prior_lr),
+    )
+    parser.add_argument(
+        "--train-length", type=positive_int,
+        help="training context in tokens " + default(full.data.train_length, quick.data.train_length),
+    )
+    parser.add_argument(
+        "--lengths", type=length_list,
+        help="comma-separated evaluation prompt lengths in tokens "
+        + default(",".join(map(str, full.lengths)), ",".join(map(str, quick.lengths))),
+    )
+    parser.add_argument("--depths", type=positive_int, help="passkey depths per length " + default(full.num_depths, quick.num_depths))
+    parser.add_argument("--hidden-size", type=positive_int, help=default(full.size.hidden_size, quick.size.hidden_size))
+    parser.add_argument("--layers", type=positive_int, help=default(full.size.num_hidden_layers, quick.size.num_hidden_layers))
+    parser.add_argument("--heads", type=positive_int, help=default(full.size.num_attention_heads, quick.size.num_attention_heads))
+    parser.add_argument(
+        "--prior-scope", choices=("global", "layer"), default="layer",
+        help="BAM prior per layer or shared (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ssmax", action=argparse.BooleanOptionalAction, default=True, help="Scalable Softmax in BAM (default: on)"
+    )
+    args = parser.parse_args(argv)
+    unknown = set(args.models.split(",")) - set(MODEL_NAMES)
+    if unknown:
+        parser.error(f"unknown model(s) {sorted(unknown)}; choose from {','.join(MODEL_NAMES)}")
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    return args
+
+
+def run_demo(argv: list[str] | None = None) -> dict[str, PasskeyResults]:
+    """Train, evaluate and save as the command line says; returns each model's passkey results (`demo.run`)."""
+    return run(parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """bam-demo. Ctrl-C: one line and exit 130 (128 + SIGINT), the staged output already removed; SIGTERM: 143."""
+    exit_on_sigterm()
+    try:
+        run_demo(argv)
+    except OutputError as error:
+        print(f"bam-demo: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("bam-demo: interrupted; nothing was written (an earlier complete result is kept)", file=sys.stderr)
+        return 130
+    return 0
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""`bam-eval`: long-context evaluation of BamLlama or any causal LM.
+
+    bam-eval passkey MODEL           passkey retrieval by prompt length and depth (evaluation/passkey.py)
+    bam-eval perplexity MODEL ...    perplexity by position (evaluation/perplexity.py)
+    bam-eval prior MODEL             the learned GGD prior per head (evaluation/plots.py)
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..data.documents import load_documents
+from ..evaluation.decoding import load_model_and_tokenizer
+from ..evaluation.passkey import choose_passkey_template, evaluate_passkey
+from ..evaluation.perplexity import evaluate_perplexity
+from ..evaluation.plots import plot_prior
+from ..evaluation.results import write_outputs
+from .arguments import device_name, length_list, non_negative_int, positive_int
+
+PASSKEY_LENGTHS = "256,512,1024,2048,4096"
+
+
+PERPLEXITY_LENGTHS = "1024,4096"
+
+
+def parse_lengths(values: list[str] | list[list[int]]) -> list[int]:
+    """`["256,512", "1k"]` -> `[256, 512, 1024]`: lists may be comma or space separated, `k` means 1024. Values the
+    parser already read (lists of ints) are flattened."""
+    return [length for value in values for length in (length_list(value) if isinstance(value, str) else value)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bam-eval", description="Long-context evaluation of BamLlama or any causal LM."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    passkey = commands.add_parser(
+        "passkey", help="passkey retrieval accuracy by prompt length and depth",
+        description="Passkey retrieval as in the GGD-BAM paper: for every length, keys hidden at --depths depths "
+        "uniformly spaced from the start to the end of the filler; accuracy of the greedy answer.",
+    )
+    _add_model_arguments(passkey)
+    passkey.add_argument("--lengths", nargs="+", type=length_list, default=[length_list(PASSKEY_LENGTHS)],
+                         help=f"requested prompt lengths in tokens, e.g. 512,1k,2k (default: {PASSKEY_LENGTHS})")
+    passkey.add_argument("--depths", type=positive_int, default=20, help="depths per length (default: %(default)s)")
+    passkey.add_argument("--digits", type=positive_int, default=5, help="digits of the passkey (default: %(default)s)")
+    passkey.add_argument("--seed", type=int, default=0, help="seed of the random passkeys (default: %(default)s)")
+    passkey.add_argument("--per-depth", action="store_true", help="print one column per depth")
+    passkey.add_argument(
+        "--template", default="model",
+        help="the prompt: 'model' (the one the model was trained on, saved in its config; the paper's if it has "
+        "none), 'paper', or a JSON file with task, filler, info ({passkey} in it), question and add_bos "
+        "(default: %(default)s)",
+    )
+    passkey.set_defaults(run=run_passkey)
+
+    perplexity = commands.add_parser(
+        "perplexity", help="perplexity by position for several context lengths",
+        description="Perplexity by position as in the GGD-BAM reference: non-overlapping sequences of each context "
+        "length, one chunked KV-cache forward each, losses averaged in windows of --window positions.",
+    )
+    _add_model_arguments(perplexity)
+    data = perplexity.add_mutually_exclusive_group(required=True)
+    data.add_argument("--data", help="local text, read as bam-finetune reads --data: .txt (documents separated by "
+                      "blank lines), .jsonl, .json, .csv, .parquet or a folder of .txt/.jsonl files; documents run together")
+    data.add_argument("--dataset", help="a datasets name or local path (load_dataset / save_to_disk folder)")
+    perplexity.add_argument("--dataset-config", help="the dataset's configuration name, e.g. 20231101.en")
+    perplexity.add_argument("--split", default="test", help="dataset split (default: %(default)s)")
+    perplexity.add_argument("--text-column", default="text", help="dataset column with text (default: %(default)s)")
+    perplexity.add_argument("--max-documents", type=positive_int, default=1000,
+                            help="documents read from the dataset (default: %(default)s)")
+    perplexity.add_argument("--lengths", nargs="+", type=length_list, default=[length_list(PERPLEXITY_LENGTHS)],
+                            help=f"context lengths in tokens, e.g. 1k,4k,16k (default: {PERPLEXITY_LENGTHS})")
+    perplexity.add_argument("--window", type=positive_int, default=1024, help="positions per window (default: %(default)s)")
+    perplexity.add_argument("--max-sequences", type=positive_int, default=8,
+                            help="sequences per context length (default: %(default)s)")
+    perplexity.set_defaults(run=run_perplexity)
+
+    prior = commands.add_parser(
+        "prior", help="plot each head's learned prior over distance",
+        description="Plot each head's GGD prior b_h over distance (the paper's Figure 1 style) from a BamLlama folder.",
+    )
+    prior.add_argument("model", help="BamLlama folder or Hub id")
+    prior.add_argument("--out", default="prior.png", help="PNG file, or a folder to write prior.png in")
+    prior.add_argument("--max-distance", type=positive_int, default=1024, help="largest distance (default: %(default)s)")
+    prior.add_argument("--layer", type=non_negative_int, help="plot only this layer's prior (per-layer priors)")
+    prior.set_defaults(run=run_prior)
+    return parser
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model folder or Hub id (BamLlama or any causal LM)")
+    parser.add_argument("--tokenizer", help="tokenizer folder or Hub id (default: the model's, else the byte tokenizer)")
+    parser.add_argument("--chunk-size", type=positive_int, default=1024, help="prompt tokens per forward (default: %(default)s)")
+    parser.add_argument("--add-bos", action="store_true", help="start every sequence with the tokenizer's BOS")
+    parser.add_argument("--device", type=device_name, help="e.g. cuda, cuda:1, cpu (default: CUDA if available)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype")
+    parser.add_argument("--attn-implementation", help="sdpa, eager or bam_triton (default: the model's)")
+    parser.add_argument("--out", help="folder for the table (.md), results (.json) and plot (.png)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _load_for_cli(args):
+    return load_model_and_tokenizer(
+        args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
+        attn_implementation=args.attn_implementation,
+    )
+
+
+def run_passkey(args) -> None:
+    model, tokenizer = _load_for_cli(args)
+    template, template_bos, description = choose_passkey_template(args.template, model.config)
+    print(f"Passkey prompts use {description}.", file=sys.stderr)
+    results = evaluate_passkey(
+        model, tokenizer, parse_lengths(args.lengths), num_depths=args.depths, num_digits=args.digits,
+        seed=args.seed, chunk_size=args.chunk_size, progress=not args.quiet, add_bos=args.add_bos or template_bos,
+        template=template,
+    )
+    table = results.to_markdown(per_depth=args.per_depth)
+    print(table)
+    print(f"Overall accuracy: {100 * results.mean_accuracy():.1f}%")
+    if args.out:
+        write_outputs(args.out, "passkey", table, results.to_dict(), results.save_heatmap)
+
+
+def run_perplexity(args) -> None:
+    model, tokenizer = _load_for_cli(args)
+    documents = load_documents(
+        args.data or args.dataset, text_field=args.text_column, split=args.split, config_name=args.dataset_config,
+        max_documents=None if args.data else args.max_documents, purpose="evaluation",
+    )
+    results = evaluate_perplexity(
+        model, tokenizer, documents, parse_lengths(args.lengths), window=args.window, chunk_size=args.chunk_size,
+        max_sequences=args.max_sequences, add_bos=args.add_bos, progress=not args.quiet,
+    )
+    table = results.to_markdown(per_window=True)
+    print(table)
+    if args.out:
+        train_length = getattr(model.config, "train_context_length", None)
+        write_outputs(
+            args.out, "perplexity", table, results.to_dict(), lambda path: results.save_plot(path, train_length=train_length)
+        )
+
+
+def run_prior(args) -> None:
+    path = Path(args.out)
+    if path.suffix.lower() != ".png":
+        path = path / "prior.png"
+    plot_prior(args.model, path, max_distance=args.max_distance, layer=args.layer)
+    print(f"Wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except (OSError, ValueError) as error:  # a missing model, data file or tokenizer; an invalid setting
+        parser.exit(2, f"bam-eval {args.command}: error: {error}\n")
+
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""`bam-pretrain`: pretrain a BamLlama (or an ALiBi, NoPE or RoPE baseline) from scratch (`training/pretrain.py`)."""
+
+import argparse
+import logging
+import os
+import sys
+
+from ..outputs import exit_on_sigterm
+from ..training.pretrain import (
+    DEFAULT_PRESET,
+    POSITIONALS,
+    PRESETS,
+    PRIOR_SCOPES,
+    REFERENCE_ROPE_THETA,
+    PretrainArguments,
+    check_arguments,
+    pretrain,
+)
+from .arguments import (
+    add_data_arguments,
+    add_dataset_arguments,
+    add_parallel_arguments,
+    add_run_arguments,
+    add_trainer_arguments,
+    positive_float,
+    positive_int,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = PretrainArguments(data="", output_dir="")
+    parser = argparse.ArgumentParser(
+        prog="bam-pretrain",
+        description="Pretrain a BamLlama (or, for comparison, an ALiBi, NoPE or RoPE model) from scratch on packed "
+        "documents with per-document masking. Run under torchrun / accelerate launch for DDP.",
+    )
+    add_data_arguments(parser)
+    parser.add_argument("--context-length", type=positive_int, default=defaults.context_length, help="training length in tokens")
+    parser.add_argument("--positional", choices=POSITIONALS, default=defaults.positional,
+                        help="bam: learned GGD prior (paper init); alibi / nope: the prior fixed to ALiBi / flat; rope: Llama; "
+                        "rope-local: RoPE with a sliding window of the training length (Mistral)")
+    parser.add_argument("--ssmax", action="store_true", help="Scalable Softmax (BamLlama models only)")
+    parser.add_argument("--prior-scope", choices=PRIOR_SCOPES, default=defaults.prior_scope,
+                        help="global: one prior per head shared by all layers (the reference's default); layer: one per "
+                        "layer and head (the paper's parameter count). BamLlama models only")
+    parser.add_argument("--rope-theta", type=positive_float, default=None,
+                        help=f"RoPE base with --positional rope / rope-local (default {REFERENCE_ROPE_THETA:g}: the reference's RoPE "
+                        "baselines; Transformers' Llama default is 10000)")
+    parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                        help=f"the paper's sizes (default {DEFAULT_PRESET}: 768 hidden, 12 layers, 16 heads); size flags override")
+    parser.add_argument("--hidden-size", type=positive_int, default=None)
+    parser.add_argument("--layers", dest="num_hidden_layers", metavar="N", type=positive_int, default=None)
+    parser.add_argument("--heads", dest="num_attention_heads", metavar="N", type=positive_int, default=None)
+    parser.add_argument("--kv-heads", dest="num_key_value_heads", metavar="N", type=positive_int, default=None, help="default: --heads (MHA)")
+    parser.add_argument("--intermediate-size", type=positive_int, default=None, help="default: 2x --hidden-size (SwiGLU)")
+    parser.add_argument("--tokenizer", default=defaults.tokenizer,
+                        help="byte (built in), bpe (trained on the training data, digits one per token), or a tokenizer folder / Hub id")
+    parser.add_argument("--vocab-size", type=positive_int, default=defaults.vocab_size, help="BPE vocabulary size (with --tokenizer bpe)")
+    add_dataset_arguments(parser, defaults)
+    parser.add_argument("--learning-rate", type=positive_float, default=defaults.learning_rate)
+    parser.add_argument("--prior-learning-rate", type=positive_float, default=None, help="default: --learning-rate")
+    add_trainer_arguments(parser, defaults)
+    add_parallel_arguments(parser, defaults)
+    parser.add_argument("--report-to", default=defaults.report_to, help="none (default), all, or integrations: tensorboard,wandb,...")
+    add_run_arguments(parser, defaults)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = PretrainArguments(**vars(parser.parse_args(argv)))
+    try:
+        check_arguments(args)
+    except ValueError as error:  # one line and exit 2, before any data or weights load
+        print(f"bam-pretrain: error: {error}", file=sys.stderr)
+        return 2
+    exit_on_sigterm()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        pretrain(args)
+    except (OSError, ValueError) as error:  # a missing data file or checkpoint; an invalid setting
+        print(f"bam-pretrain: error: {error}", file=sys.stderr)
+        return 2
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    print(f"bam-pretrain: rank {rank} of {world_size} finished", flush=True)
+    return 0
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Hugging Face LlamaForCausalLM folders to BamLlama folders: the same weights, RoPE dropped, a GGD prior added.
+
+The result is a starting point for context-extension fine-tuning: without RoPE the attention is no longer
+position-aware until the prior (and SSMax) are trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..data.tokenizers import TOKENIZER_FILES
+from ..outputs import check_output_dir, staged_output_dir
+from .common import (
+    DEFAULT_MAX_SHARD_SIZE,
+    MIN_MAX_POSITION_EMBEDDINGS,
+    ConversionError,
+    SafetensorsShardWriter,
+    cast_weight,
+    check_keys_and_shapes,
+    copy_files,
+    dtype_name,
+    is_per_head_parameter,
+    iterate_safetensors,
+    parse_dtype,
+    quiet,
+    safetensors_files,
+    safetensors_shapes,
+    save_config_and_code,
+    saved_parameter_shapes,
+    write_model_card,
+)
+
+if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used, so that --help does not load them
+    import torch
+    from transformers import LlamaConfig
+
+    from ..model.configuration_bam import BamLlamaConfig
+
+
+LLAMA_PRIOR_INITS = {
+    "uniform": dict(theta_alpha_init=0.0, theta_beta_init=0.0),  # bias -1 everywhere: no positional preference
+    "alibi": dict(theta_alpha_init="alibi", theta_beta_init=1.0),  # bias -slope_h * |j - i|: ALiBi
+}
+
+
+ROTARY_BUFFER_KEY = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def read_llama_config(llama_dir: Path) -> LlamaConfig:
+    from transformers import LlamaConfig
+    from transformers.activations import ACT2FN
+
+    path = llama_dir / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"missing file {path}")
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as error:
+        raise ConversionError(f"{path} is not a JSON config: {error}") from None
+    if model_type != "llama":
+        raise ConversionError(f"{path} has model_type {model_type!r}; only Llama checkpoints (model_type 'llama') are supported")
+    config = LlamaConfig.from_pretrained(llama_dir)
+    unsupported = []
+    if getattr(config, "attention_bias", False):
+        unsupported.append("attention_bias=True (BamLlama's attention projections have no bias)")
+    if getattr(config, "mlp_bias", False):
+        unsupported.append("mlp_bias=True (BamLlama's MLP projections have no bias)")
+    if config.hidden_act not in ACT2FN:
+        unsupported.append(f"hidden_act={config.hidden_act!r} (not a Transformers activation)")
+    if getattr(config, "quantization_config", None) is not None:
+        unsupported.append("quantization_config (quantized weights; convert the unquantized checkpoint)")
+    if unsupported:
+        raise ConversionError(f"{path}: unsupported Llama settings: " + "; ".join(unsupported))
+    return config
+
+
+def bam_config_from_llama(
+    llama: LlamaConfig,
+    prior: str,
+    ssmax: bool,
+    train_context_length: int | None,
+    prior_scope: str,
+    ssmax_scale_init: float,
+) -> BamLlamaConfig:
+    from ..model.configuration_bam import PRIOR_SCOPES, BamLlamaConfig
+
+    if prior not in LLAMA_PRIOR_INITS:
+        raise ConversionError(f"unknown prior initialisation {prior!r}; expected one of {', '.join(LLAMA_PRIOR_INITS)}")
+    if prior_scope not in PRIOR_SCOPES:
+        raise ConversionError(f"unknown prior scope {prior_scope!r}; expected one of {PRIOR_SCOPES}")
+    train_context_length = train_context_length or llama.max_position_embeddings
+    try:
+        return BamLlamaConfig(
+            vocab_size=llama.vocab_size,
+            hidden_size=llama.hidden_size,
+            intermediate_size=llama.intermediate_size,
+            num_hidden_layers=llama.num_hidden_layers,
+            num_attention_heads=llama.num_attention_heads,
+            num_key_value_heads=llama.num_key_value_heads,
+            head_dim=getattr(llama, "head_dim", None),
+            hidden_act=llama.hidden_act,
+            rms_norm_eps=llama.rms_norm_eps,
+            initializer_range=llama.initializer_range,
+            attention_dropout=llama.attention_dropout,
+            tie_word_embeddings=llama.tie_word_embeddings,
+            pad_token_id=llama.pad_token_id,
+            bos_token_id=llama.bos_token_id,
+            eos_token_id=llama.eos_token_id,
+            train_context_length=train_context_length,
+            max_position_embeddings=max(MIN_MAX_POSITION_EMBEDDINGS, train_context_length),
+            prior_scope=prior_scope,
+            ssmax=ssmax,
+            ssmax_scale_init=ssmax_scale_init,
+            **LLAMA_PRIOR_INITS[prior],
+        )
+    except (ValueError, TypeError) as error:
+        raise ConversionError(f"the Llama config gives an invalid BamLlama config: {error}") from None
+
+
+def initial_prior_state(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
+    """Freshly initialised prior (and SSMax) parameters by the schemes in `config`, under their BamLlama names."""
+    from ..model.modeling_bam import BamPrior, BamScalableSoftmax
+
+    prior = BamPrior(config).state_dict()
+    state = {}
+    if config.prior_scope == "global":
+        state.update({f"model.prior.{name}": value for name, value in prior.items()})
+    for layer in range(config.num_hidden_layers):
+        if config.prior_scope == "layer":
+            state.update({f"model.layers.{layer}.self_attn.prior.{name}": value.clone() for name, value in prior.items()})
+        if config.ssmax:
+            state[f"model.layers.{layer}.self_attn.ssmax.scale"] = BamScalableSoftmax(config).scale.detach().clone()
+    return state
+
+
+def source_dtype(llama: LlamaConfig, files: list[Path]) -> torch.dtype:
+    import torch
+    from safetensors import safe_open
+
+    dtype = getattr(llama, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    with safe_open(files[0], framework="pt") as shard:
+        return shard.get_tensor(next(iter(shard.keys()))).dtype
+
+
+def convert_llama_checkpoint(
+    llama_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    prior: str = "uniform",
+    ssmax: bool = False,
+    train_context_length: int | None = None,
+    prior_scope: str = "global",
+    ssmax_scale_init: float = 1.0,
+    base_model: str | None = None,
+    dtype: str = "auto",
+    force: bool = False,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    verbose: bool = True,
+    source: dict | None = None,
+) -> Path:
+    """Convert a Hugging Face LlamaForCausalLM folder into a BamLlama folder: same weights, RoPE dropped.
+
+    The result is a starting point for context-extension fine-tuning, not a drop-in replacement: without RoPE the
+    attention is no longer position-aware until the prior (and SSMax) are trained.
+
+    Args:
+        prior: "uniform" (theta 0: a constant bias, no positional preference) or "alibi" (theta_beta 1,
+            theta_alpha = log ALiBi slopes: exactly ALiBi).
+        ssmax: add Scalable Softmax with scale `ssmax_scale_init`.
+        train_context_length: recorded in the config; defaults to the Llama max_position_embeddings.
+        base_model: the source recorded in the config and model card (e.g. its Hub id); defaults to the folder.
+        source: overrides of the provenance recorded in `config.converted_from` (e.g. the GGUF file it came from).
+    """
+    log = print if verbose else quiet
+    llama_dir, out_dir = Path(llama_dir).resolve(), Path(out_dir).resolve()
+    check_output_dir(out_dir, force, (llama_dir,))
+    target_dtype = parse_dtype(dtype)
+    if not llama_dir.is_dir():
+        raise ConversionError(f"the Llama folder {llama_dir} does not exist")
+
+    llama = read_llama_config(llama_dir)
+    files = safetensors_files(llama_dir)
+    found = safetensors_shapes(files)
+    config = bam_config_from_llama(llama, prior, ssmax, train_context_length, prior_scope, ssmax_scale_init)
+    expected = {name: shape for name, shape in saved_parameter_shapes(config).items() if not is_per_head_parameter(name)}
+    dropped = [name for name in found if ROTARY_BUFFER_KEY.fullmatch(name)]
+    if config.tie_word_embeddings and "lm_head.weight" in found:
+        dropped.append("lm_head.weight")  # tied to the embedding, as Transformers loads it
+    kept = {name: shape for name, shape in found.items() if name not in dropped}
+    check_keys_and_shapes(kept, expected, f"the weights in {llama_dir}", "the Llama layout of its config.json")
+
+    base_model = base_model or str(llama_dir)
+    config.dtype = dtype_name(target_dtype or source_dtype(llama, files))
+    config.base_model = base_model
+    config.converted_from = {
+        "format": "llama",
+        "source": str(llama_dir),
+        "base_model": base_model,
+        "prior_init": prior,
+        "ssmax": ssmax,
+        "dropped": "RoPE" + (f" (rope_parameters {llama.rope_parameters})" if getattr(llama, "rope_parameters", None) else ""),
+        **(source or {}),
+    }
+    extra_files = [llama_dir / name for name in (*TOKENIZER_FILES, "generation_config.json") if (llama_dir / name).is_file()]
+    log(f"Llama model {llama_dir} ({len(files)} weight file{'s' if len(files) > 1 else ''})")
+    log(f"  RoPE dropped; prior {prior} ({prior_scope}); SSMax {'on' if ssmax else 'off'}; train_context_length {config.train_context_length}")
+    log("  note: without RoPE the model must be fine-tuned before use")
+
+    with staged_output_dir(out_dir, force, (llama_dir,)) as staging:
+        writer = SafetensorsShardWriter(staging, max_shard_size)
+        for name, tensor in iterate_safetensors(files):
+            if name not in dropped:
+                writer.add(name, cast_weight(name, tensor, target_dtype))
+        for name, tensor in initial_prior_state(config).items():
+            writer.add(name, tensor)
+        written = writer.finish()
+        save_config_and_code(config, staging)
+        copy_files(extra_files, staging)
+        write_model_card(
+            staging,
+            out_dir.name,
+            [
+                f"Converted by `bam-convert llama` from `{base_model}`: the Llama weights unchanged, RoPE removed, a",
+                f"GGD-BAM positional prior added (initialised `{prior}`, {prior_scope})"
+                + (" and Scalable Softmax." if ssmax else "."),
+                "",
+                "It has not been trained with the prior yet: fine-tune it (e.g. for context extension) before use.",
+            ],
+            base_model=base_model,
+        )
+    log(f"wrote {out_dir} ({', '.join(written + [path.name for path in extra_files])})")
+    return out_dir

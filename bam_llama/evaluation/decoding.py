@@ -1,0 +1,96 @@
+"""Running a causal LM (BamLlama or any other) for evaluation: loading it with its tokenizer, a prompt prefilled
+through a fresh KV cache in chunks (positions continue across chunks, read from the cache), greedy decoding after it."""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING
+
+from ..data.tokenizers import load_tokenizer
+from ..model_folders import check_model_path, check_safetensors_files
+from ..registration import register
+
+if TYPE_CHECKING:  # torch and Transformers are imported where used, so that --help does not load them
+    import torch
+    from transformers import DynamicCache
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def forward_accepts(model, name: str) -> bool:
+    return name in inspect.signature(model.forward).parameters
+
+
+def with_cache(model, cache) -> dict:
+    """The KV cache as the model's forward names it: `cache` from Transformers 5.24, `past_key_values` before."""
+    return {"cache" if forward_accepts(model, "cache") else "past_key_values": cache}
+
+
+def prefill(model, input_ids: torch.Tensor, chunk_size: int) -> tuple[DynamicCache, torch.Tensor]:
+    """Run a (1, L) prompt through a fresh cache `chunk_size` tokens at a time; returns the cache and the
+    logits of the last position. Positions continue across chunks because they are read from the cache."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    extra = {"logits_to_keep": 1} if forward_accepts(model, "logits_to_keep") else {}
+    extra.update(with_cache(model, cache))
+    logits = None
+    for chunk in input_ids.split(chunk_size, dim=1):
+        logits = model(input_ids=chunk, use_cache=True, **extra).logits[:, -1]
+    return cache, logits
+
+
+def greedy_continuation(model, prompt_ids: list[int], max_new_tokens: int, chunk_size: int) -> list[int]:
+    """Greedy decoding of `max_new_tokens` tokens after a chunked prefill, reusing the cache."""
+    import torch
+
+    input_ids = torch.tensor([prompt_ids], device=model_device(model))
+    cache, logits = prefill(model, input_ids, chunk_size)
+    cache_argument = with_cache(model, cache)
+    new_tokens = []
+    for step in range(max_new_tokens):
+        next_token = logits.argmax(-1, keepdim=True)
+        new_tokens.append(next_token.item())
+        if step + 1 < max_new_tokens:
+            logits = model(input_ids=next_token, use_cache=True, **cache_argument).logits[:, -1]
+    return new_tokens
+
+
+def check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
+def load_model(path, device=None, dtype=None, attn_implementation=None):
+    """A causal LM from a folder or Hub id (BamLlama or any other), in eval mode on `device` (default: CUDA if
+    available)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    register()  # BamLlama with the Auto classes
+
+    check_model_path(path)
+    check_safetensors_files(path)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    kwargs = {"dtype": parse_torch_dtype(dtype)}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
+
+
+def load_model_and_tokenizer(path, tokenizer=None, device=None, dtype=None, attn_implementation=None):
+    """`load_model(path, ...)` and its tokenizer: `tokenizer` (an object or a path) when given, else the one saved
+    in `path`; when `path` has none, the built-in byte tokenizer, with a note on stderr."""
+    model = load_model(path, device, dtype, attn_implementation)
+    return model, load_tokenizer(path, model.config, tokenizer)
+
+
+def parse_torch_dtype(dtype):
+    import torch
+
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    return getattr(torch, dtype)
