@@ -1,7 +1,9 @@
+"""Set-up for every test: Triton imported for its interpreter, a fixed seed, no Hub access. Shared helpers live in
+helpers.py (tiny models, subprocess environments, the reference fixtures) and the float64 attention reference in
+reference.py; both are imported by name (pyproject's pytest `pythonpath`)."""
+
 import importlib.util
 import os
-import signal
-from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch
 
 def _import_triton_for_the_interpreter():
     """Triton chooses between its interpreter and its compiler when it is first imported, and other libraries
-    (peft, torch.compile) may import it before tests/test_triton_kernels.py runs. Without a GPU, import it
+    (peft, torch.compile) may import it before tests/model/test_triton_kernels.py runs. Without a GPU, import it
     here in interpreter mode, then unset the variable: triton_bam reads it at call time, so only the kernel
     tests (which set it per test) run the interpreter."""
     if torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
@@ -25,75 +27,6 @@ def _import_triton_for_the_interpreter():
 
 
 _import_triton_for_the_interpreter()
-
-
-FIXTURES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "official-bam"
-
-
-def default_sigint() -> None:
-    """Popen's preexec_fn for a child the test interrupts: the suite run as a background job (`bash .ci/run &` in
-    a non-interactive shell) hands its children an ignored SIGINT, and Python then never raises KeyboardInterrupt."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def checkout_environment(**variables: str) -> dict[str, str]:
-    """os.environ for a subprocess that must import this checkout's bam_llama (first on PYTHONPATH)."""
-    repository = str(Path(__file__).resolve().parents[1])
-    path = os.pathsep.join(filter(None, [repository, os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, **variables}
-
-
-def require_reference_fixtures(folder: Path = FIXTURES_DIR) -> Path:
-    """The reference fixtures folder. Missing, the test is skipped, except under CI=true, where it fails: CI must
-    not go green without its only external ground truth."""
-    if not folder.exists():
-        message = f"reference fixtures not found at {folder} (CI puts ../shared beside the clone)"
-        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
-            pytest.fail(f"{message}; CI=true requires them", pytrace=False)
-        pytest.skip(message)
-    return folder
-
-
-def tiny_config(**overrides):
-    from bam_llama import BamLlamaConfig
-
-    values = dict(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        train_context_length=16,
-    )
-    values.update(overrides)
-    return BamLlamaConfig(**values)
-
-
-def randomize_prior(model, seed: int = 0) -> None:
-    """Give every prior / SSMax parameter distinct non-trivial values (negative beta, non-zero mu included)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            heads = parameter.numel()
-            if name.endswith("theta_alpha"):
-                parameter.copy_(torch.rand(heads, generator=generator) * 2 - 1.5)
-            elif name.endswith("theta_beta"):
-                parameter.copy_(torch.linspace(-0.5, 1.2, heads))
-            elif name.endswith("theta_mu"):
-                parameter.copy_(torch.rand(heads, generator=generator) - 0.5)
-            elif name.endswith("ssmax.scale"):
-                parameter.copy_(0.8 + 0.4 * torch.rand(heads, generator=generator))
-
-
-def tiny_model(attn_implementation: str = "eager", seed: int = 0, **overrides):
-    from bam_llama import BamLlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = BamLlamaForCausalLM(tiny_config(**overrides))
-    model.set_attn_implementation(attn_implementation)
-    randomize_prior(model, seed)
-    return model.eval()
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import checkout_environment
+from helpers import checkout_environment
 
 
 def require_deepspeed() -> None:
@@ -27,11 +27,12 @@ def free_port() -> int:
 
 
 def torchrun(script: str, *arguments: str, processes: int = 2, timeout: float = 300, **environment: str):
-    """Run tests/`script` on `processes` ranks; fails the test with the workers' output if any rank fails."""
+    """Run `script` (a path under tests/, e.g. model/sequence_parallel_worker.py) on `processes` ranks; fails the
+    test with the workers' output if any rank fails."""
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}", "--nnodes=1",
         "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-        str(Path(__file__).with_name(script)), *arguments,
+        str(Path(__file__).parent / script), *arguments,
     ]
     variables = dict(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **environment)
     result = subprocess.run(

@@ -76,6 +76,18 @@ def device_name(text: str) -> str:
     return text
 
 
+def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every option's default in its --help line (flags with no help text get one), unless the help already names
+    it; options without a default value (None, off) are left as they are."""
+    for action in parser._actions:
+        help_text = action.help or ""
+        unset = any(action.default is value for value in (None, False, argparse.SUPPRESS))
+        if not action.option_strings or unset or "default" in help_text:
+            continue
+        action.help = f"{help_text} (default: %(default)s)".strip()
+    return parser
+
+
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     """The data and output flags of `bam-finetune` and `bam-pretrain`; in the functions below `defaults` is the
     command's arguments dataclass."""

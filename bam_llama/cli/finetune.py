@@ -16,6 +16,7 @@ from .arguments import (
     positive_float,
     positive_int,
     probability,
+    show_defaults,
 )
 
 
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--merge", action="store_true", help="also write OUTPUT_DIR/merged: LoRA merged into a BamLlama folder")
     add_parallel_arguments(parser, defaults)
     add_run_arguments(parser, defaults)
-    return parser
+    return show_defaults(parser)
 
 
 def main(argv: list[str] | None = None) -> int:

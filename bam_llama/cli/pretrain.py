@@ -5,6 +5,7 @@ import logging
 import os
 import sys
 
+from ..data.tokenizers import BYTE_VOCAB_SIZE
 from ..outputs import exit_on_sigterm
 from ..training.pretrain import (
     DEFAULT_PRESET,
@@ -14,6 +15,7 @@ from ..training.pretrain import (
     REFERENCE_ROPE_THETA,
     PretrainArguments,
     check_arguments,
+    describe_preset,
     pretrain,
 )
 from .arguments import (
@@ -24,6 +26,7 @@ from .arguments import (
     add_trainer_arguments,
     positive_float,
     positive_int,
+    show_defaults,
 )
 
 
@@ -32,7 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bam-pretrain",
         description="Pretrain a BamLlama (or, for comparison, an ALiBi, NoPE or RoPE model) from scratch on packed "
-        "documents with per-document masking. Run under torchrun / accelerate launch for DDP.",
+        "documents with per-document masking. Run under torchrun / accelerate launch for DDP. The defaults train the "
+        f"paper's {DEFAULT_PRESET} size ({describe_preset(DEFAULT_PRESET, (BYTE_VOCAB_SIZE, defaults.vocab_size))}: "
+        f"the byte tokenizer's and the BPE's) at {defaults.context_length} tokens for {defaults.max_steps} steps of "
+        f"{defaults.per_device_train_batch_size} rows: a GPU job. On a CPU choose a small model, e.g. --hidden-size 128 "
+        "--layers 4 --heads 4 --context-length 128.",
     )
     add_data_arguments(parser)
     parser.add_argument("--context-length", type=positive_int, default=defaults.context_length, help="training length in tokens")
@@ -48,9 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "baselines; Transformers' Llama default is 10000)")
     parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
                         help=f"the paper's sizes (default {DEFAULT_PRESET}: 768 hidden, 12 layers, 16 heads); size flags override")
-    parser.add_argument("--hidden-size", type=positive_int, default=None)
-    parser.add_argument("--layers", dest="num_hidden_layers", metavar="N", type=positive_int, default=None)
-    parser.add_argument("--heads", dest="num_attention_heads", metavar="N", type=positive_int, default=None)
+    parser.add_argument("--hidden-size", type=positive_int, default=None, help="default: the preset's")
+    parser.add_argument("--layers", dest="num_hidden_layers", metavar="N", type=positive_int, default=None,
+                        help="default: the preset's")
+    parser.add_argument("--heads", dest="num_attention_heads", metavar="N", type=positive_int, default=None,
+                        help="default: the preset's")
     parser.add_argument("--kv-heads", dest="num_key_value_heads", metavar="N", type=positive_int, default=None, help="default: --heads (MHA)")
     parser.add_argument("--intermediate-size", type=positive_int, default=None, help="default: 2x --hidden-size (SwiGLU)")
     parser.add_argument("--tokenizer", default=defaults.tokenizer,
@@ -63,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_parallel_arguments(parser, defaults)
     parser.add_argument("--report-to", default=defaults.report_to, help="none (default), all, or integrations: tensorboard,wandb,...")
     add_run_arguments(parser, defaults)
-    return parser
+    return show_defaults(parser)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,22 @@ PRESETS = {
     "l24": (2048, 24, 64),
 }
 DEFAULT_PRESET = "l12"
+
+
+def describe_preset(name: str, vocab_sizes: tuple[int, ...] = ()) -> str:
+    """"768 hidden, 12 layers, 16 heads", with the parameter count of the preset's model at each vocabulary size."""
+    hidden, layers, heads = PRESETS[name]
+    text = f"{hidden} hidden, {layers} layers, {heads} heads"
+    for vocab_size in vocab_sizes:
+        text += f"; {preset_parameters(name, vocab_size) / 1e6:.0f}M parameters with {vocab_size} tokens"
+    return text
+
+
+def preset_parameters(name: str, vocab_size: int) -> int:
+    """Parameters of a preset's model (multi-head attention, SwiGLU of 2x the width, untied embeddings)."""
+    hidden, layers, _ = PRESETS[name]
+    per_layer = 4 * hidden * hidden + 3 * hidden * (2 * hidden) + 2 * hidden
+    return layers * per_layer + 2 * vocab_size * hidden + hidden
 POSITIONALS = ("bam", "alibi", "nope", "rope", "rope-local")
 ROTARY_POSITIONALS = ("rope", "rope-local")  # Transformers' own models: Llama, and Mistral for its sliding window
 PRIOR_SCOPES = ("global", "layer")  # BamLlamaConfig.prior_scope; not imported, so --help loads no transformers

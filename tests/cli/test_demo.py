@@ -1,0 +1,222 @@
+"""The embedded demo: its data, its baselines, and a --quick end-to-end run (the numbers of a quick run mean nothing)."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from bam_llama import BamLlamaForCausalLM
+from bam_llama.cli.demo import main, run_demo
+from bam_llama.data.packing import IGNORE_INDEX
+from bam_llama.data.tokenizers import build_byte_tokenizer
+from bam_llama.demo import (
+    DEMO_TEMPLATE,
+    DataConfig,
+    ModelSize,
+    build_model,
+    default_settings,
+    training_batch,
+)
+from bam_llama.evaluation.passkey import PasskeyResults
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_byte_tokenizer()
+
+
+def test_training_batch_fits_the_training_length_and_trains_only_on_the_answer(tokenizer):
+    data = DataConfig(train_length=96)
+    batch = training_batch(random.Random(0), tokenizer, DEMO_TEMPLATE, data, batch_size=16)
+    assert batch["input_ids"].shape[1] <= data.train_length
+    for input_ids, labels in zip(batch["input_ids"], batch["labels"]):
+        answer = tokenizer.decode(labels[labels != IGNORE_INDEX])
+        text = tokenizer.decode(input_ids, skip_special_tokens=True)
+        passkey = answer.strip()
+        assert len(passkey) == data.num_digits and passkey.isdigit()
+        assert DEMO_TEMPLATE.info.format(passkey=passkey) in text
+        assert text.rstrip().endswith(DEMO_TEMPLATE.question + answer)
+
+
+def test_baselines_share_the_recipe(tokenizer):
+    size = ModelSize(hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+    rope, alibi, bam = (build_model(name, size, train_length=64) for name in ("rope", "alibi", "bam"))
+    assert type(rope) is LlamaForCausalLM and isinstance(bam, BamLlamaForCausalLM)
+    assert sum(p.numel() for p in rope.parameters()) == sum(
+        p.numel() for name, p in bam.named_parameters() if "prior" not in name and "ssmax" not in name
+    )
+    trainable = {name for name, p in alibi.named_parameters() if p.requires_grad}
+    assert not any("theta" in name for name in trainable)
+    betas = [p for name, p in alibi.named_parameters() if name.endswith("theta_beta")]
+    assert betas and all(torch.all(beta == 1.0) for beta in betas)
+    assert {name for name, p in bam.named_parameters() if p.requires_grad and "theta" in name}
+    with pytest.raises(ValueError, match="unknown model"):
+        build_model("gpt", size, train_length=64)
+
+
+def test_quick_run_writes_table_plots_and_a_loadable_model(tmp_path, tokenizer, capsys):
+    results = run_demo(["--quick", "--models", "bam,rope,alibi", "--output-dir", str(tmp_path)])
+
+    assert set(results) == {"bam", "rope", "alibi"}
+    assert all(isinstance(result, PasskeyResults) for result in results.values())
+    printed = capsys.readouterr().out
+    assert "| BAM (GGD prior) |" in printed and "| RoPE (Llama) |" in printed
+    assert (tmp_path / "results.md").read_text().strip() in printed
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert PasskeyResults.from_dict(saved["bam"]).lengths == results["bam"].lengths
+    for png in ["passkey-bam.png", "passkey-rope.png", "passkey-alibi.png", "prior.png"]:
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "bam-model").stat().st_mode & 0o777 == 0o777 & ~umask  # not the 0700 of a temporary folder
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "bam-model")
+    input_ids = torch.tensor([tokenizer("The pass key is")["input_ids"]])
+    assert isinstance(model, BamLlamaForCausalLM)
+    assert torch.isfinite(model(input_ids).logits).all()
+
+
+def test_console_script_help():
+    completed = subprocess.run(["bam-demo", "--help"], capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 0 and "--quick" in completed.stdout
+
+
+def test_main_reports_success_as_exit_status_zero_and_records_the_argv(tmp_path):
+    argv = ["--quick", "--models", "bam", "--output-dir", str(tmp_path), "--lengths", "64,80"]
+    assert main(argv) == 0
+    assert (tmp_path / "results.md").is_file()
+    run = json.loads((tmp_path / "results.json").read_text())["run"]
+    assert run["argv"] == argv and run["settings"]["lengths"] == [64, 80]
+
+
+@pytest.mark.parametrize(
+    "argv, argument",
+    [
+        (["--lengths", "64,abc"], "--lengths"),
+        (["--lengths", "64,0"], "--lengths"),
+        (["--steps", "0"], "--steps"),
+        (["--train-length", "-8"], "--train-length"),
+        (["--lr", "nan"], "--lr"),
+        (["--device", "nonsense"], "--device"),
+    ],
+)
+def test_a_bad_argument_is_one_line_naming_it(argv, argument, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv + ["--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("bam-demo: error: argument " + argument)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_machine_without_it_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "argument --device: 'cuda': this PyTorch build" in capsys.readouterr().err
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "(default: bam-demo-output)" in usage and "(default: bam,rope)" in usage
+    settings = default_settings(quick=False)
+    assert f"(default: {settings.train.steps}; with --quick: 8)" in usage
+    assert "(default: " + ",".join(map(str, settings.lengths)) + "; with --quick: 64,128)" in usage
+
+
+def test_unknown_model_is_refused():
+    with pytest.raises(SystemExit):
+        main(["--models", "bam,gpt"])
+
+
+# bam-demo --quick that stops where it saves the BAM model (its heatmap already written) and waits for SIGINT.
+DEMO_INTERRUPTED_WHILE_SAVING = """
+import sys, time
+from bam_llama import demo
+from bam_llama.cli import demo as demo_cli
+
+def save_bam_then_wait(*args, **kwargs):
+    print("saving", flush=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    sys.exit("no SIGINT came while saving")
+
+demo.save_bam = save_bam_then_wait
+sys.exit(demo_cli.main(sys.argv[1:]))
+"""
+
+
+def folder_contents(folder):
+    return {path.relative_to(folder).as_posix(): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.parametrize("earlier_result", [False, True])
+def test_ctrl_c_leaves_no_partial_result_and_keeps_an_earlier_one(tmp_path, earlier_result):
+    """Ctrl-C in the middle of a run (a heatmap already written): one line on stderr, no traceback, exit 130, no
+    output folder (or the earlier complete result, byte for byte) and nothing staged left beside it."""
+    import queue
+    import signal
+    import threading
+
+    from helpers import checkout_environment, default_sigint
+
+    output = tmp_path / "runs" / "bam-demo-output"
+    output.parent.mkdir()
+    if earlier_result:
+        output.mkdir()
+        (output / "results.json").write_text('{"run": {"earlier": true}}')
+        (output / "results.md").write_text("earlier table\n")
+        (output / "passkey-bam.png").write_bytes(b"\x89PNG earlier")
+    before = folder_contents(output) if earlier_result else None
+    (tmp_path / "demo.py").write_text(DEMO_INTERRUPTED_WHILE_SAVING)
+    process = subprocess.Popen(
+        [sys.executable, str(tmp_path / "demo.py"), "--quick", "--models", "bam", "--output-dir", str(output)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=checkout_environment(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"),
+        preexec_fn=default_sigint,
+    )
+    lines, errors = queue.Queue(), []
+    threading.Thread(target=lambda: [lines.put(line.strip()) for line in process.stdout], daemon=True).start()
+    threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 300
+        while (line := lines.get(timeout=max(0.1, deadline - time.monotonic()))) != "saving":
+            pass
+        staged = [path.name for path in output.parent.iterdir() if path.name.endswith(".partial")]
+        assert len(staged) == 1 and any((output.parent / staged[0]).glob("passkey-bam.png"))  # a partial result
+    except queue.Empty:
+        pytest.fail(f"the demo never reached its save: {''.join(errors)[-3000:]}")
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            returncode = process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            pytest.fail(f"the demo did not stop after SIGINT: {''.join(errors)[-3000:]}")
+    stderr = "".join(errors)
+    assert returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == "bam-demo: interrupted; nothing was written (an earlier complete result is kept)"
+    assert "Traceback" not in stderr
+    assert sorted(path.name for path in output.parent.iterdir()) == (["bam-demo-output"] if earlier_result else [])
+    if earlier_result:
+        assert folder_contents(output) == before
+
+
+def test_a_folder_of_other_files_is_not_replaced(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["--quick", "--models", "bam", "--output-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"bam-demo: error: --output-dir {tmp_path} holds files that are not a bam-demo result (no results.json), "
+        "which a run would replace: choose another folder"
+    )
+    assert os.listdir(tmp_path) == ["notes.txt"]

@@ -1,0 +1,177 @@
+"""Staged outputs under interruption: SIGTERM, SIGKILL and crashes between the two renames of a replace, sent to
+real subprocesses; and the stale leftovers of killed runs, cleaned (or put back) by the next run."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from helpers import checkout_environment
+
+from bam_llama import outputs as io_bam
+from bam_llama.outputs import OutputError, check_output_dir, staged_output_dir
+
+# Writes OUT/content.txt through staged_output_dir. ACTION "wait" stops inside the staging block (prints
+# "staged"); "kill-after-rename-N" / "term-after-rename-N" send SIGKILL / SIGTERM to itself right after the N-th
+# os.replace of the move into place.
+WRITER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from pathlib import Path
+    from bam_llama import outputs as io_bam
+
+    out, content, action = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    io_bam.exit_on_sigterm()
+    real_replace, renames = os.replace, []
+
+    def replace(source, target):
+        real_replace(source, target)
+        renames.append(target)
+        if action == f"kill-after-rename-{len(renames)}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action == f"term-after-rename-{len(renames)}":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    os.replace = replace
+    with io_bam.staged_output_dir(out, force=True) as staging:
+        (staging / "content.txt").write_text(content)
+        if action == "wait":
+            print("staged", flush=True)
+            time.sleep(60)
+    print("done", flush=True)
+    """
+)
+
+
+def start_writer(out: Path, content: str, action: str) -> subprocess.Popen:
+    script = out.parent.parent / "writer.py"
+    script.write_text(WRITER)
+    return subprocess.Popen(
+        [sys.executable, str(script), str(out), content, action],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=checkout_environment(),
+    )
+
+
+def run_writer(out: Path, content: str, action: str) -> subprocess.CompletedProcess:
+    process = start_writer(out, content, action)
+    stdout, stderr = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def wait_until_staged(process: subprocess.Popen) -> None:
+    line = process.stdout.readline()
+    assert line.strip() == "staged", process.stderr.read()
+
+
+def hidden_leftovers(parent: Path) -> list[str]:
+    return sorted(path.name for path in parent.iterdir() if path.name.startswith("."))
+
+
+@pytest.fixture
+def old_output(tmp_path) -> Path:
+    """tmp_path/outputs/out holding content.txt = "old"."""
+    out = tmp_path / "outputs" / "out"
+    out.mkdir(parents=True)
+    (out / "content.txt").write_text("old")
+    return out
+
+
+def test_sigterm_while_staging_removes_the_partial_output_and_keeps_the_old(old_output):
+    process = start_writer(old_output, "new", "wait")
+    wait_until_staged(process)
+    assert len(hidden_leftovers(old_output.parent)) == 1  # the staging folder exists while the run writes
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM
+    assert hidden_leftovers(old_output.parent) == []
+    assert (old_output / "content.txt").read_text() == "old"
+
+
+def test_the_staging_folder_of_a_killed_run_is_removed_by_the_next_run(old_output, capsys):
+    process = start_writer(old_output, "new", "wait")
+    wait_until_staged(process)
+    process.send_signal(signal.SIGKILL)
+    process.communicate(timeout=60)
+    [leftover] = hidden_leftovers(old_output.parent)
+    assert leftover.startswith(f".out.{process.pid}.") and leftover.endswith(".partial")
+
+    with staged_output_dir(old_output, force=True) as staging:
+        (staging / "content.txt").write_text("next")
+    assert hidden_leftovers(old_output.parent) == []
+    assert (old_output / "content.txt").read_text() == "next"
+    assert f"removed {leftover}" in capsys.readouterr().err
+
+
+def test_a_crash_between_the_two_renames_keeps_the_old_output_and_the_next_run_puts_it_back(old_output, capsys):
+    completed = run_writer(old_output, "new", "kill-after-rename-1")
+    assert completed.returncode == -signal.SIGKILL
+    assert not old_output.exists()  # the window: the old output is only under its hidden .old name
+    # the new output is complete too, but still under its hidden staging name
+    aside, staging = sorted(hidden_leftovers(old_output.parent), key=lambda name: name.endswith(".partial"))
+    assert aside.endswith(".old") and (old_output.parent / aside / "content.txt").read_text() == "old"
+    assert staging.endswith(".partial")
+
+    with pytest.raises(OutputError, match="already exists"):  # the next run first restores it, so no --force
+        check_output_dir(old_output, force=False)
+    assert (old_output / "content.txt").read_text() == "old"
+    assert hidden_leftovers(old_output.parent) == []
+    assert f"restored {old_output} from {aside}" in capsys.readouterr().err
+
+
+def test_a_crash_after_the_second_rename_keeps_the_new_output_and_the_next_run_removes_the_old(old_output, capsys):
+    completed = run_writer(old_output, "new", "kill-after-rename-2")
+    assert completed.returncode == -signal.SIGKILL
+    assert (old_output / "content.txt").read_text() == "new"
+    [aside] = hidden_leftovers(old_output.parent)
+
+    check_output_dir(old_output, force=True)
+    assert hidden_leftovers(old_output.parent) == []
+    assert (old_output / "content.txt").read_text() == "new"
+    assert f"removed {aside}" in capsys.readouterr().err
+
+
+def test_sigterm_between_the_two_renames_waits_for_the_second(old_output):
+    completed = run_writer(old_output, "new", "term-after-rename-1")
+    assert completed.returncode == 128 + signal.SIGTERM, completed.stderr
+    assert "done" not in completed.stdout
+    assert (old_output / "content.txt").read_text() == "new"
+    assert hidden_leftovers(old_output.parent) == []
+
+
+def test_the_leftovers_of_a_running_process_are_left_alone(tmp_path, capsys):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        busy = tmp_path / f".out.{sleeper.pid}.abc123.partial"
+        busy.mkdir()
+        unknown = tmp_path / ".out.abc123.partial"  # no process id: an older version's staging folder
+        unknown.mkdir()
+        check_output_dir(tmp_path / "out", force=False)
+        assert busy.is_dir() and unknown.is_dir()
+        assert f"{unknown} looks like the leftover of an interrupted run" in capsys.readouterr().err
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_an_unwritable_output_parent_is_one_clear_error(tmp_path, monkeypatch):
+    def refuse(*args, dir=None, **kwargs):
+        raise PermissionError(13, "Permission denied", str(Path(dir) / ".out.123.partial"))
+
+    monkeypatch.setattr(io_bam.tempfile, "mkdtemp", refuse)
+    with pytest.raises(OutputError, match=f"cannot create {tmp_path / 'out'}: no permission to write in"):
+        with staged_output_dir(tmp_path / "out", force=False):
+            pass
+
+
+def test_a_killed_conversions_scratch_folder_is_removed_by_the_next_run(tmp_path, capsys):
+    """bam-convert's GGUF path dequantizes into `.OUT.<pid>.<random>.work` beside OUT; SIGKILL leaves it behind."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    scratch = tmp_path / f".out.{int(dead.stdout)}.k3x9q.work"
+    (scratch / "llama").mkdir(parents=True)
+    (scratch / "llama" / "model.safetensors").write_bytes(b"0" * 64)
+
+    check_output_dir(tmp_path / "out", force=False)
+    assert not scratch.exists()
+    assert f"removed {scratch.name}, the scratch folder" in capsys.readouterr().err

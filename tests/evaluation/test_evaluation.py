@@ -1,0 +1,514 @@
+import json
+import re
+import subprocess
+
+import pytest
+import reference
+import torch
+from helpers import randomize_prior
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
+from bam_llama.cli.eval import main, parse_lengths
+from bam_llama.data.documents import load_documents
+from bam_llama.data.tokenizers import build_byte_tokenizer
+from bam_llama.evaluation import passkey as evaluation_bam
+from bam_llama.evaluation.decoding import load_model_and_tokenizer, prefill
+from bam_llama.evaluation.passkey import (
+    PasskeyResults,
+    PasskeyTemplate,
+    build_passkey_prompt,
+    evaluate_passkey,
+)
+from bam_llama.evaluation.perplexity import PerplexityResults, evaluate_perplexity
+from bam_llama.evaluation.plots import find_priors, plot_prior, prior_curves
+from bam_llama.evaluation.results import load_results
+
+TEMPLATE = PasskeyTemplate()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The tiny models are latency bound; several threads on a shared 2-core machine are 10-50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_byte_tokenizer()
+
+
+def tiny_bam(**overrides):
+    torch.manual_seed(0)
+    config = BamLlamaConfig(
+        vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        initializer_range=0.3, **overrides,
+    )
+    model = BamLlamaForCausalLM(config)
+    randomize_prior(model)
+    return model.eval()
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        initializer_range=0.3, max_position_embeddings=4096,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def encode(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def contains(sequence, part):
+    return any(sequence[start : start + len(part)] == part for start in range(len(sequence) - len(part) + 1))
+
+
+# ---------------------------------------------------------------------------------------------- prompt
+
+
+@pytest.mark.parametrize("length", [300, 777, 2000])
+def test_prompt_length_is_close_to_requested(tokenizer, length):
+    prompt = build_passkey_prompt(tokenizer, length, 0.5, "12345")
+    filler_tokens = len(encode(tokenizer, TEMPLATE.filler))
+    assert length - filler_tokens < len(prompt) <= length
+
+
+def test_short_request_gives_prompt_without_filler(tokenizer):
+    prompt = tokenizer.decode(build_passkey_prompt(tokenizer, 0, 0.3, "12345"))
+    assert prompt == TEMPLATE.task + TEMPLATE.info.format(passkey="12345") + TEMPLATE.question
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.9, 1.0])
+def test_passkey_sits_at_requested_depth(tokenizer, depth):
+    text = tokenizer.decode(build_passkey_prompt(tokenizer, 3000, depth, "98765"))
+    before_info, after_info = text.split(TEMPLATE.info.format(passkey="98765"))
+    total_fillers = text.count(TEMPLATE.filler)
+    assert total_fillers > 10
+    assert before_info.count(TEMPLATE.filler) == round(depth * total_fillers)
+    assert before_info.startswith(TEMPLATE.task) and after_info.endswith(TEMPLATE.question)
+
+
+def test_passkey_digits_are_single_tokens(tokenizer):
+    prompt = build_passkey_prompt(tokenizer, 1000, 0.5, "40719")
+    digit_tokens = [encode(tokenizer, digit) for digit in "40719"]
+    assert all(len(tokens) == 1 for tokens in digit_tokens)
+    assert contains(prompt, [tokens[0] for tokens in digit_tokens])
+
+
+def test_prompt_length_does_not_depend_on_key_value(tokenizer):
+    assert len(build_passkey_prompt(tokenizer, 900, 0.5, "10000")) == len(
+        build_passkey_prompt(tokenizer, 900, 0.5, "99999")
+    )
+
+
+def test_bos_is_prepended_on_request(tokenizer):
+    plain = build_passkey_prompt(tokenizer, 500, 0.5, "12345")
+    with_bos = build_passkey_prompt(tokenizer, 500, 0.5, "12345", add_bos=True)
+    assert with_bos == [tokenizer.bos_token_id] + plain
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+
+def fake_continuation(tokenizer, answer_for_key):
+    """Stands in for greedy decoding: reads the key back from the prompt and answers `answer_for_key(key)`."""
+
+    def continuation(model, prompt_ids, max_new_tokens, chunk_size):
+        key = re.search(r"The pass key is (\d+)\.", tokenizer.decode(prompt_ids)).group(1)
+        return encode(tokenizer, answer_for_key(key))[:max_new_tokens]
+
+    return continuation
+
+
+def test_retrieving_model_scores_one_and_wrong_model_zero(tokenizer, monkeypatch):
+    model = tiny_bam()
+    monkeypatch.setattr(evaluation_bam, "greedy_continuation", fake_continuation(tokenizer, lambda key: f" {key}."))
+    perfect = evaluate_passkey(model, tokenizer, [300, 600], num_depths=4, progress=False)
+    assert perfect.accuracy_by_length() == {300: 1.0, 600: 1.0}
+
+    wrong = fake_continuation(tokenizer, lambda key: f" {int(key) + 1}.")
+    monkeypatch.setattr(evaluation_bam, "greedy_continuation", wrong)
+    assert evaluate_passkey(model, tokenizer, [300], num_depths=4, progress=False).accuracy_by_length() == {300: 0.0}
+
+
+def test_partial_key_is_wrong(tokenizer, monkeypatch):
+    monkeypatch.setattr(evaluation_bam, "greedy_continuation", fake_continuation(tokenizer, lambda key: key[:-1]))
+    results = evaluate_passkey(tiny_bam(), tokenizer, [300], num_depths=2, progress=False)
+    assert results.correct == [[False, False]]
+
+
+def test_passkeys_are_seeded_and_have_the_requested_digits(tokenizer, monkeypatch):
+    monkeypatch.setattr(evaluation_bam, "greedy_continuation", fake_continuation(tokenizer, lambda key: key))
+    model = tiny_bam()
+    first = evaluate_passkey(model, tokenizer, [300, 400], num_depths=5, num_digits=6, seed=3, progress=False)
+    again = evaluate_passkey(model, tokenizer, [300, 400], num_depths=5, num_digits=6, seed=3, progress=False)
+    other = evaluate_passkey(model, tokenizer, [300, 400], num_depths=5, num_digits=6, seed=4, progress=False)
+    keys = [key for row in first.passkeys for key in row]
+    assert first.passkeys == again.passkeys != other.passkeys
+    assert all(len(key) == 6 and key[0] != "0" for key in keys)
+    assert len(set(keys)) > 1
+    assert first.depths == [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+@pytest.mark.parametrize("make_model", [tiny_bam, tiny_llama], ids=["bam", "llama"])
+def test_chunked_cache_gives_same_predictions_as_one_chunk(tokenizer, make_model):
+    model = make_model()
+    prompt = torch.tensor([build_passkey_prompt(tokenizer, 400, 0.5, "24680")])
+    with torch.inference_mode():
+        cache, chunked_logits = prefill(model, prompt, chunk_size=37)
+        _, full_logits = prefill(model, prompt, chunk_size=10**6)
+    assert cache.get_seq_length() == prompt.shape[1]
+    torch.testing.assert_close(chunked_logits, full_logits, rtol=1e-4, atol=1e-4)
+
+    chunked = evaluate_passkey(model, tokenizer, [300, 450], num_depths=2, chunk_size=37, progress=False)
+    whole = evaluate_passkey(model, tokenizer, [300, 450], num_depths=2, chunk_size=10**6, progress=False)
+    assert chunked.predictions == whole.predictions
+    assert len({p for row in whole.predictions for p in row}) > 1  # the model is not constant
+
+
+def test_greedy_continuation_matches_generate(tokenizer):
+    model = tiny_bam()
+    prompt = build_passkey_prompt(tokenizer, 300, 0.5, "13579")
+    with torch.inference_mode():
+        ours = evaluation_bam.greedy_continuation(model, prompt, max_new_tokens=7, chunk_size=50)
+        reference = model.generate(torch.tensor([prompt]), max_new_tokens=7, min_new_tokens=7, do_sample=False)
+    assert ours == reference[0, len(prompt) :].tolist()
+
+
+# ---------------------------------------------------------------------------------------------- results
+
+
+def sample_results():
+    return PasskeyResults(
+        lengths=[256, 1024],
+        depths=[0.0, 0.5, 1.0],
+        correct=[[True, True, False], [False, False, True]],
+        prompt_lengths=[240, 1010],
+        passkeys=[["11111", "22222", "33333"], ["44444", "55555", "66666"]],
+        predictions=[[" 11111.", " 22222.", " 1"], [" 0", " 0", " 66666."]],
+    )
+
+
+def test_results_table_and_round_trip():
+    results = sample_results()
+    assert results.accuracy_by_length() == pytest.approx({256: 2 / 3, 1024: 1 / 3})
+    table = results.to_markdown()
+    assert "| 256 | 240 | 66.7 |" in table and "| 1024 | 1010 | 33.3 |" in table
+    assert "| 256 | 240 | 66.7 | ✓ | ✓ | ✗ |" in results.to_markdown(per_depth=True)
+    assert PasskeyResults.from_dict(results.to_dict()) == results
+
+
+def assert_png(path):
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.verify()
+        assert image.format == "PNG" and image.size[0] > 100 and image.size[1] > 100
+
+
+def test_heatmap_is_a_png(tmp_path):
+    path = tmp_path / "plots" / "passkey.png"
+    sample_results().save_heatmap(path)
+    assert_png(path)
+
+
+# ---------------------------------------------------------------------------------------------- perplexity
+
+
+TEXT = (
+    "Bayesian attention adds a prior over positions to every attention logit. "
+    "A generalized Gaussian prior lets each head choose its own shape, local or long range. "
+) * 6
+
+
+def direct_token_losses(model, ids):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), use_cache=False).logits[0]
+    return torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]), reduction="none")
+
+
+@pytest.mark.parametrize("make_model", [tiny_bam, tiny_llama], ids=["bam", "llama"])
+def test_perplexity_matches_one_full_forward(tokenizer, make_model):
+    model = make_model()
+    ids = encode(tokenizer, TEXT)[:201]
+    results = evaluate_perplexity(model, tokenizer, TEXT, [200], window=64, chunk_size=29, max_sequences=1,
+                                  progress=False)
+    losses = direct_token_losses(model, ids)
+    assert results.num_sequences == [1]
+    assert results.perplexity[0] == pytest.approx(losses.mean().exp().item(), rel=1e-4)
+    expected_windows = [chunk.mean().exp().item() for chunk in losses.split(64)]
+    assert results.window_perplexity[0] == pytest.approx(expected_windows, rel=1e-4)
+    assert results.window_ends(200) == [64, 128, 192, 200]
+
+
+def test_perplexity_averages_windows_over_sequences(tokenizer):
+    model = tiny_bam()
+    ids = encode(tokenizer, TEXT)
+    results = evaluate_perplexity(model, tokenizer, ids, [40, 100], window=20, chunk_size=16, max_sequences=3,
+                                  progress=False)
+    assert results.num_sequences == [3, 3]
+    losses = torch.stack([direct_token_losses(model, ids[start : start + 41]) for start in (0, 41, 82)]).mean(0)
+    assert results.window_perplexity[0] == pytest.approx([chunk.mean().exp().item() for chunk in losses.split(20)],
+                                                         rel=1e-4)
+    assert all(torch.isfinite(torch.tensor(row)).all() for row in results.window_perplexity)
+
+
+def test_perplexity_needs_enough_tokens(tokenizer):
+    with pytest.raises(ValueError, match="needs 1001"):
+        evaluate_perplexity(tiny_bam(), tokenizer, "too short", [1000], progress=False)
+
+
+def test_perplexity_table_plot_and_round_trip(tmp_path):
+    results = PerplexityResults(
+        context_lengths=[100, 250], window=100, perplexity=[12.5, 20.25],
+        window_perplexity=[[12.5], [11.0, 19.0, 40.5]], num_sequences=[4, 2],
+    )
+    table = results.to_markdown(per_window=True)
+    assert "| 250 | 2 | 20.250 | 40.500 |" in table
+    assert "| 200-250 |  | 40.500 |" in table
+    results.save_plot(tmp_path / "perplexity.png", train_length=128)
+    assert_png(tmp_path / "perplexity.png")
+    assert PerplexityResults.from_dict(json.loads(json.dumps(results.to_dict()))) == results
+
+
+# ---------------------------------------------------------------------------------------------- prior
+
+
+def test_prior_curves_follow_the_model_prior():
+    model = tiny_bam()
+    prior = model.model.prior
+    curves = prior_curves(prior, max_distance=50)
+    distances = -torch.arange(51, dtype=torch.float32)  # keys 50..0 for a query at 50
+    expected = reference.prior(distances, prior.theta_alpha, prior.theta_beta, prior.theta_mu)
+    torch.testing.assert_close(curves, expected.float())
+    from_model = prior.bias(torch.tensor([50]), 51)[0, :, 0].flip(-1)
+    torch.testing.assert_close(curves, from_model)
+
+
+def test_prior_plot_for_shared_and_per_layer_priors(tmp_path):
+    shared, per_layer = tiny_bam(), tiny_bam(prior_scope="layer")
+    assert [name for name, _ in find_priors(shared)] == ["model.prior"]
+    assert len(find_priors(per_layer)) == 2
+    plot_prior(shared, tmp_path / "shared.png", max_distance=100)
+    plot_prior(per_layer, tmp_path / "layers.png", max_distance=100)
+    plot_prior(per_layer, tmp_path / "layer1.png", max_distance=100, layer=1)
+    for name in ("shared", "layers", "layer1"):
+        assert_png(tmp_path / f"{name}.png")
+    with pytest.raises(ValueError, match="no prior for layer 5"):
+        plot_prior(per_layer, tmp_path / "none.png", layer=5)
+
+
+def test_prior_plot_refuses_a_model_without_prior(tmp_path):
+    with pytest.raises(ValueError, match="no GGD-BAM prior"):
+        plot_prior(tiny_llama(), tmp_path / "llama.png")
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def test_parse_lengths():
+    assert parse_lengths(["256,512", "1k", "2K,"]) == [256, 512, 1024, 2048]
+
+
+@pytest.mark.parametrize("command", ["passkey", "perplexity", "prior"])
+def test_subcommand_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"bam-eval {command}" in capsys.readouterr().out
+
+
+def test_console_script_help():
+    completed = subprocess.run(["bam-eval", "--help"], capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 0 and "passkey" in completed.stdout
+
+
+@pytest.mark.parametrize("argv", [["passkey", "{missing}"], ["prior", "{missing}"]])
+def test_a_missing_model_folder_is_a_clear_error(argv, tmp_path, capsys):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(SystemExit) as exit_info:
+        main([arg.format(missing=missing) for arg in argv])
+    assert exit_info.value.code == 2
+    assert f"bam-eval {argv[0]}: error: no model folder at {missing}" in capsys.readouterr().err
+
+
+def test_a_missing_data_file_is_a_clear_error(saved_model, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["perplexity", str(saved_model), "--data", str(tmp_path / "missing.txt"), "--lengths", "64", "--quiet"])
+    assert exit_info.value.code == 2
+    assert "missing.txt" in capsys.readouterr().err
+
+
+def test_lengths_below_the_template_are_flagged(saved_model, capsys):
+    main(["passkey", str(saved_model), "--lengths", "8", "--depths", "1", "--quiet"])
+    assert "length 8 is below the passkey template's minimum" in capsys.readouterr().err
+
+
+def test_a_prompt_that_fills_its_length_behind_bos_is_not_flagged(tokenizer, capsys):
+    """`length` counts the prompt's text; a BOS in front of an exactly filled prompt is no reason to warn."""
+    from bam_llama.evaluation.passkey import (
+        PasskeyTemplate,
+        build_passkey_prompt,
+        evaluate_passkey,
+    )
+
+    template = PasskeyTemplate(task="", filler="ab", info="k{passkey}.", question="?")  # bytes: 2, 7, 1
+    assert len(build_passkey_prompt(tokenizer, 12, 0.0, "12345", template, add_bos=True)) == 13
+    evaluate_passkey(tiny_bam(), tokenizer, [12], num_depths=1, template=template, add_bos=True, progress=False)
+    assert "below the passkey template" not in capsys.readouterr().err
+
+
+@pytest.fixture
+def saved_model(tmp_path, tokenizer):
+    folder = tmp_path / "model"
+    tiny_bam().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_passkey_command_writes_table_results_and_heatmap(saved_model, tmp_path, capsys):
+    out = tmp_path / "passkey"
+    main(["passkey", str(saved_model), "--lengths", "300,400", "--depths", "3", "--chunk-size", "64",
+          "--device", "cpu", "--quiet", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "| Length | Prompt tokens | Accuracy (%) |" in printed
+    results = load_results(out / "passkey.json")
+    assert isinstance(results, PasskeyResults) and results.lengths == [300, 400] and len(results.depths) == 3
+    assert (out / "passkey.md").read_text() in printed
+    assert_png(out / "passkey.png")
+
+
+def test_perplexity_command_on_a_text_file(saved_model, tmp_path, tokenizer, capsys):
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    out = tmp_path / "perplexity"
+    main(["perplexity", str(saved_model), "--data", str(data), "--lengths", "100,200", "--window", "50",
+          "--device", "cpu", "--quiet", "--out", str(out)])
+    results = load_results(out / "perplexity.json")
+    tokens = len(encode(tokenizer, TEXT))
+    assert results.context_lengths == [100, 200]
+    assert results.num_sequences == [min(tokens // 101, 8), min(tokens // 201, 8)]
+    assert "| Context length |" in capsys.readouterr().out
+    assert_png(out / "perplexity.png")
+
+
+def test_perplexity_data_from_a_saved_dataset(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": [TEXT[:300], TEXT[300:]]}).save_to_disk(str(tmp_path / "dataset"))
+    documents = load_documents(str(tmp_path / "dataset"), split="train", max_documents=1)
+    assert documents == [TEXT[:300]]
+
+
+def test_prior_command(saved_model, tmp_path):
+    main(["prior", str(saved_model), "--out", str(tmp_path / "plots"), "--max-distance", "64"])
+    assert_png(tmp_path / "plots" / "prior.png")
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def test_load_model_with_and_without_tokenizer(tmp_path, tokenizer, capsys):
+    model = tiny_bam()
+    model.save_pretrained(tmp_path / "bare")
+    loaded, fallback = load_model_and_tokenizer(tmp_path / "bare", device="cpu")
+    assert "byte tokenizer" in capsys.readouterr().err
+    assert fallback.encode("7", add_special_tokens=False) == tokenizer.encode("7", add_special_tokens=False)
+    torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)
+
+    tokenizer.save_pretrained(tmp_path / "with_tokenizer")
+    model.save_pretrained(tmp_path / "with_tokenizer")
+    _, found = load_model_and_tokenizer(tmp_path / "with_tokenizer", device="cpu")
+    assert "byte tokenizer" not in capsys.readouterr().err
+    assert found.bos_token == "<s>"
+
+
+# ---------------------------------------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize(
+    "argv, argument",
+    [
+        (["perplexity", "{model}", "--data", "x.txt", "--max-sequences", "0"], "--max-sequences"),
+        (["perplexity", "{model}", "--data", "x.txt", "--window", "0"], "--window"),
+        (["perplexity", "{model}", "--data", "x.txt", "--lengths", "-5"], "--lengths"),
+        (["perplexity", "{model}", "--data", "x.txt", "--lengths", "0"], "--lengths"),
+        (["perplexity", "{model}", "--data", "x.txt", "--lengths", "64,abc"], "--lengths"),
+        (["passkey", "{model}", "--chunk-size", "0"], "--chunk-size"),
+        (["passkey", "{model}", "--digits", "0"], "--digits"),
+        (["passkey", "{model}", "--depths", "0"], "--depths"),
+        (["passkey", "{model}", "--lengths", "0"], "--lengths"),
+        (["passkey", "{model}", "--lengths", "512,-50"], "--lengths"),
+        (["passkey", "{model}", "--device", "nonsense"], "--device"),
+        (["prior", "{model}", "--max-distance", "-3"], "--max-distance"),
+        (["prior", "{model}", "--layer", "-1"], "--layer"),
+    ],
+)
+def test_a_bad_argument_is_named_before_any_weights_are_loaded(argv, argument, tmp_path, capsys):
+    missing_model = str(tmp_path / "no-such-model")  # loading it first would give "no model folder" instead
+    with pytest.raises(SystemExit) as exit_info:
+        main([arg.format(model=missing_model) for arg in argv])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("bam-eval") and f"argument {argument}" in error and "Traceback" not in error
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_machine_without_it_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["passkey", str(tmp_path / "no-such-model"), "--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "argument --device: 'cuda': this PyTorch build" in capsys.readouterr().err
+
+
+def test_help_shows_the_default_lengths_as_typed(capsys):
+    with pytest.raises(SystemExit):
+        main(["passkey", "--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "(default: 256,512,1024,2048,4096)" in usage and "['" not in usage
+
+
+def test_library_calls_refuse_nonpositive_settings(tokenizer):
+    model = tiny_bam()
+    with pytest.raises(ValueError, match="max_sequences must be positive"):
+        evaluate_perplexity(model, tokenizer, TEXT, [32], window=8, max_sequences=0, progress=False)
+    with pytest.raises(ValueError, match="window must be positive"):
+        evaluate_perplexity(model, tokenizer, TEXT, [32], window=0, progress=False)
+    with pytest.raises(ValueError, match="lengths must be positive"):
+        evaluate_passkey(model, tokenizer, [64, -50], num_depths=1, progress=False)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_corrupt_safetensors_file_is_named(damage, saved_model, capsys):
+    weights = saved_model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not safetensors at all")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["passkey", str(saved_model), "--lengths", "64", "--depths", "1", "--quiet"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error == error.splitlines()[0] and f"{weights} is not a readable safetensors file" in error
+
+
+def test_a_model_without_tokenizer_and_a_foreign_vocabulary_is_a_clear_error(tmp_path, capsys):
+    torch.manual_seed(0)
+    config = BamLlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    BamLlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["passkey", str(tmp_path / "model"), "--lengths", "64", "--depths", "1", "--quiet"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "no tokenizer found" in error and "vocab_size is 97" in error and "Traceback" not in error
+
+
+def test_a_binary_evaluation_text_is_named(tmp_path):
+    binary = tmp_path / "text.txt"
+    binary.write_bytes(b"first line\n\x89PNG\r\n")
+    with pytest.raises(ValueError, match=re.escape(f"{binary}:2 is not UTF-8 text (byte 0x89 at offset 11)")):
+        load_documents(str(binary))

@@ -1,0 +1,351 @@
+import json
+
+import pytest
+import torch
+from helpers import FIXTURES_DIR, require_reference_fixtures, tiny_config, tiny_model
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    DynamicCache,
+    StaticCache,
+)
+
+from bam_llama import BamLlamaConfig, BamLlamaForCausalLM, BamLlamaModel
+from bam_llama.model.prior_bam import ggd_bias, relative_distance
+
+VARIANTS = {
+    "plain": dict(),
+    "ssmax": dict(ssmax=True),
+    "ssmax_unscaled_prior": dict(ssmax=True, ssmax_prior=False),
+    "layer_prior_mha": dict(prior_scope="layer", num_key_value_heads=4),
+    "legacy_formula": dict(prior_formula="legacy", ssmax=True),
+}
+
+
+def logits(model, input_ids, **kwargs):
+    with torch.no_grad():
+        return model(input_ids, use_cache=False, **kwargs).logits
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(hidden_size=30, num_attention_heads=4), "divisible by num_attention_heads"),
+        (dict(num_key_value_heads=3), "must divide num_attention_heads"),
+        (dict(prior_scope="block"), "prior_scope"),
+        (dict(prior_formula="new"), "prior_formula"),
+        (dict(theta_alpha_init="slopes"), "theta_alpha_init"),
+        (dict(theta_beta_init=None), "theta_beta_init"),
+        (dict(prior_eps=0.0), "prior_eps"),
+    ],
+)
+def test_invalid_config_raises_clear_error(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**overrides)
+
+
+def test_config_keeps_train_length_apart_from_position_limit():
+    config = BamLlamaConfig()
+    assert config.train_context_length == 512
+    assert config.max_position_embeddings >= 1 << 20
+    assert config.head_dim == 48  # 768 / 16, the reference model's head size
+
+
+def test_auto_classes_are_registered():
+    values = {k: v for k, v in tiny_config().to_dict().items() if k != "model_type"}
+    config = AutoConfig.for_model("bam_llama", **values)
+    assert isinstance(AutoModelForCausalLM.from_config(config), BamLlamaForCausalLM)
+    assert isinstance(AutoModel.from_config(config), BamLlamaModel)
+
+
+def test_unsupported_attention_backend_is_refused():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="drop"):
+        model.set_attn_implementation("flash_attention_2")
+
+
+# ---------------------------------------------------------------------------------------------- prior
+
+
+def test_prior_formula_and_mu_sign_convention():
+    distance = relative_distance(torch.tensor([5]), 11)  # j - i for keys 0..10 and a query at 5
+    theta_mu = torch.asinh(torch.tensor([1.0]) / 2)  # mu = 2 sinh(theta_mu) = 1
+    bias = ggd_bias(distance, torch.tensor([0.5]), torch.tensor([1.5]), theta_mu)[0, 0]
+    expected = -torch.exp(torch.tensor(0.5)) * ((distance[0] - 1).abs() + 1e-5) ** 1.5
+    torch.testing.assert_close(bias, expected)
+    assert bias.argmax().item() == 6  # peak at j - i = mu = +1
+
+
+def test_prior_init_schemes_and_trainability():
+    model = BamLlamaForCausalLM(tiny_config(theta_alpha_init="alibi", theta_beta_init="linear", num_attention_heads=4))
+    prior = model.model.prior
+    torch.testing.assert_close(prior.theta_alpha.exp(), torch.tensor([2**-2, 2**-4, 2**-6, 2**-8]))
+    torch.testing.assert_close(prior.theta_beta, torch.linspace(0, 1, 4))
+    assert prior.theta_alpha.requires_grad and prior.theta_beta.requires_grad
+    assert not prior.theta_mu.requires_grad  # mu is fixed at 0 by default
+
+
+# ---------------------------------------------------------------------------------------------- attention paths
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_eager_and_sdpa_agree_with_gradients(variant):
+    input_ids = torch.randint(0, 97, (2, 19))
+    outputs, grads = {}, {}
+    for implementation in ("eager", "sdpa"):
+        model = tiny_model(implementation, **VARIANTS[variant]).train()
+        model.config.train_theta_mu = True
+        model.apply_prior_trainability()
+        loss = model(input_ids, labels=input_ids).loss
+        loss.backward()
+        outputs[implementation] = loss.detach()
+        grads[implementation] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(outputs["eager"], outputs["sdpa"], atol=1e-5, rtol=1e-5)
+    assert grads["eager"].keys() == grads["sdpa"].keys()
+    assert any("theta_mu" in name for name in grads["eager"])
+    for name in grads["eager"]:
+        torch.testing.assert_close(grads["eager"][name], grads["sdpa"][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("ssmax", [False, True])
+def test_frozen_prior_trains_the_rest_on_a_padded_batch_of_several_query_blocks(ssmax):
+    """Fine-tuning with the prior (and SSMax scales) frozen, as PEFT does without modules_to_save: 80 left-padded
+    tokens are 3 query blocks, whose masks SDPA keeps for the q/k/v gradients. Same gradients as eager."""
+    input_ids = torch.randint(0, 97, (2, 80))
+    attention_mask = torch.ones(2, 80, dtype=torch.long)
+    attention_mask[1, :23] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    grads = {}
+    for implementation in ("eager", "sdpa"):
+        model = tiny_model(implementation, ssmax=ssmax).train()
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_("prior" not in name and "ssmax" not in name)
+        model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+        grads[implementation] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["eager"].keys() == grads["sdpa"].keys()
+    assert not any("prior" in name or "ssmax" in name for name in grads["sdpa"])
+    for name in grads["eager"]:
+        torch.testing.assert_close(grads["eager"][name], grads["sdpa"][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_triton_implementation_falls_back_off_gpu(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU tensor without the interpreter: the SDPA path runs
+    input_ids = torch.randint(0, 97, (2, 11))
+    reference = logits(tiny_model("sdpa", ssmax=True), input_ids)
+    fused = logits(tiny_model("bam_triton", ssmax=True), input_ids)
+    torch.testing.assert_close(fused, reference)
+
+
+# ---------------------------------------------------------------------------------------------- caches
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("cache_class", ["dynamic", "static"])
+def test_step_by_step_decoding_equals_full_forward(implementation, cache_class):
+    model = tiny_model(implementation, ssmax=True)
+    input_ids = torch.randint(0, 97, (2, 13))
+    full = logits(model, input_ids)
+    if cache_class == "dynamic":
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=20)
+    steps = []
+    with torch.no_grad():
+        for t in range(input_ids.shape[1]):
+            steps.append(model(input_ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("cache_class", ["dynamic", "static"])
+@pytest.mark.parametrize("ssmax_prior", [True, False])
+def test_left_padded_ssmax_prefill_then_cached_steps_equal_the_uncached_model(implementation, cache_class, ssmax_prior):
+    """SSMax counts the keys a query sees: padding excluded, at prefill and at every cached decoding step (one query
+    against the cache). Logits of a left-padded batch (prefill, then 5 steps with given tokens) against the uncached
+    forward of the whole padded sequence, and each row against itself alone, unpadded."""
+    model = tiny_model(implementation, ssmax=True, ssmax_prior=ssmax_prior)
+    rows = [torch.randint(3, 97, (n,)) for n in (11, 4)]  # 7 padded keys in row 1: a count off by them shows
+    steps = torch.randint(3, 97, (2, 5))
+    width = max(len(r) for r in rows)
+    prompt = torch.zeros(2, width, dtype=torch.long)
+    prompt_mask = torch.zeros(2, width, dtype=torch.long)
+    for b, row in enumerate(rows):
+        prompt[b, width - len(row) :], prompt_mask[b, width - len(row) :] = row, 1
+    full_ids = torch.cat([prompt, steps], dim=1)
+    full_mask = torch.cat([prompt_mask, torch.ones_like(steps)], dim=1)
+    uncached = logits(model, full_ids, attention_mask=full_mask)
+    if cache_class == "dynamic":
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=24)
+    with torch.no_grad():
+        cached = [model(prompt, attention_mask=prompt_mask, past_key_values=cache, use_cache=True).logits]
+        for t in range(steps.shape[1]):
+            mask = full_mask[:, : width + t + 1]
+            cached.append(model(steps[:, t : t + 1], attention_mask=mask, past_key_values=cache, use_cache=True).logits)
+    cached = torch.cat(cached, dim=1)
+    real = full_mask.bool()
+    torch.testing.assert_close(cached[real], uncached[real], atol=1e-5, rtol=1e-5)
+    for b, row in enumerate(rows):
+        alone = logits(model, torch.cat([row, steps[b]])[None])[0]
+        torch.testing.assert_close(uncached[b, width - len(row) :], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_prefill_equals_full_forward():
+    model = tiny_model("sdpa", ssmax=True, prior_scope="layer")
+    input_ids = torch.randint(0, 97, (1, 23))
+    full = logits(model, input_ids)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        chunks = [model(chunk, past_key_values=cache, use_cache=True).logits for chunk in input_ids.split(8, dim=1)]
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_cached_greedy_generate_equals_uncached(implementation):
+    model = tiny_model(implementation, ssmax=True)
+    prompt = torch.randint(3, 97, (2, 7))
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    cached = model.generate(prompt, use_cache=True, **kwargs)
+    uncached = model.generate(prompt, use_cache=False, **kwargs)
+    assert torch.equal(cached, uncached)
+    static = model.generate(prompt, cache_implementation="static", **kwargs)
+    assert torch.equal(cached, static)
+
+
+@pytest.mark.parametrize(
+    "implementation, variant", [("sdpa", "plain"), ("sdpa", "ssmax"), ("eager", "ssmax"), ("bam_triton", "ssmax")]
+)
+def test_left_padded_batch_equals_rows_alone(implementation, variant):
+    model = tiny_model(implementation, **VARIANTS[variant])
+    rows = [torch.randint(3, 97, (n,)) for n in (9, 5)]
+    width = max(len(r) for r in rows)
+    input_ids = torch.zeros(2, width, dtype=torch.long)
+    attention_mask = torch.zeros(2, width, dtype=torch.long)
+    for b, row in enumerate(rows):
+        input_ids[b, width - len(row) :] = row
+        attention_mask[b, width - len(row) :] = 1
+    batched = logits(model, input_ids, attention_mask=attention_mask)
+    for b, row in enumerate(rows):
+        alone = logits(model, row[None])[0]
+        torch.testing.assert_close(batched[b, width - len(row) :], alone, atol=1e-5, rtol=1e-5)
+
+    generated = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for b, row in enumerate(rows):
+        alone = model.generate(row[None], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(generated[b, width:], alone[0, len(row) :])
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa", "bam_triton"])
+def test_packed_documents_equal_documents_alone(implementation):
+    model = tiny_model(implementation, ssmax=True)
+    lengths = (6, 9, 4)
+    documents = [torch.randint(3, 97, (n,)) for n in lengths]
+    packed = torch.cat(documents)[None]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed_logits = logits(model, packed, position_ids=position_ids)[0]
+    for document, chunk in zip(documents, packed_logits.split(lengths)):
+        torch.testing.assert_close(chunk, logits(model, document[None])[0], atol=1e-5, rtol=1e-5)
+    unpacked_logits = logits(model, packed)[0]
+    assert not torch.allclose(unpacked_logits[lengths[0] :], packed_logits[lengths[0] :], atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------- save / load
+
+
+def test_save_and_load_round_trip_is_exact(tmp_path):
+    model = tiny_model("sdpa", ssmax=True, prior_scope="layer")
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModel"] == "modeling_bam.BamLlamaModel"
+    assert auto_map["AutoModelForCausalLM"] == "modeling_bam.BamLlamaForCausalLM"
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    original = model.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, original[name]), name
+    for name, parameter in loaded.named_parameters():
+        assert parameter.requires_grad == (not name.endswith("theta_mu")), name
+    input_ids = torch.randint(0, 97, (1, 10))
+    assert torch.equal(logits(loaded, input_ids), logits(model, input_ids))
+
+
+# ---------------------------------------------------------------------------------------------- reference fixtures
+
+
+REFERENCE_TO_HF = [
+    ("tok_embeddings", "embed_tokens"),
+    ("output.weight", "lm_head.weight"),
+    ("attention.wq", "self_attn.q_proj"),
+    ("attention.wk", "self_attn.k_proj"),
+    ("attention.wv", "self_attn.v_proj"),
+    ("attention.wo", "self_attn.o_proj"),
+    ("feed_forward.w1", "mlp.gate_proj"),
+    ("feed_forward.w2", "mlp.down_proj"),
+    ("feed_forward.w3", "mlp.up_proj"),
+    ("attention_norm", "input_layernorm"),
+    ("ffn_norm", "post_attention_layernorm"),
+    ("attention.seq_scale", "self_attn.ssmax.scale"),
+    ("prior.shape", "prior.theta_beta"),
+    ("prior.scale", "prior.theta_alpha"),
+    ("prior.loc", "prior.theta_mu"),
+]
+
+
+def load_reference_fixture(variant):
+    require_reference_fixtures()
+    run_dir = FIXTURES_DIR / "logs" / "l6" / variant / "version_00"
+    model_args = json.loads((run_dir / "args.json").read_text())["model_args"]
+    config = BamLlamaConfig(
+        vocab_size=model_args["vocab_size"],
+        hidden_size=model_args["dim"],
+        intermediate_size=int(model_args["ffn_dim_multiplier"] * model_args["dim"]),
+        num_hidden_layers=model_args["n_layers"],
+        num_attention_heads=model_args["n_heads"],
+        rms_norm_eps=model_args["norm_eps"],
+        ssmax=variant == "bam_ssmax",
+    )
+    state_dict = {}
+    for name, tensor in torch.load(run_dir / "model.pt", weights_only=True).items():
+        for old, new in REFERENCE_TO_HF:
+            name = name.replace(old, new)
+        if not name.startswith("lm_head"):
+            name = "model." + name
+        state_dict[name] = tensor.reshape(-1) if tensor.dim() == 4 else tensor
+    model = BamLlamaForCausalLM(config)
+    model.load_state_dict(state_dict, strict=True)
+    return model.eval(), torch.load(FIXTURES_DIR / f"{variant}_io.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("variant", ["bam", "bam_ssmax"])
+def test_reference_fixture_logits(variant, implementation):
+    model, io = load_reference_fixture(variant)
+    model.set_attn_implementation(implementation)
+    torch.testing.assert_close(logits(model, io["input_ids"]), io["logits"], atol=1e-4, rtol=0)
+
+    position_ids = torch.stack(
+        [torch.cat([torch.arange(n) for n in torch.unique_consecutive(row, return_counts=True)[1]]) for row in io["seq_codes"]]
+    )
+    packed = logits(model, io["input_ids"], position_ids=position_ids)
+    torch.testing.assert_close(packed, io["logits_packed"], atol=1e-4, rtol=0)
+
+    bias = model.model.prior.bias(torch.arange(48), 48)
+    torch.testing.assert_close(bias, io["prior_bias_T48"], atol=1e-4, rtol=1e-5)
+
+
+def test_reference_fixture_token_by_token_cache():
+    model, io = load_reference_fixture("bam_ssmax")
+    for row in range(io["input_ids"].shape[0]):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            steps = [
+                model(io["input_ids"][row : row + 1, t : t + 1], past_key_values=cache, use_cache=True).logits
+                for t in range(io["input_ids"].shape[1])
+            ]
+        torch.testing.assert_close(torch.cat(steps, 1)[0], io["inference_tbt_logits"][row], atol=1e-4, rtol=0)

@@ -1,0 +1,104 @@
+"""The payload rule: a saved folder carries bam_llama/model/ as Hub remote code, flat, and loads without the package.
+
+`save_pretrained` copies `modeling_bam.py` and, recursively, every file it imports with `from .x import` into the
+folder; Transformers then imports them as siblings of one `transformers_modules` package. A model file that imported
+anything else of bam_llama would break every machine without the package.
+"""
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+from helpers import REPO_ROOT, tiny_model
+
+
+MODEL_PACKAGE = REPO_ROOT / "bam_llama" / "model"
+# Written out, not derived: a file added to the payload (or dropped from it) must be a decision seen here.
+SHIPPED_CODE = {
+    "configuration_bam.py",
+    "modeling_bam.py",
+    "prior_bam.py",
+    "reference_bam.py",
+    "blocked_bam.py",
+    "triton_bam.py",
+    "triton_kernels_bam.py",
+    "sequence_parallel_bam.py",
+}
+HIDE_BAM_LLAMA = """
+import sys
+from importlib.machinery import PathFinder
+
+class PathFinderWithoutBamLlama(PathFinder):
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        return None if name.split(".")[0] == "bam_llama" else super().find_spec(name, path, target)
+
+sys.meta_path = [PathFinderWithoutBamLlama if finder is PathFinder else finder for finder in sys.meta_path]
+sys.meta_path = [finder for finder in sys.meta_path if "editable" not in getattr(finder, "__module__", "").lower()]
+try:
+    import bam_llama
+except ImportError:
+    pass
+else:
+    raise AssertionError(f"bam_llama is still importable from {bam_llama.__file__}")
+"""
+
+
+def test_a_saved_folder_ships_exactly_the_model_package(tmp_path):
+    tiny_model("sdpa", ssmax=True).save_pretrained(tmp_path)
+    shipped = {path.name for path in tmp_path.iterdir() if path.suffix == ".py"}
+    assert shipped == SHIPPED_CODE
+    assert {path.name for path in MODEL_PACKAGE.glob("*.py")} - {"__init__.py"} == SHIPPED_CODE
+    for name in SHIPPED_CODE:
+        assert (tmp_path / name).read_bytes() == (MODEL_PACKAGE / name).read_bytes(), name
+
+
+def test_model_files_import_only_each_other():
+    siblings = {name.removesuffix(".py") for name in SHIPPED_CODE}
+    for path in sorted(MODEL_PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                assert node.level == 1 and node.module in siblings, f"{path.name}:{node.lineno}: from {'.' * node.level}{node.module or ''}"
+            elif isinstance(node, ast.ImportFrom):
+                assert node.module.split(".")[0] != "bam_llama", f"{path.name}:{node.lineno}: from {node.module}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert alias.name.split(".")[0] != "bam_llama", f"{path.name}:{node.lineno}: import {alias.name}"
+
+
+def test_a_saved_folder_loads_where_bam_llama_cannot_be_imported(tmp_path):
+    model = tiny_model("sdpa", ssmax=True, prior_scope="layer")
+    model.save_pretrained(tmp_path / "saved")
+    folder = shutil.copytree(tmp_path / "saved", tmp_path / "elsewhere" / "model")  # nothing but the folder itself
+    input_ids = torch.randint(0, 97, (2, 10))
+    with torch.no_grad():
+        expected = model(input_ids, use_cache=False).logits
+    torch.save({"input_ids": input_ids, "logits": expected}, tmp_path / "expected.pt")
+    script = HIDE_BAM_LLAMA + textwrap.dedent(
+        f"""
+        import torch
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
+        config = AutoConfig.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        with torch.no_grad():
+            logits = model(expected["input_ids"], use_cache=False).logits
+        assert torch.equal(logits, expected["logits"]), (logits - expected["logits"]).abs().max()
+        assert type(AutoModel.from_pretrained({str(folder)!r}, trust_remote_code=True)).__name__ == "BamLlamaModel"
+        assert not any(name.split(".")[0] == "bam_llama" for name in sys.modules if sys.modules[name] is not None)
+        print("remote code OK")
+        """
+    )
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "remote code OK" in result.stdout
+    assert Path(tmp_path / "modules").is_dir()  # Transformers really imported the folder's copies

@@ -1,0 +1,43 @@
+"""CI: the reference-fixture tests may skip on a developer's machine without ../shared, never under CI=true; the
+oldest claimed Transformers is tested too."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import require_reference_fixtures
+from packaging.requirements import Requirement
+
+
+def test_missing_fixtures_skip_outside_ci(tmp_path, monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="reference fixtures not found"):
+        require_reference_fixtures(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("value", ["true", "True", "1"])
+def test_missing_fixtures_fail_under_ci(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("CI", value)
+    with pytest.raises(pytest.fail.Exception, match="CI=true requires them"):
+        require_reference_fixtures(tmp_path / "missing")
+
+
+def test_present_fixtures_are_returned(tmp_path, monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    assert require_reference_fixtures(tmp_path) == tmp_path
+
+
+def test_ci_tests_the_oldest_transformers_the_package_claims():
+    """.ci/run ends with .ci/oldest-transformers, which installs the lower bound of pyproject's Transformers
+    requirement: a changed claim moves the tested version with it."""
+    root = Path(__file__).resolve().parents[2]
+    assert "bash .ci/oldest-transformers" in (root / ".ci" / "run").read_text()
+    script = (root / ".ci" / "oldest-transformers").read_text()
+    extraction = re.search(r'^oldest="\$\((.*)\)"$', script, re.MULTILINE).group(1)
+    found = subprocess.run(["bash", "-c", extraction], cwd=root, capture_output=True, text=True, check=True).stdout
+    pyproject = (root / "pyproject.toml").read_text()
+    requirement = Requirement(re.search(r'"(transformers[^"]*)"', pyproject).group(1))
+    (lower,) = [spec.version for spec in requirement.specifier if spec.operator == ">="]
+    assert found.strip() == lower
+    assert '"transformers==$oldest"' in script

@@ -1,0 +1,133 @@
+"""lock_bam: one live run per output folder (a lock that dies with its holder), earlier results kept unless the
+run continues them or the user asks to replace them."""
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+from helpers import checkout_environment
+
+from bam_llama.training.lock import (
+    LOCK_NAME,
+    OutputDirError,
+    OutputDirInUse,
+    hold_output_dir,
+    resumes_in,
+)
+
+HOLDER = """
+import sys, time
+from bam_llama.training.lock import hold_output_dir
+
+with hold_output_dir(sys.argv[1], "bam-holder"):
+    print("held", flush=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until the test kills it
+        time.sleep(0.05)
+sys.exit("the test never killed the holder")
+"""
+
+
+def start_holder(folder):
+    """A process holding `folder`, once it printed 'held' (read with a deadline)."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(folder)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=checkout_environment(),
+    )
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
+    try:
+        assert lines.get(timeout=60).strip() == "held"
+    except (queue.Empty, AssertionError):
+        process.kill()
+        raise AssertionError(f"the holder did not start: {process.communicate(timeout=30)[1][-2000:]}") from None
+    return process
+
+
+def test_a_live_holder_refuses_a_second_run_and_its_death_releases_the_folder(tmp_path):
+    folder = tmp_path / "out"
+    holder = start_holder(folder)
+    try:
+        with pytest.raises(OutputDirInUse) as error:
+            with hold_output_dir(folder, "bam-second"):
+                pytest.fail("two runs held the same folder")
+        message = str(error.value)
+        assert "\n" not in message
+        assert f"{folder} is in use by another run (bam-holder, pid {holder.pid} on " in message
+    finally:
+        holder.send_signal(signal.SIGKILL)  # no clean-up code runs: only the OS can release the lock
+        holder.wait(timeout=60)
+    assert (folder / LOCK_NAME).exists()  # left behind by the killed holder, and not in the way
+    with hold_output_dir(folder, "bam-second"):
+        assert str(os.getpid()) in (folder / LOCK_NAME).read_text()
+    assert not (folder / LOCK_NAME).exists()
+
+
+def test_a_second_holder_in_the_same_process_is_refused(tmp_path):
+    with hold_output_dir(tmp_path, "first"):
+        with pytest.raises(OutputDirInUse, match=rf"\(first, pid {os.getpid()} on "):
+            with hold_output_dir(tmp_path, "second"):
+                pass
+    with hold_output_dir(tmp_path, "third"):
+        pass
+
+
+def earlier_run(folder):
+    (folder / "checkpoint-4").mkdir(parents=True)
+    (folder / "checkpoint-4" / "trainer_state.json").write_text("{}")
+    (folder / "adapter").mkdir()
+    (folder / "summary.json").write_text("{}")
+    (folder / "notes.txt").write_text("the user's own file")
+
+
+RESULTS = ("checkpoint-*", "adapter", "model", "summary.json")
+
+
+def test_earlier_results_are_refused_kept_continued_or_replaced_on_request(tmp_path):
+    earlier_run(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(OutputDirError, match=r"holds the results of an earlier run \(adapter, checkpoint-4, "
+                                             r"summary.json\): pass --resume-from-checkpoint latest"):
+        with hold_output_dir(tmp_path, "bam-finetune", RESULTS):
+            pytest.fail("a new run went over an earlier run's results")
+    assert sorted(os.listdir(tmp_path)) == before
+    with hold_output_dir(tmp_path, "bam-finetune", RESULTS, continuing=True) as hold:
+        assert hold.replaced == []
+    with hold_output_dir(tmp_path, "bam-finetune", RESULTS, overwrite=True) as hold:
+        assert hold.replaced == ["adapter", "checkpoint-4", "summary.json"]
+        assert sorted(os.listdir(tmp_path)) == sorted(before + [LOCK_NAME])  # nothing deleted before it is asked
+        hold.clear_earlier_results()
+        assert sorted(os.listdir(tmp_path)) == sorted(["notes.txt", LOCK_NAME])
+    assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_a_folder_created_for_a_run_that_wrote_nothing_is_removed(tmp_path):
+    with pytest.raises(RuntimeError):
+        with hold_output_dir(tmp_path / "new" / "out", "bam-finetune", RESULTS):
+            raise RuntimeError("bad input")
+    assert not (tmp_path / "new" / "out").exists()
+
+
+def test_ranks_other_than_0_check_alike_but_lock_and_delete_nothing(tmp_path, monkeypatch):
+    """Under torchrun every rank refuses the same folder (so that none waits for a rank that quit) and knows what
+    rank 0 replaces (bam-finetune's stale merged/ check), but only rank 0 locks and deletes."""
+    earlier_run(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(OutputDirError, match="holds the results of an earlier run"):
+        with hold_output_dir(tmp_path, "bam-finetune", RESULTS):
+            pass
+    with hold_output_dir(tmp_path, "bam-finetune", RESULTS, overwrite=True) as hold:
+        assert hold.replaced == ["adapter", "checkpoint-4", "summary.json"] and not (tmp_path / LOCK_NAME).exists()
+        hold.clear_earlier_results()
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_only_a_checkpoint_of_the_folder_continues_its_run(tmp_path):
+    assert resumes_in(tmp_path, "latest") and resumes_in(tmp_path, str(tmp_path / "checkpoint-4"))
+    assert not resumes_in(tmp_path, None) and not resumes_in(tmp_path, "")
+    assert not resumes_in(tmp_path / "out", str(tmp_path / "other-run" / "checkpoint-4"))

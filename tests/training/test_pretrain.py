@@ -1,0 +1,356 @@
+"""bam-pretrain on tiny configs: every positional choice trains, saves a folder that reloads with the same logits,
+keeps fixed priors exactly fixed, resumes from the latest checkpoint; bad arguments stop before any data loads."""
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import tiny_model
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
+
+from bam_llama.cli.pretrain import main
+from bam_llama.data.packing import collate_packed_rows, pack_documents
+from bam_llama.data.tokenizers import train_bpe_tokenizer
+from bam_llama.training.lock import hold_output_dir
+from bam_llama.training.pretrain import PretrainArguments, run_pretraining
+
+CONTEXT_LENGTH = 64
+TINY_SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+
+
+def write_documents(path: Path, count: int = 80, seed: int = 0) -> Path:
+    generator = random.Random(seed)
+    documents = []
+    for _ in range(count):
+        key = generator.randint(100, 999)
+        documents.append(f"key {key}. " + "abc " * generator.randint(3, 12) + f"key {key}.")
+    path.write_text("\n\n".join(documents) + "\n")
+    return path
+
+
+def arguments(data: Path, output_dir: Path, **overrides) -> PretrainArguments:
+    values = dict(
+        data=str(data),
+        output_dir=str(output_dir),
+        context_length=CONTEXT_LENGTH,
+        max_steps=12,
+        save_steps=6,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        eval_rows=4,
+        logging_steps=100,
+        disable_progress_bars=True,
+        **TINY_SIZES,
+    )
+    values.update(overrides)
+    return PretrainArguments(**values)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_documents(tmp_path_factory.mktemp("pretrain-data") / "documents.txt")
+
+
+def reloaded_logits_match(model, folder: Path) -> torch.nn.Module:
+    """Reload `folder` with the Auto classes and check its logits equal the trained model's on a packed batch."""
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = [tokenizer("key 123. abc abc key 123.")["input_ids"], tokenizer("key 9. abc")["input_ids"]]
+    batch = collate_packed_rows(pack_documents(ids, CONTEXT_LENGTH, 0))
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        actual = reloaded(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    return reloaded
+
+
+def prior_of(model) -> dict[str, torch.Tensor]:
+    return {name: getattr(model.model.prior, name).detach().clone() for name in ("theta_alpha", "theta_beta", "theta_mu")}
+
+
+@pytest.mark.parametrize(
+    "positional,ssmax", [("bam", False), ("bam", True), ("alibi", False), ("nope", False), ("rope", False), ("rope-local", False)],
+)
+def test_each_positional_choice_learns_and_saves_a_folder_that_reloads(data, tmp_path, positional, ssmax):
+    args = arguments(data, tmp_path / "run", positional=positional, ssmax=ssmax)
+    summary, model, _ = run_pretraining(args)
+    assert summary.steps == 12
+    assert summary.loss_after < summary.loss_before - 1.0, (summary.loss_before, summary.loss_after)
+    folder = tmp_path / "run" / "model"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["train_context_length"] == CONTEXT_LENGTH
+    assert config["hidden_size"] == 32 and config["num_hidden_layers"] == 2 and config["tie_word_embeddings"] is False
+    reloaded = reloaded_logits_match(model, folder)
+    heads = TINY_SIZES["num_attention_heads"]
+    if positional == "rope":
+        assert type(reloaded) is LlamaForCausalLM and config["model_type"] == "llama"
+        assert config["rope_parameters"]["rope_theta"] == 500_000  # the reference's RoPE baselines
+        return
+    if positional == "rope-local":
+        assert type(reloaded) is MistralForCausalLM and config["model_type"] == "mistral"
+        assert config["sliding_window"] == CONTEXT_LENGTH and config["rope_parameters"]["rope_theta"] == 500_000
+        return
+    assert config["model_type"] == "bam_llama" and config["ssmax"] is ssmax
+    prior = prior_of(model)
+    assert torch.equal(prior["theta_mu"], torch.zeros(heads))  # mu frozen at 0 in every BamLlama choice
+    if positional == "bam":
+        assert prior["theta_alpha"].abs().min() > 0 and prior["theta_beta"].abs().min() > 0  # trained from 0
+    if positional == "alibi":
+        slopes = torch.tensor([2.0 ** (-8.0 * (head + 1) / heads) for head in range(heads)])
+        assert torch.equal(prior["theta_alpha"], slopes.log())
+        assert torch.equal(prior["theta_beta"], torch.ones(heads))
+    if positional == "nope":
+        assert torch.equal(prior["theta_alpha"], torch.zeros(heads)) and torch.equal(prior["theta_beta"], torch.zeros(heads))
+
+
+def test_nope_prior_is_the_same_bias_at_every_distance():
+    """NoPE's flat prior (theta_beta = 0) adds one constant to every logit of a query row, which softmax ignores:
+    its size (theta_alpha) cannot change the output, while any slope (theta_beta != 0) does."""
+    model = tiny_model("sdpa", vocab_size=64).eval()
+    ids = torch.tensor([[1, 5, 9, 7, 3, 8, 4, 6]])
+    with torch.no_grad():
+        model.model.prior.theta_alpha.zero_()
+        model.model.prior.theta_beta.zero_()
+        flat = model(input_ids=ids).logits
+        model.model.prior.theta_alpha.fill_(1.5)
+        flat_larger = model(input_ids=ids).logits
+        model.model.prior.theta_beta.fill_(0.5)
+        sloped = model(input_ids=ids).logits
+    torch.testing.assert_close(flat_larger, flat, atol=1e-5, rtol=1e-5)
+    assert (sloped - flat).abs().max() > 1e-3
+
+
+def test_resume_from_latest_continues_to_the_same_weights(data, tmp_path):
+    common = dict(lr_scheduler_type="constant", positional="bam")
+    _, straight, _ = run_pretraining(arguments(data, tmp_path / "straight", **common))
+    run_pretraining(arguments(data, tmp_path / "resumed", max_steps=6, **common))
+    summary, resumed, _ = run_pretraining(
+        arguments(data, tmp_path / "resumed", resume_from_checkpoint="latest", **common)
+    )
+    assert summary.resumed_from_step == 6 and summary.steps == 12
+    for (name, expected), actual in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4, msg=name)
+    # A restart from scratch would also reach those weights: shift a weight in a copy of checkpoint-6 and the
+    # resumed run must end with the shift.
+    shifted = tmp_path / "shifted" / "checkpoint-6"
+    shutil.copytree(tmp_path / "resumed" / "checkpoint-6", shifted)
+    weights = load_file(shifted / "model.safetensors")
+    weights["model.norm.weight"] += 0.5
+    save_file(weights, shifted / "model.safetensors", metadata={"format": "pt"})
+    _, continued, _ = run_pretraining(arguments(data, tmp_path / "shifted", resume_from_checkpoint="latest", **common))
+    shift = continued.model.norm.weight.detach() - straight.model.norm.weight.detach()
+    assert shift.min() > 0.3, shift
+
+
+def test_rope_llama_masks_packed_documents_like_bam():
+    """Packed rows (positions restarting, no attention_mask) give each document the logits it has alone, for the
+    RoPE baseline (Transformers' packed-sequence detection, training mode: no cache) as for BamLlama."""
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, max_position_embeddings=32, **TINY_SIZES)).eval()
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=64, sliding_window=16, num_key_value_heads=4, **TINY_SIZES)).eval()  # rope-local
+    bam = tiny_model("sdpa", vocab_size=64).eval()
+    documents = [[1, 40, 41, 42, 43, 2], [1, 50, 51, 52, 2], [1, 60, 61, 2]]
+    batch = collate_packed_rows(pack_documents(documents, context_length=16, pad_token_id=0))
+    for model in (llama, mistral, bam):
+        with torch.no_grad():
+            packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+            start = 0
+            for document in documents:
+                alone = model(input_ids=torch.tensor([document]), use_cache=False).logits[0]
+                torch.testing.assert_close(packed[start : start + len(document)], alone, atol=1e-5, rtol=1e-5)
+                start += len(document)
+
+
+def test_bpe_tokenizer_splits_digits_one_per_token_and_round_trips():
+    documents = ["The pass key is 12345. Remember it."] * 20 + ["def function(argument): return argument + 1"] * 20
+    tokenizer = train_bpe_tokenizer(documents, vocab_size=300)
+    assert len(tokenizer) == 300
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    text = "The pass key is 98765.\n  é"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    pieces = [tokenizer.decode([token]) for token in ids]
+    assert [piece for piece in pieces if any(character.isdigit() for character in piece)] == list("98765")
+    assert len(ids) < len(text.encode())  # merges were learned
+
+
+@pytest.mark.parametrize("positional", ["bam", "alibi"])
+def test_a_prior_per_layer_trains_each_layer_apart_or_stays_fixed(data, tmp_path, positional):
+    """--prior-scope layer: one prior per layer and head (none shared); bam trains each layer's own way, alibi keeps
+    every layer at ALiBi's slopes."""
+    args = arguments(data, tmp_path / "run", positional=positional, prior_scope="layer")
+    summary, model, _ = run_pretraining(args)
+    assert summary.loss_after < summary.loss_before - 1.0
+    assert model.model.prior is None
+    layers = [layer.self_attn.prior for layer in model.model.layers]
+    heads = TINY_SIZES["num_attention_heads"]
+    if positional == "bam":
+        assert all(prior.theta_beta.abs().min() > 0 for prior in layers)
+        assert not torch.equal(layers[0].theta_beta, layers[1].theta_beta)  # not one prior seen twice
+    else:
+        slopes = torch.tensor([2.0 ** (-8.0 * (head + 1) / heads) for head in range(heads)])
+        for prior in layers:
+            assert torch.equal(prior.theta_alpha.detach(), slopes.log()) and torch.equal(prior.theta_beta.detach(), torch.ones(heads))
+    config = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
+    assert config["prior_scope"] == "layer"
+    reloaded_logits_match(model, tmp_path / "run" / "model")
+
+
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["--positional", "sinusoidal"], "--positional"),
+        (["--preset", "l99"], "--preset"),
+        (["--positional", "rope", "--ssmax"], "--ssmax"),
+        (["--positional", "rope", "--prior-scope", "layer"], "--prior-scope"),
+        (["--prior-scope", "head"], "--prior-scope"),
+        (["--hidden-size", "30", "--heads", "4"], "--hidden-size"),
+        (["--heads", "4", "--kv-heads", "3", "--hidden-size", "32"], "--kv-heads"),
+        (["--positional", "rope", "--hidden-size", "36", "--heads", "4"], "head size"),
+        (["--positional", "rope", "--attn-implementation", "bam_triton"], "--attn-implementation"),
+        (["--rope-theta", "10000"], "--rope-theta"),  # bam has no rotary embedding
+        (["--positional", "rope", "--rope-theta", "0"], "--rope-theta"),
+        (["--tokenizer", "./no-such-tokenizer"], "--tokenizer"),
+        (["--tokenizer", "TOKENIZER_DIR"], "--tokenizer"),
+        (["--tokenizer", "bpe", "--vocab-size", "100"], "--vocab-size"),
+        (["--report-to", "no-such-tracker"], "--report-to"),
+        (["--context-length", "0"], "--context-length"),
+        (["--layers", "-2"], "--layers"),
+        (["--resume-from-checkpoint", "latest"], "--resume-from-checkpoint"),
+        (["--fsdp"], "--fsdp"),  # on CPU Accelerate would silently fall back to DDP
+        (["--deepspeed", "zero3", "--sp-size", "2"], "--sp-size"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_before_any_data_loads(tmp_path, capsys, argv, named):
+    missing_data = tmp_path / "no-such-data.txt"  # reaching the data would report this file instead
+    (tmp_path / "empty-folder").mkdir()
+    argv = [str(tmp_path / "empty-folder") if value == "TOKENIZER_DIR" else value for value in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main(["--data", str(missing_data), "--output-dir", str(tmp_path / "out"), *argv]))
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and named in errors[0] and "no-such-data" not in errors[0], errors
+    assert not (tmp_path / "out" / "model").exists()
+
+
+def test_ddp_on_two_cpu_processes_with_a_bpe_trained_once(data, tmp_path):
+    output_dir = tmp_path / "ddp"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "bam_llama.cli.pretrain", "--data", str(data), "--output-dir", str(output_dir),
+        "--context-length", str(CONTEXT_LENGTH), "--hidden-size", "32", "--layers", "2", "--heads", "4",
+        "--tokenizer", "bpe", "--vocab-size", "300", "--max-steps", "4", "--batch-size", "2", "--save-steps", "4",
+        "--disable-progress-bars",
+    ]
+    environment = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "bam-pretrain: rank 0 of 2 finished" in result.stdout and "bam-pretrain: rank 1 of 2 finished" in result.stdout
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+    assert summary["tokens_seen"] > 4 * 2 * CONTEXT_LENGTH  # both ranks' batches
+    trained = json.loads((output_dir / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
+    saved = json.loads((output_dir / "model" / "tokenizer.json").read_text())["model"]["vocab"]
+    assert trained == saved and 259 < len(saved) == summary["vocab_size"] <= 300  # the tiny data has few merges
+
+
+def test_an_earlier_run_is_kept_unless_overwritten_and_a_held_folder_is_refused(data, tmp_path, capsys):
+    output_dir = tmp_path / "run"
+    run_pretraining(arguments(data, output_dir, max_steps=2, save_steps=2))
+    weights = (output_dir / "model" / "model.safetensors").read_bytes()
+    argv = ["--data", str(data), "--output-dir", str(output_dir), "--context-length", str(CONTEXT_LENGTH),
+            "--hidden-size", "32", "--layers", "1", "--heads", "4", "--max-steps", "1", "--disable-progress-bars"]
+
+    assert main(argv) == 2  # a new run over the earlier one's results
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and str(output_dir) in errors[0] and "--overwrite-output-dir" in errors[0], errors
+    assert (output_dir / "model" / "model.safetensors").read_bytes() == weights
+
+    with hold_output_dir(output_dir, "another run"):  # a live run holds the folder
+        assert main([*argv, "--overwrite-output-dir"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "another run" in errors[0], errors
+    assert (output_dir / "model" / "model.safetensors").read_bytes() == weights
+
+    assert main([*argv, "--overwrite-output-dir"]) == 0
+    assert (output_dir / "model" / "model.safetensors").read_bytes() != weights
+    assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+def test_prior_scope_choices_are_the_configs():
+    from bam_llama.model.configuration_bam import PRIOR_SCOPES
+    from bam_llama.training import pretrain as pretrain_bam
+
+    assert pretrain_bam.PRIOR_SCOPES == PRIOR_SCOPES
+
+
+@pytest.mark.parametrize("theta", [None, 1000.0])
+def test_rope_theta_reaches_the_rotary_frequencies(tmp_path, theta):
+    from bam_llama.training.pretrain import build_config
+
+    args = arguments(tmp_path / "data.txt", tmp_path / "run", positional="rope", rope_theta=theta)
+    config = build_config(args, vocab_size=300, token_ids={"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})
+    model = LlamaForCausalLM(config)
+    head_dim = TINY_SIZES["hidden_size"] // TINY_SIZES["num_attention_heads"]
+    base = 500_000.0 if theta is None else theta
+    expected = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq.double(), expected, rtol=1e-6, atol=0)
+
+
+def test_rope_local_sees_exactly_the_last_context_length_tokens(tmp_path):
+    """One layer, so a logit depends on the tokens its query attends to and no others: at a length 3x the training
+    length, the last position moves with a token CONTEXT_LENGTH - 1 back and not with one CONTEXT_LENGTH back."""
+    from bam_llama.training.pretrain import build_config, build_model
+
+    sizes = {**TINY_SIZES, "num_hidden_layers": 1}
+    args = arguments(tmp_path / "data.txt", tmp_path / "run", positional="rope-local", **sizes)
+    torch.manual_seed(0)
+    model = build_model(args, build_config(args, vocab_size=64, token_ids={"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})).eval()
+    length = 3 * CONTEXT_LENGTH
+    tokens = torch.randint(3, 64, (1, length), generator=torch.Generator().manual_seed(1))
+
+    def last_logits(position_changed=None):
+        changed = tokens.clone()
+        if position_changed is not None:
+            changed[0, position_changed] = 3 + (changed[0, position_changed] - 3 + 1) % 61
+        with torch.no_grad():
+            return model(input_ids=changed).logits[0, -1]
+
+    reference = last_logits()
+    assert not torch.allclose(last_logits(length - CONTEXT_LENGTH), reference, atol=1e-6)  # distance W - 1: seen
+    torch.testing.assert_close(last_logits(length - CONTEXT_LENGTH - 1), reference, atol=0, rtol=0)  # distance W
+    torch.testing.assert_close(last_logits(0), reference, atol=0, rtol=0)
+
+
+def test_help_states_the_default_model_and_every_default():
+    from bam_llama.cli.pretrain import build_parser
+
+    help_text = build_parser().format_help()
+    text = " ".join(help_text.split())
+    hidden, layers, heads = 768, 12, 16  # the l12 preset
+    parameters = layers * (4 * hidden**2 + 3 * hidden * 2 * hidden + 2 * hidden) + hidden  # without embeddings
+    byte_model = (parameters + 2 * 259 * hidden) / 1e6
+    assert f"{hidden} hidden, {layers} layers, {heads} heads; {byte_model:.0f}M parameters with 259 tokens" in text
+    assert "at 512 tokens for 1000 steps of 8 rows" in text
+    options = {}  # "--flag METAVAR" -> its help, one line
+    for block in re.split(r"\n(?=  -)", help_text.split("options:")[1]):
+        head, _, rest = block.strip().partition("  ")
+        options[head.strip()] = " ".join(rest.split())
+    for flag, default in [("--context-length CONTEXT_LENGTH", "512"), ("--warmup-steps WARMUP_STEPS", "0"),
+                          ("--learning-rate LEARNING_RATE", "0.001"), ("--max-steps MAX_STEPS", "1000")]:
+        assert f"(default: {default})" in options[flag], (flag, options.get(flag))
