@@ -3,6 +3,11 @@ argument and exit status 2, before any weights are loaded) and the flags of `bam
 on imports, so --help stays fast."""
 
 import argparse
+import logging
+import os
+import sys
+
+from ..outputs import exit_on_sigterm
 
 
 def positive_int(text: str) -> int:
@@ -74,6 +79,21 @@ def device_name(text: str) -> str:
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise argparse.ArgumentTypeError(f"{text!r}: MPS is not available on this machine; use cpu")
     return text
+
+
+def run_training(prog: str, train, args) -> int:
+    """`train(args)` as a training command runs it: SIGTERM ends it like Ctrl-C (staged outputs cleaned up), logs at
+    INFO, a missing file or an invalid setting is one line and exit status 2, and each rank says when it finished."""
+    exit_on_sigterm()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        train(args)
+    except (OSError, ValueError) as error:  # a missing model, data file or checkpoint; an invalid setting
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    print(f"{prog}: rank {rank} of {world_size} finished", flush=True)
+    return 0
 
 
 def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -69,6 +69,5 @@ def run(args) -> None:
         print(f"Pushed {model_dir} to {getattr(commit, 'commit_url', args.push)}")
 
 
-
 if __name__ == "__main__":
     main()

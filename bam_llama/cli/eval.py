@@ -160,6 +160,5 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"bam-eval {args.command}: error: {error}\n")
 
 
-
 if __name__ == "__main__":
     main()

@@ -1,11 +1,8 @@
 """`bam-finetune`: extend a BamLlama model's context with a short fine-tune (`training/finetune.py`)."""
 
 import argparse
-import logging
-import os
 import sys
 
-from ..outputs import exit_on_sigterm
 from ..training.finetune import FinetuneArguments, finetune
 from .arguments import (
     add_data_arguments,
@@ -16,6 +13,7 @@ from .arguments import (
     positive_float,
     positive_int,
     probability,
+    run_training,
     show_defaults,
 )
 
@@ -48,19 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parsed = build_parser().parse_args(argv)
-    exit_on_sigterm()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = FinetuneArguments(**vars(parsed))
-    try:
-        finetune(args)
-    except (OSError, ValueError) as error:  # a missing model or data file; an invalid setting
-        print(f"bam-finetune: error: {error}", file=sys.stderr)
-        return 2
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    print(f"bam-finetune: rank {rank} of {world_size} finished", flush=True)
-    return 0
-
+    return run_training("bam-finetune", finetune, FinetuneArguments(**vars(build_parser().parse_args(argv))))
 
 
 if __name__ == "__main__":

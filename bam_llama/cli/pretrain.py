@@ -1,12 +1,9 @@
 """`bam-pretrain`: pretrain a BamLlama (or an ALiBi, NoPE or RoPE baseline) from scratch (`training/pretrain.py`)."""
 
 import argparse
-import logging
-import os
 import sys
 
 from ..data.tokenizers import BYTE_VOCAB_SIZE
-from ..outputs import exit_on_sigterm
 from ..training.pretrain import (
     DEFAULT_PRESET,
     POSITIONALS,
@@ -26,6 +23,7 @@ from .arguments import (
     add_trainer_arguments,
     positive_float,
     positive_int,
+    run_training,
     show_defaults,
 )
 
@@ -83,17 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # one line and exit 2, before any data or weights load
         print(f"bam-pretrain: error: {error}", file=sys.stderr)
         return 2
-    exit_on_sigterm()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        pretrain(args)
-    except (OSError, ValueError) as error:  # a missing data file or checkpoint; an invalid setting
-        print(f"bam-pretrain: error: {error}", file=sys.stderr)
-        return 2
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    print(f"bam-pretrain: rank {rank} of {world_size} finished", flush=True)
-    return 0
-
+    return run_training("bam-pretrain", pretrain, args)
 
 
 if __name__ == "__main__":

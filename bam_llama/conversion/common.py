@@ -99,6 +99,18 @@ class ConversionError(Exception):
     """Bad input. The message names the file, key or setting at fault; nothing has been written."""
 
 
+def config_model_type(folder: Path) -> tuple[Path, str | None]:
+    """The path of `folder`'s config.json and the model_type it declares; a ConversionError when it is missing or
+    not a JSON object."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"missing file {path}")
+    try:
+        return path, json.loads(path.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as error:
+        raise ConversionError(f"{path} is not a JSON config: {error}") from None
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     """The weight files of a Transformers folder: the shards named by the index, or model.safetensors."""
     index_path = folder / "model.safetensors.index.json"

@@ -6,7 +6,6 @@ position-aware until the prior (and SSMax) are trained.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -21,6 +20,7 @@ from .common import (
     SafetensorsShardWriter,
     cast_weight,
     check_keys_and_shapes,
+    config_model_type,
     copy_files,
     dtype_name,
     is_per_head_parameter,
@@ -54,13 +54,7 @@ def read_llama_config(llama_dir: Path) -> LlamaConfig:
     from transformers import LlamaConfig
     from transformers.activations import ACT2FN
 
-    path = llama_dir / "config.json"
-    if not path.is_file():
-        raise ConversionError(f"missing file {path}")
-    try:
-        model_type = json.loads(path.read_text()).get("model_type")
-    except (json.JSONDecodeError, AttributeError) as error:
-        raise ConversionError(f"{path} is not a JSON config: {error}") from None
+    path, model_type = config_model_type(llama_dir)
     if model_type != "llama":
         raise ConversionError(f"{path} has model_type {model_type!r}; only Llama checkpoints (model_type 'llama') are supported")
     config = LlamaConfig.from_pretrained(llama_dir)

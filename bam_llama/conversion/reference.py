@@ -24,6 +24,7 @@ from .common import (
     bam_parameter_shapes,
     cast_weight,
     check_keys_and_shapes,
+    config_model_type,
     copy_files,
     dtype_name,
     format_names,
@@ -431,13 +432,7 @@ def describe_reference_layout(config: BamLlamaConfig, prior_names: str) -> str:
 def read_bam_config(bam_dir: Path) -> BamLlamaConfig:
     from ..model.configuration_bam import BamLlamaConfig
 
-    path = bam_dir / "config.json"
-    if not path.is_file():
-        raise ConversionError(f"missing file {path}")
-    try:
-        model_type = json.loads(path.read_text()).get("model_type")
-    except (json.JSONDecodeError, AttributeError) as error:
-        raise ConversionError(f"{path} is not a JSON config: {error}") from None
+    path, model_type = config_model_type(bam_dir)
     if model_type != BamLlamaConfig.model_type:
         raise ConversionError(f"{path} has model_type {model_type!r}, not {BamLlamaConfig.model_type!r}")
     try:
