@@ -8,11 +8,18 @@ batch 1, each model in its default attention implementation on CPU (Llama: sdpa;
     bam+ssmax             BamLlama, prior on, Scalable Softmax on
     bam bias-off          BamLlama, prior vanishing (theta_alpha = -30: still computed, contributes ~0)
     bam bias-off+ssmax    ... with Scalable Softmax
+    llama compiled        LlamaForCausalLM under torch.compile(fullgraph=True, dynamic=False) (inductor)
+    bam+ssmax compiled    BamLlama, prior and Scalable Softmax on, compiled the same way
 
 Modes at every length L (tokens):
     fwd       forward of L tokens without gradients (use_cache=False)
     fwd+bwd   forward with labels, loss.backward()
-    decode    prefill L tokens (untimed), then 64 greedy steps against the KV cache (timed): tokens/s
+    decode    prefill L tokens (untimed), then 64 greedy steps against the KV cache (timed): tokens/s. Compiled
+              cases decode as Transformers' static-cache recipe does: an eager prefill into a StaticCache, then
+              every step through the compiled forward (one graph for all steps)
+
+Compiled cases compile every (mode, length) in an untimed warm-up, and their ratio is to "llama compiled" (the
+eager cases' to "llama"); their peak memory is not measured (the child process would compile them all again).
 
 Timing: `--repeats` rounds; in every round each (case, mode) runs once, the cases interleaved, so a load spike
 hits all of them; the table gives the median and the min-max spread. Peak memory: a separate untimed pass per
@@ -25,6 +32,7 @@ A profile (`--profile L`) prints torch.profiler's top operators for the BAM forw
     python benchmarks/cpu_speed.py                          # 512..4096, writes benchmarks/results/cpu-speed.{md,json}
     python benchmarks/cpu_speed.py --lengths 512 --repeats 1 --out /tmp/x    # quick look
     python benchmarks/cpu_speed.py --profile 2048           # where the time goes
+    python benchmarks/cpu_speed.py --lengths 1024 2048 --cases llama bam+ssmax "llama compiled" "bam+ssmax compiled"
 """
 
 import argparse
@@ -46,7 +54,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import transformers  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: E402
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM  # noqa: E402
 from bam_llama.model.modeling_bam import CACHE_NAME  # noqa: E402  (the installed Transformers' name of the KV cache)
@@ -62,19 +70,57 @@ CASES = {
     "bam+ssmax": dict(ssmax=True),
     "bam bias-off": dict(ssmax=False, theta_alpha_init=-30.0),
     "bam bias-off+ssmax": dict(ssmax=True, theta_alpha_init=-30.0),
+    "llama compiled": None,
+    "bam+ssmax compiled": dict(ssmax=True),
 }
+COMPILED = " compiled"
 MODES = ("fwd", "fwd+bwd", "decode")
 DECODE_TOKENS = 64
 
 
 def build_model(case: str) -> torch.nn.Module:
+    """The case's model; a compiled case's is a `CompiledModel`."""
     torch.manual_seed(0)
     overrides = CASES[case]
     if overrides is None:
         config = LlamaConfig(**SIZES, max_position_embeddings=1 << 16, attn_implementation="sdpa")
-        return LlamaForCausalLM(config)
-    config = BamLlamaConfig(**SIZES, theta_beta_init="linear", **{"theta_alpha_init": -2.0, **overrides})
-    return BamLlamaForCausalLM(config)
+        model = LlamaForCausalLM(config)
+    else:
+        config = BamLlamaConfig(**SIZES, theta_beta_init="linear", **{"theta_alpha_init": -2.0, **overrides})
+        model = BamLlamaForCausalLM(config)
+    return CompiledModel(model) if case.endswith(COMPILED) else model
+
+
+def peer(case: str) -> str:
+    """The Llama case a case's ratio is taken to: compiled to compiled, eager to eager."""
+    return "llama compiled" if case.endswith(COMPILED) else "llama"
+
+
+class CompiledModel(torch.nn.Module):
+    """`torch.compile(model, fullgraph=True, dynamic=False)`: one graph per shape, no graph break allowed. Decoding
+    follows Transformers' static-cache recipe: the prompt is prefilled eagerly into a StaticCache (one per prompt
+    length, reset and reused, as `generate` does: a new one would recompile), each step runs the compiled forward,
+    whose position lives in the cache's length tensor."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        self.compiled = torch.compile(model, fullgraph=True, dynamic=False)
+        self.caches = {}
+
+    def forward(self, *args, **kwargs):
+        return self.compiled(*args, **kwargs)
+
+    def decode_cache(self, ids):
+        """The prompt prefilled (eagerly) into this length's static cache: (cache, next token)."""
+        length = ids.shape[1]
+        if length not in self.caches:
+            self.caches[length] = StaticCache(config=self.model.config, max_cache_len=length + DECODE_TOKENS + 1)
+        cache = self.caches[length]
+        cache.reset()
+        with torch.no_grad():
+            output = self.model(ids, **{CACHE_NAME: cache}, use_cache=True)
+        return cache, output.logits[:, -1:].argmax(-1)
 
 
 def input_ids(length: int) -> torch.Tensor:
@@ -96,6 +142,8 @@ def run_forward_backward(model, ids):
 
 def prefill(model, ids):
     model.eval()
+    if isinstance(model, CompiledModel):
+        return model.decode_cache(ids)
     with torch.no_grad():
         output = model(ids, use_cache=True)
     return getattr(output, CACHE_NAME), output.logits[:, -1:].argmax(-1)
@@ -157,8 +205,9 @@ def benchmark(lengths, repeats, cases) -> list[dict]:
     rows = []
     for length in lengths:
         ids = input_ids(length)
-        for case, model in models.items():  # warm-up: first calls allocate and pick kernels
-            timed(model, "fwd", ids[:, :64])
+        for case, model in models.items():  # warm-up: first calls allocate and pick kernels, or compile
+            for mode in MODES if isinstance(model, CompiledModel) else ["fwd"]:
+                timed(model, mode, ids if isinstance(model, CompiledModel) else ids[:, :64])
         times = {(case, mode): [] for case in cases for mode in MODES}
         for _ in range(repeats):
             for mode in MODES:
@@ -177,7 +226,7 @@ def benchmark(lengths, repeats, cases) -> list[dict]:
 
 def peak_memory(lengths, cases) -> dict:
     """{(case, mode, length): MiB}, one untimed run each, in this process (started with a fixed mmap threshold)."""
-    models = {case: build_model(case) for case in cases}
+    models = {case: build_model(case) for case in cases if not case.endswith(COMPILED)}
     return {
         (case, mode, length): peak_rss_increase_mib(model, mode, input_ids(length))
         for length in lengths for case, model in models.items() for mode in MODES
@@ -190,7 +239,7 @@ def peak_memory_in_child(args) -> dict:
     would keep freed tensors in the heap). Timings run without it: a fixed threshold makes every large allocation
     page-fault, which is not what users run."""
     command = [sys.executable, __file__, "--memory-only", "--lengths", *map(str, args.lengths)]
-    command += ["--cases", *args.cases]
+    command += ["--cases", *[case for case in args.cases if not case.endswith(COMPILED)]]
     if args.threads is not None:
         command += ["--threads", str(args.threads)]
     environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 17)}
@@ -199,7 +248,7 @@ def peak_memory_in_child(args) -> dict:
 
 
 def markdown(rows, info, command, load) -> str:
-    llama = {(r["mode"], r["length"]): r["median_s"] for r in rows if r["case"] == "llama"}
+    llamas = {(r["case"], r["mode"], r["length"]): r["median_s"] for r in rows if r["case"] == peer(r["case"])}
     lines = [
         "# BamLlama against LlamaForCausalLM on CPU",
         "",
@@ -211,8 +260,9 @@ def markdown(rows, info, command, load) -> str:
         "",
         "Sizes: 4 layers, hidden 256, 8 heads, 4 KV heads, intermediate 704, vocabulary 512, float32, batch 1. "
         "Median of interleaved repeats (spread min-max in the JSON); ratio = time / Llama's time at the same "
-        f"mode and length. decode = {DECODE_TOKENS} greedy tokens after an L-token prompt, in tokens/s. "
-        "Peak memory = peak RSS increase of one run (MiB).",
+        "mode and length (compiled cases: / compiled Llama's). "
+        f"decode = {DECODE_TOKENS} greedy tokens after an L-token prompt, in tokens/s (compiled: static cache). "
+        "Peak memory = peak RSS increase of one run (MiB; not measured for compiled cases).",
         "",
         "| L | case | fwd ms | ratio | fwd+bwd ms | ratio | decode tok/s | ratio | peak MiB fwd / fwd+bwd / decode |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---|",
@@ -226,11 +276,16 @@ def markdown(rows, info, command, load) -> str:
                 value = f"{DECODE_TOKENS / median:.0f}" if mode == "decode" else f"{median * 1000:.0f}"
                 spread = by_mode[mode]["seconds"]
                 value += f" ({min(spread) / median:.2f}-{max(spread) / median:.2f})" if len(spread) > 1 else ""
-                cells += [value, f"{median / llama[mode, length]:.2f}x" if llama else "-"]
-            peaks = " / ".join(f"{by_mode[m]['peak_rss_increase_mib']:.0f}" for m in MODES)
+                reference = llamas.get((peer(case), mode, length))
+                cells += [value, f"{median / reference:.2f}x" if reference else "-"]
+            peaks = " / ".join(_mib(by_mode[m]["peak_rss_increase_mib"]) for m in MODES)
             lines.append(f"| {length} | {case} | " + " | ".join(cells) + f" | {peaks} |")
     lines += ["", "Spread in parentheses: min and max of the repeats divided by the median."]
     return "\n".join(lines) + "\n"
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -274,14 +329,17 @@ def main(argv=None) -> int:
     if args.profile is not None:
         profile(args.profile, args.profile_case)
         return 0
-    if "llama" not in args.cases:
-        args.cases.insert(0, "llama")
+    for llama in dict.fromkeys(peer(case) for case in args.cases):
+        if llama not in args.cases:
+            args.cases.insert(0, llama)
+    torch._dynamo.config.cache_size_limit = 64  # a compiled case compiles each (mode, length)...
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # ...and never falls back to eager silently
     command = "python benchmarks/cpu_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
     load_before = os.getloadavg()[0]
     rows = benchmark(args.lengths, args.repeats, args.cases)
     memory = peak_memory_in_child(args)
     for row in rows:
-        row["peak_rss_increase_mib"] = memory[row["case"], row["mode"], row["length"]]
+        row["peak_rss_increase_mib"] = memory.get((row["case"], row["mode"], row["length"]))
     info = {**machine_info(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     load = (f"{load_before:.2f}", f"{os.getloadavg()[0]:.2f}")
     report = {"command": command, "machine": info, "load_average": load, "sizes": SIZES, "rows": rows}

@@ -1,6 +1,7 @@
 """Helpers the tests share: tiny BamLlama models with a non-trivial prior, the environment of a subprocess that
 imports this checkout, and the reference implementation's fixtures."""
 
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -75,3 +76,33 @@ def tiny_model(attn_implementation: str = "eager", seed: int = 0, **overrides):
     model.set_attn_implementation(attn_implementation)
     randomize_prior(model, seed)
     return model.eval()
+
+
+def tiny_llama(attn_implementation: str = "sdpa", seed: int = 0, **overrides):
+    """The `LlamaForCausalLM` of `tiny_model`'s sizes: the peer a BamLlama test holds itself to."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    bam = tiny_config(**overrides)
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{name: getattr(bam, name) for name in sizes}))
+    model.set_attn_implementation(attn_implementation)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def training_linear_dtypes():
+    """The set of output dtypes of every `nn.Linear` that runs in training mode inside the block, any model: what
+    shows whether a training run's forward ran under autocast."""
+    dtypes = set()
+
+    def record(module, args, output):
+        if isinstance(module, torch.nn.Linear) and module.training:
+            dtypes.add(output.dtype)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        yield dtypes
+    finally:
+        handle.remove()

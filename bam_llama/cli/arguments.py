@@ -143,7 +143,7 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, defaults) -> None:
         "--reentrant-checkpointing", action="store_true",
         help="gradient checkpointing with use_reentrant=True, as many PEFT / QLoRA recipes pass (same gradients)",
     )
-    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on where the GPU supports it")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 autocast (default: on where the GPU supports it; --bf16 without a GPU: the CPU's)")
     parser.add_argument("--attn-implementation", default=None, help="sdpa, eager or bam_triton (default: fastest available)")
     parser.add_argument("--save-steps", type=positive_int, default=defaults.save_steps)
     parser.add_argument("--save-total-limit", type=positive_int, default=defaults.save_total_limit)

@@ -6,11 +6,12 @@ Shapes: B batch, H query heads, Hkv key/value heads, Lq queries, Lk keys, D head
 
 import functools
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .prior_bam import attention_compute_dtype, ssmax_factor, visible_key_counts
+from .prior_bam import attention_compute_dtype, autocast_off, ssmax_factor, visible_key_counts
 
 HIDDEN = -1e30  # finite "minus infinity" for padded keys: a row that sees no key stays finite (then zeroed)
 
@@ -37,7 +38,12 @@ def bam_attention_blocked(
     (no copy), with the causal -inf in the table's padding. A block of queries at positions <= p attends to keys
     0..p only (causal blocks are skipped). With SSMax scaling the prior, or padding, or packed documents, the
     mask of one block is materialized. A block is `block_rows` queries of `block_heads` query heads (a multiple of
-    the heads sharing a key/value head); both default to `default_block_shape`.
+    the heads sharing a key/value head); both default to `default_block_shape`. The blocks are planned from
+    shapes only (P is the table's length - 1), never from tensor values, so a traced graph has no data-dependent
+    branch.
+
+    Precision: 16-bit inputs are computed in float32 (`attention_compute_dtype`), with autocast off inside: under
+    autocast SDPA would run, and the prior's mask be rounded, in 16 bits. The output comes in the query's dtype.
 
     Args:
         query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D).
@@ -50,9 +56,23 @@ def bam_attention_blocked(
     """
     input_dtype = query.dtype
     compute_dtype = attention_compute_dtype(input_dtype)
-    query, key, value = (tensor.to(compute_dtype) for tensor in (query, key, value))
+    with autocast_off(query.device):
+        query, key, value = (tensor.to(compute_dtype) for tensor in (query, key, value))
+        output = _blocked(
+            query, key, value, query_positions, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid,
+            document_ids, dropout, block_rows, block_heads,
+        )
+    return output.to(input_dtype).transpose(1, 2)
+
+
+def _blocked(
+    query, key, value, query_positions, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid, document_ids,
+    dropout, block_rows, block_heads,
+) -> torch.Tensor:
+    """`bam_attention_blocked` on inputs already in the compute dtype: (B, Lq, H, D)."""
+    compute_dtype = query.dtype
     batch, heads, q_len, _ = query.shape
-    last = int(query_positions[-1])
+    last = prior_table.shape[-1] - 1  # the last query's position, from a shape: no tensor value plans the blocks
     if key_valid is None and document_ids is None:
         counts = (query_positions + 1)[None]  # (1, Lq): every key up to the query's own position
     else:
@@ -91,18 +111,26 @@ def bam_attention_blocked(
     tensors = (query, key, value, table, prior_factor, key_mask, query_documents, document_ids)
     prior_trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (table, prior_factor))
     inputs_train = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    own_backward = prior_trains or (inputs_train and not mask_is_view)
+    # An exported program is plain ATen (SDPA over the blocks, differentiable as any graph): no custom operator.
+    own_backward = (prior_trains or (inputs_train and not mask_is_view)) and not _exporting()
     if own_backward and dropout == 0.0:
-        output = _PriorGradientAttention.apply((block, head_block, backward_block), last, scaling, *tensors)
+        output = _prior_gradient_attention(*tensors, block, head_block, backward_block, last, scaling)
     else:
         attend = _RecomputedBlock.apply  # with dropout: each block replayed under autograd
         if not own_backward:  # no gradient, or SDPA's own backward with a view mask (which reuses no buffer)
             attend = _attend_reusing_masks(query, block, head_block, last)
+        elif torch.compiler.is_compiling():  # a traced graph cannot replay a block in its backward: autograd keeps it
+            attend = _attend_block
         output = _attend_blocks(attend, q_len, block, heads, head_block, last, scaling, dropout, *tensors)
     output = output.flip(1) if q_len > 1 else output  # (B, Lq, H, D), natural order
     if key_valid is not None:  # rows that see no key (queries on padding) give zeros
         output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
-    return output.to(input_dtype).transpose(1, 2)
+    return output
+
+
+def _exporting() -> bool:
+    is_exporting = getattr(torch.compiler, "is_exporting", None)  # torch >= 2.6
+    return is_exporting is not None and is_exporting()
 
 
 VIEW_BLOCK_ROWS = 256  # SDPA's CPU kernel is fastest on 256-query calls here (benchmarks/results/cpu-speed-ab.md)
@@ -144,9 +172,11 @@ def _attend_reusing_masks(query: torch.Tensor, block: int, head_block: int, last
     """`_attend_block` writing every materialized block mask into one buffer, allocated at the first (the largest:
     it sees every key) block: a fresh multi-MiB mask per block would be page-faulted in every time. A single block
     (a decoding step) has nothing to reuse. Never under autograd with a materialized mask: SDPA would keep each
-    block's mask for its backward (`bam_attention_blocked` routes those blocks to its own backward)."""
+    block's mask for its backward (`bam_attention_blocked` routes those blocks to its own backward). Nor in a
+    traced graph: its buffers are the compiler's to plan (and a view of a reused buffer written with `out=` does
+    not trace)."""
     batch, heads, q_len, _ = query.shape
-    if q_len <= block and heads <= head_block:
+    if (q_len <= block and heads <= head_block) or torch.compiler.is_compiling():
         return _attend_block
     workspace = _Workspace(1, batch * head_block * block * (last + 1), query)
     return functools.partial(_attend_block, take=functools.partial(workspace.take, 0))
@@ -196,8 +226,9 @@ def _write_block_mask(
     else:
         factor = prior_factor[:, :, start : start + rows]
         torch.mul(windows, factor, out=out)
-        # c * -inf is -inf for c > 0 only (NaN for c = 0); on a GPU the check would stall every block: fill there
-        future_hidden = factor.device.type == "cpu" and bool(factor.min() > 0)
+        # c * -inf is -inf for c > 0 only (NaN for c = 0); on a GPU the check would stall every block, and a traced
+        # graph cannot branch on it: fill there
+        future_hidden = factor.device.type == "cpu" and not torch.compiler.is_compiling() and bool(factor.min() > 0)
     return _hide_keys_(out, key_mask, query_documents, document_ids, start, rows, keys, future_hidden)
 
 
@@ -251,8 +282,24 @@ def _attend_block(
     return output.transpose(1, 2)
 
 
-class _PriorGradientAttention(torch.autograd.Function):
-    """All blocks of `bam_attention_blocked` when the prior trains (no dropout), with a flash-style backward.
+@torch.library.custom_op("bam_llama::blocked_prior_attention", mutates_args=())
+def _prior_gradient_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    table: torch.Tensor,
+    prior_factor: Optional[torch.Tensor],
+    key_mask: Optional[torch.Tensor],
+    query_documents: Optional[torch.Tensor],
+    document_ids: Optional[torch.Tensor],
+    block: int,
+    head_block: int,
+    backward_block: int,
+    last: int,
+    scaling: float,
+) -> torch.Tensor:
+    """All blocks of `bam_attention_blocked` when the prior trains (no dropout), with a flash-style backward:
+    (B, Lq, H, D) contiguous, reversed rows (`backward_block`: the backward's block of rows).
 
     Forward: each block through SDPA's fused kernel; only the inputs are kept (O(L) memory).
     Backward, block by block: P = softmax(S) recomputed once, then dV = P^T dO, dS = P * (dP - rowsum(P * dP))
@@ -261,64 +308,128 @@ class _PriorGradientAttention(torch.autograd.Function):
     mask's gradient dS goes to the prior table along the diagonals (row r of a block's mask is a window of the
     table, see `_table_windows`) and, where SSMax scales the prior, to the row factor. Key/value heads are shared
     by groups of query heads: (B, H, R, .) is viewed as (B * Hkv, group * R, .), so the matmuls sum over a group.
-    """
 
-    @staticmethod
-    def forward(ctx, blocks, last, scaling, *tensors):
-        # tensors: query, key, value, table, prior_factor, key_mask, query_documents, document_ids
-        block, head_block, backward_block = blocks
-        _, heads, q_len, _ = tensors[0].shape
-        detached = [t.detach() if t is not None else None for t in tensors]  # else SDPA avoids its fused kernel
-        ctx.block = (backward_block, last, scaling)
-        ctx.save_for_backward(*tensors)
-        attend = _attend_reusing_masks(detached[0], block, head_block, last)
-        return _attend_blocks(attend, q_len, block, heads, head_block, last, scaling, 0.0, *detached)
+    Both passes are custom operators (`bam_llama::blocked_prior_attention` and its backward), opaque to
+    torch.compile like a fused kernel: a compiled model runs this same code. Autocast, as torch.amp.custom_fwd /
+    custom_bwd would have it, for any device: the floating inputs come in the compute dtype with autocast off
+    (`bam_attention_blocked`; a compiled graph runs with autocast off too), the backward turns it off itself, so
+    SDPA and the matmuls keep that dtype; each gradient is returned in its input's dtype."""
+    tensors = (query, key, value, table, prior_factor, key_mask, query_documents, document_ids)
+    tensors = [t.detach() if t is not None else None for t in tensors]  # else SDPA avoids its fused kernel
+    attend = _attend_reusing_masks(query, block, head_block, last)
+    output = _attend_blocks(attend, query.shape[2], block, query.shape[1], head_block, last, scaling, 0.0, *tensors)
+    return output.contiguous()
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_output):
-        block, last, scaling = ctx.block
-        query, key, value, table, prior_factor, key_mask, query_documents, document_ids = ctx.saved_tensors
-        masking = (table, prior_factor, key_mask, query_documents, document_ids)
-        batch, heads, q_len, head_dim = query.shape
-        kv_heads, key_len = key.shape[1], key.shape[2]
-        pairs, group = batch * kv_heads, heads // kv_heads  # matmul batches: (B x Hkv), rows: group x block rows
-        queries = (query * scaling).view(pairs, group, q_len, head_dim)
-        output_grads = grad_output.transpose(1, 2).contiguous().view(pairs, group, q_len, head_dim)
-        keys_t = key.view(pairs, key_len, head_dim).transpose(1, 2)
-        values_t = value.view(pairs, key_len, head_dim).transpose(1, 2)
-        scaled_keys = (key * scaling).view(pairs, key_len, head_dim)
-        grad_query = query.new_empty(pairs, group, q_len, head_dim)
-        grad_key, grad_value = key.new_zeros(pairs, key_len, head_dim), value.new_zeros(pairs, key_len, head_dim)
-        grad_table = torch.zeros_like(table) if ctx.needs_input_grad[6] else None
-        grad_factor = torch.zeros_like(prior_factor) if ctx.needs_input_grad[7] else None
-        workspace = _Workspace(3, batch * heads * block * (last + 1 + block), query)  # block <= q_len
-        for start, rows, keys in _blocks(q_len, block, last):
-            rows_slice, grouped = slice(start, start + rows), (pairs, group * rows, keys)
-            block_query = queries[:, :, rows_slice].reshape(pairs, group * rows, head_dim)
-            block_grad = output_grads[:, :, rows_slice].reshape(pairs, group * rows, head_dim)
-            scores = _write_block_mask(workspace.take(0, (batch, heads, rows, keys)), *masking, start, rows, keys)
-            scores.view(grouped).baddbmm_(block_query, keys_t[:, :, :keys])
-            # in place: two (rows x keys) buffers instead of three stay in cache (4-8% faster at 2048-4096 tokens)
-            probs = torch.softmax(scores.view(grouped), dim=-1, out=scores.view(grouped))
-            grad_value[:, :keys].baddbmm_(probs.transpose(1, 2), block_grad)
-            grad_probs = torch.bmm(block_grad, values_t[:, :, :keys], out=workspace.take(1, grouped))
-            grad_scores = _softmax_backward(grad_probs, probs, out=grad_probs)
-            grad_query[:, :, rows_slice] = torch.bmm(grad_scores, scaled_keys[:, :keys]).view(pairs, group, rows, -1)
-            grad_key[:, :keys].baddbmm_(grad_scores.transpose(1, 2), block_query)
-            factor = None if prior_factor is None else prior_factor[:, :, rows_slice]
-            row_sums = 0.0
-            for first, diagonals in _mask_grad_diagonals(grad_scores.view(batch, heads, rows, keys), workspace.take):
-                span = slice(start + first, start + first + diagonals.shape[-1])
-                if grad_table is not None:
-                    grad_table[:, span] += _diagonal_sums(diagonals, factor)
-                if grad_factor is not None:
-                    row_sums = row_sums + _window_dots(diagonals, table[:, span])  # (B, H, rows, 1)
+
+@_prior_gradient_attention.register_fake
+def _prior_gradient_attention_fake(query, *arguments) -> torch.Tensor:
+    batch, heads, q_len, head_dim = query.shape
+    return query.new_empty(batch, q_len, heads, head_dim)
+
+
+@torch.library.custom_op("bam_llama::blocked_prior_attention_backward", mutates_args=())
+def _prior_gradient_attention_backward(
+    grad_output: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    table: torch.Tensor,
+    prior_factor: Optional[torch.Tensor],
+    key_mask: Optional[torch.Tensor],
+    query_documents: Optional[torch.Tensor],
+    document_ids: Optional[torch.Tensor],
+    block: int,
+    last: int,
+    scaling: float,
+    table_grad: bool,
+    factor_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV, d table, d factor); the last two are empty where not asked for. Autocast off: a backward
+    called inside an autocast region runs as the forward did."""
+    with autocast_off(query.device):
+        grads = _prior_gradient_backward(
+            grad_output, query, key, value, table, prior_factor, key_mask, query_documents, document_ids, block,
+            last, scaling, table_grad, factor_grad,
+        )
+    return tuple(query.new_empty(0) if grad is None else grad for grad in grads)
+
+
+@_prior_gradient_attention_backward.register_fake
+def _prior_gradient_attention_backward_fake(
+    grad_output, query, key, value, table, prior_factor, key_mask, query_documents, document_ids, block, last,
+    scaling, table_grad, factor_grad,
+):
+    grad_table = torch.empty_like(table) if table_grad else query.new_empty(0)
+    grad_factor = torch.empty_like(prior_factor) if factor_grad else query.new_empty(0)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grad_table, grad_factor
+
+
+def _prior_gradient_setup(ctx, inputs, output) -> None:
+    tensors, (_, _, backward_block, last, scaling) = inputs[:8], inputs[8:]
+    ctx.save_for_backward(*tensors)
+    ctx.block = (backward_block, last, scaling)
+
+
+def _prior_gradient_backward_rule(ctx, grad_output):
+    query, key, value, table, prior_factor, key_mask, query_documents, document_ids = ctx.saved_tensors
+    table_grad, factor_grad = ctx.needs_input_grad[3], prior_factor is not None and ctx.needs_input_grad[4]
+    grad_query, grad_key, grad_value, grad_table, grad_factor = _prior_gradient_attention_backward(
+        grad_output, query, key, value, table, prior_factor, key_mask, query_documents, document_ids, *ctx.block,
+        table_grad, factor_grad,
+    )
+    return (
+        grad_query, grad_key, grad_value, grad_table if table_grad else None, grad_factor if factor_grad else None,
+        None, None, None, None, None, None, None, None,
+    )
+
+
+_prior_gradient_attention.register_autograd(_prior_gradient_backward_rule, setup_context=_prior_gradient_setup)
+
+
+def _prior_gradient_backward(
+    grad_output, query, key, value, table, prior_factor, key_mask, query_documents, document_ids, block, last,
+    scaling, table_grad, factor_grad,
+):
+    """The backward of `_prior_gradient_attention`: (dQ, dK, dV, d table or None, d factor or None)."""
+    masking = (table, prior_factor, key_mask, query_documents, document_ids)
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, key_len = key.shape[1], key.shape[2]
+    pairs, group = batch * kv_heads, heads // kv_heads  # matmul batches: (B x Hkv), rows: group x block rows
+    queries = (query * scaling).view(pairs, group, q_len, head_dim)
+    output_grads = grad_output.transpose(1, 2).contiguous().view(pairs, group, q_len, head_dim)
+    keys_t = key.view(pairs, key_len, head_dim).transpose(1, 2)
+    values_t = value.view(pairs, key_len, head_dim).transpose(1, 2)
+    scaled_keys = (key * scaling).view(pairs, key_len, head_dim)
+    grad_query = query.new_empty(pairs, group, q_len, head_dim)
+    grad_key, grad_value = key.new_zeros(pairs, key_len, head_dim), value.new_zeros(pairs, key_len, head_dim)
+    grad_table = torch.zeros_like(table) if table_grad else None
+    grad_factor = torch.zeros_like(prior_factor) if factor_grad else None
+    workspace = _Workspace(3, batch * heads * block * (last + 1 + block), query)  # block <= q_len
+    for start, rows, keys in _blocks(q_len, block, last):
+        rows_slice, grouped = slice(start, start + rows), (pairs, group * rows, keys)
+        block_query = queries[:, :, rows_slice].reshape(pairs, group * rows, head_dim)
+        block_grad = output_grads[:, :, rows_slice].reshape(pairs, group * rows, head_dim)
+        scores = _write_block_mask(workspace.take(0, (batch, heads, rows, keys)), *masking, start, rows, keys)
+        scores.view(grouped).baddbmm_(block_query, keys_t[:, :, :keys])
+        # in place: two (rows x keys) buffers instead of three stay in cache (4-8% faster at 2048-4096 tokens)
+        probs = torch.softmax(scores.view(grouped), dim=-1, out=scores.view(grouped))
+        grad_value[:, :keys].baddbmm_(probs.transpose(1, 2), block_grad)
+        grad_probs = torch.bmm(block_grad, values_t[:, :, :keys], out=workspace.take(1, grouped))
+        grad_scores = _softmax_backward(grad_probs, probs, out=grad_probs)
+        grad_query[:, :, rows_slice] = torch.bmm(grad_scores, scaled_keys[:, :keys]).view(pairs, group, rows, -1)
+        grad_key[:, :keys].baddbmm_(grad_scores.transpose(1, 2), block_query)
+        factor = None if prior_factor is None else prior_factor[:, :, rows_slice]
+        row_sums = 0.0
+        for first, diagonals in _mask_grad_diagonals(grad_scores.view(batch, heads, rows, keys), workspace.take):
+            span = slice(start + first, start + first + diagonals.shape[-1])
+            if grad_table is not None:
+                grad_table[:, span] += _diagonal_sums(diagonals, factor)
             if grad_factor is not None:
-                grad_factor[:, :, rows_slice] = row_sums.sum(0, keepdim=True) if grad_factor.shape[0] == 1 else row_sums
-        grad_query = grad_query.view(batch, heads, q_len, head_dim)
-        grad_key, grad_value = grad_key.view(key.shape), grad_value.view(value.shape)
-        return None, None, None, grad_query, grad_key, grad_value, grad_table, grad_factor, None, None, None
+                row_sums = row_sums + _window_dots(diagonals, table[:, span])  # (B, H, rows, 1)
+        if grad_factor is not None:
+            grad_factor[:, :, rows_slice] = row_sums.sum(0, keepdim=True) if grad_factor.shape[0] == 1 else row_sums
+    grad_query = grad_query.view(batch, heads, q_len, head_dim)
+    return grad_query, grad_key.view(key.shape), grad_value.view(value.shape), grad_table, grad_factor
 
 
 class _Workspace:
@@ -387,7 +498,9 @@ def _window_dots(diagonals: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 class _RecomputedBlock(torch.autograd.Function):
     """`_attend_block` that keeps only its inputs: the backward pass recomputes the block with autograd on,
-    replaying the random state for dropout. Gradients come from `torch.autograd.grad`, so `.grad()` works."""
+    replaying the random state for dropout. Gradients come from `torch.autograd.grad`, so `.grad()` works.
+    Autocast: the forward runs in `bam_attention_blocked`'s autocast-off region, on inputs in the compute dtype, and
+    the replay turns autocast off too (custom_bwd's convention: the backward under the forward's autocast state)."""
 
     TENSORS = 8  # query, key, value, table, prior_factor, key_mask, query_documents, document_ids
 
@@ -410,7 +523,8 @@ class _RecomputedBlock(torch.autograd.Function):
             t.detach().requires_grad_(wanted) if t is not None else None
             for t, wanted in zip(ctx.saved_tensors, needs_grad)
         ]
-        with torch.enable_grad(), torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+        devices = [ctx.device] if ctx.device.type == "cuda" else []
+        with torch.enable_grad(), autocast_off(ctx.device), torch.random.fork_rng(devices=devices):
             if ctx.rng_state is not None:
                 _set_rng_state(ctx.device, ctx.rng_state)
             output = _attend_block(*tensors, *ctx.block)

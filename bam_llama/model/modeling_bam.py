@@ -183,13 +183,16 @@ def bam_sdpa_attention_forward(
     prior: BamPrior,
     document_ids: torch.Tensor | None = None,
     prior_table: torch.Tensor | None = None,
+    last_position: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """PyTorch SDPA with the (SSMax-scaled) prior passed as a float mask, over blocks of queries whose mask is a
-    view of a 1-D prior table per head; a custom 4D mask gets the materialized (Lq x Lk) path.
+    view of a 1-D prior table per head. The blocks are planned from `last_position`, the last query's position as
+    a Python int; where only a tensor knows it (a static cache in a traced graph: None), or with a custom 4D mask,
+    the (Lq x Lk) prior is materialized from the query positions instead.
 
-    prior_table: `prior.table(P)` when the model computed it once for all layers (global prior)."""
-    if attention_mask is not None and attention_mask.dim() == 4:
+    prior_table: `prior.table(last_position)` when the model computed it once for all layers (global prior)."""
+    if last_position is None or (attention_mask is not None and attention_mask.dim() == 4):
         visible, bias, row_factor = _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids)
         output = bam_attention_sdpa(
             query, key, value, visible, bias, scaling, row_factor, module.config.ssmax_prior, dropout
@@ -197,7 +200,7 @@ def bam_sdpa_attention_forward(
         return output.transpose(1, 2).contiguous(), None
     output = bam_attention_blocked(
         query, key, value, query_positions,
-        prior.table(int(query_positions[-1])) if prior_table is None else prior_table, scaling,
+        prior.table(last_position) if prior_table is None else prior_table, scaling,
         ssmax_scale=None if module.ssmax is None else module.ssmax.scale, ssmax_prior=module.config.ssmax_prior,
         key_valid=attention_mask, document_ids=document_ids, dropout=dropout,
     )
@@ -229,7 +232,7 @@ def bam_triton_attention_forward(
     if custom_mask or dropout > 0.0 or not usable:
         return bam_sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling, dropout,
-            query_positions=query_positions, prior=prior, document_ids=document_ids,
+            query_positions=query_positions, prior=prior, document_ids=document_ids, **kwargs,
         )
     ssmax = module.ssmax
     output = ggd_attention(
@@ -261,6 +264,8 @@ def bam_key_padding_mask(
     missing = kv_length - attention_mask.shape[1]
     if missing > 0:  # static caches are longer than the mask; the unfilled tail is hidden by causality
         attention_mask = nn.functional.pad(attention_mask, (0, missing), value=True)
+    if torch.compiler.is_compiling():  # a traced graph keeps the mask: its value cannot choose the graph
+        return attention_mask
     return None if bool(attention_mask.all()) else attention_mask
 
 
@@ -630,9 +635,11 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         else:
             mask_embeds = inputs_embeds
         query_positions = torch.arange(mask_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-        if position_ids is None:
-            position_ids = query_positions.unsqueeze(0)
-        document_ids = self._packed_document_ids(mask_embeds, attention_mask, position_ids, cache)
+        last_position = _last_query_position(past_seen_tokens, mask_embeds.shape[1])
+        if position_ids is None:  # positions the model numbers itself are one sequence a row: nothing is packed
+            position_ids, document_ids = query_positions.unsqueeze(0), None
+        else:
+            document_ids = self._packed_document_ids(mask_embeds, attention_mask, position_ids, cache)
 
         causal_mask = _create_causal_mask(
             self.config, mask_embeds, attention_mask, cache, position_ids, query_positions
@@ -640,7 +647,9 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         # The global prior depends on j - i only: one (H, P + 1) table, computed once for all layers.
-        prior_table = self.prior.table(int(query_positions[-1])) if self.prior is not None else None
+        prior_table = None
+        if self.prior is not None and last_position is not None:
+            prior_table = self.prior.table(last_position)
 
         hidden_states = inputs_embeds
         for decoder_layer in self.layers:
@@ -651,6 +660,7 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
                 attention_mask=causal_mask,
                 shared_prior=self.prior,
                 document_ids=document_ids,
+                last_position=last_position,
                 **{CACHE_NAME: cache},
                 **kwargs,
             )
@@ -666,6 +676,18 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         if attention_mask is not None or cache is not None:
             return None
         return find_packed_sequence_indices(position_ids.expand(inputs_embeds.shape[0], -1))
+
+
+def _last_query_position(past_seen_tokens: int | torch.Tensor, query_length: int) -> int | None:
+    """The last query's absolute position as a Python int, read from the cache length before any layer updates
+    it: the attention plans its blocks from it, never from tensor values. A static cache keeps its length in a
+    tensor: eager code reads it (one host read a forward), a traced graph cannot and gets None (the attention then
+    works from the position tensor)."""
+    if isinstance(past_seen_tokens, torch.Tensor):
+        if torch.compiler.is_compiling():
+            return None
+        past_seen_tokens = int(past_seen_tokens)
+    return past_seen_tokens + query_length - 1
 
 
 _CAUSAL_MASK_PARAMETERS = inspect.signature(create_causal_mask).parameters

@@ -5,6 +5,7 @@ Shapes: B batch, H query heads, Lq queries, Lk keys. Positions are absolute toke
 included): query i sits at `query_positions[i]`, key j at `j` (keys are stored in order from position 0).
 """
 
+import contextlib
 import math
 
 import torch
@@ -131,6 +132,16 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     closest = 2 ** math.floor(math.log2(num_heads))
     extra = power_of_two_slopes(2 * closest)[0::2][: num_heads - closest]
     return torch.tensor(power_of_two_slopes(closest) + extra)
+
+
+def autocast_off(device: torch.device):
+    """A region where autocast changes no dtype (`torch.autocast(..., enabled=False)` for the device): BAM's SDPA
+    paths pick their compute dtype themselves (`attention_compute_dtype`), since under autocast SDPA and the
+    matmuls would run, and the prior's float mask be rounded, in 16 bits. A no-op where autocast is off (so a
+    traced graph holds no autocast region then)."""
+    if not torch.amp.is_autocast_available(device.type) or not torch.is_autocast_enabled(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
 
 
 def attention_compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -10,7 +10,7 @@ Shapes: B batch, H query heads, Hkv key/value heads, Lq queries, Lk keys, D head
 import torch
 import torch.nn.functional as F
 
-from .prior_bam import attention_compute_dtype
+from .prior_bam import attention_compute_dtype, autocast_off
 
 
 def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -86,20 +86,22 @@ def bam_attention_sdpa(
 
     The SSMax factor multiplies the queries (so q.k is scaled per row); the prior, scaled or not, is the mask.
     The mask stays float32 and 16-bit inputs are computed in float32: in fp16 the prior overflows to -inf
-    (distance 0 with a negative beta), in bf16 far priors round to equal values.
+    (distance 0 with a negative beta), in bf16 far priors round to equal values. Under autocast too: autocast is
+    off inside (it would run SDPA, and round the mask, in 16 bits); the output comes in the query's dtype.
     """
     input_dtype = query.dtype
-    query, key, value = (tensor.to(attention_compute_dtype(input_dtype)) for tensor in (query, key, value))
-    n_rep = query.shape[1] // key.shape[1]
-    key = repeat_kv(key, n_rep)
-    value = repeat_kv(value, n_rep)
-    visible, has_keys = _rows_with_keys(visible)
-    if row_factor is not None:
-        query = query * row_factor.to(query.dtype)
-        if ssmax_prior:
-            bias = bias * row_factor
-    float_mask = torch.where(visible, bias, torch.full_like(bias, float("-inf"))).to(query.dtype)
-    output = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=float_mask, dropout_p=dropout, scale=scaling
-    )
-    return torch.where(has_keys, output, torch.zeros_like(output)).to(input_dtype)
+    with autocast_off(query.device):
+        query, key, value = (tensor.to(attention_compute_dtype(input_dtype)) for tensor in (query, key, value))
+        n_rep = query.shape[1] // key.shape[1]
+        key = repeat_kv(key, n_rep)
+        value = repeat_kv(value, n_rep)
+        visible, has_keys = _rows_with_keys(visible)
+        if row_factor is not None:
+            query = query * row_factor.to(query.dtype)
+            if ssmax_prior:
+                bias = bias * row_factor
+        float_mask = torch.where(visible, bias, torch.full_like(bias, float("-inf"))).to(query.dtype)
+        output = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=float_mask, dropout_p=dropout, scale=scaling
+        )
+        return torch.where(has_keys, output, torch.zeros_like(output)).to(input_dtype)

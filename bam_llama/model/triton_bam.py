@@ -589,15 +589,29 @@ def ggd_attention(
         ssmax_prior: whether the SSMax factor also multiplies the prior.
         num_splits: None chooses; 0 forces the single-pass kernel; n >= 1 forces split-KV decode with n splits.
     Returns:
-        (B, H, Lq, D) in the query dtype, differentiable w.r.t. query, key, value, the theta parameters and
-        ssmax_scale.
+        (B, H, Lq, D) in the query dtype (autocast's under autocast), differentiable w.r.t. query, key, value, the
+        theta parameters and ssmax_scale; each gradient comes in its input's dtype.
+
+    Autocast: like SDPA, a "lower precision" operation: query, key and value are cast to autocast's dtype (the
+    kernels take 16-bit inputs and accumulate in float32); the prior and SSMax parameters stay as they are (the
+    kernels read them through float32 tables, and their gradients are summed in float32).
     """
+    query, key, value = _autocast_inputs(query, key, value)
     _check_inputs(query, key, value, theta_alpha, query_positions, formula, num_splits)
     out, _ = _ggd_attention_forward_op(
         query, key, value, theta_alpha, theta_beta, theta_mu, query_positions, key_valid, document_ids,
         ssmax_scale, float(scaling), formula, float(eps), bool(ssmax_prior), num_splits,
     )
     return out
+
+
+def _autocast_inputs(query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query, key, value in autocast's dtype where autocast is on for their device, else as they are."""
+    device_type = query.device.type
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device_type)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
 def _check_inputs(query, key, value, theta_alpha, query_positions, formula, num_splits=None) -> None:

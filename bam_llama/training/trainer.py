@@ -10,6 +10,7 @@ import os
 import torch
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainingArguments
+from transformers.utils import is_torch_bf16_gpu_available
 
 from ..data.packing import IGNORE_INDEX, collate_packed_rows
 from ..model.prior_bam import is_prior_parameter
@@ -85,7 +86,7 @@ def training_arguments(args, report_to: str | list[str] = "none", merge: bool = 
         label_names=["labels"],
         include_num_input_tokens_seen="non_padding",
         ddp_backend="gloo" if distributed_on_cpu() else None,
-        use_cpu=distributed_on_cpu(),  # else Accelerate sees several CPU processes but no distributed run
+        use_cpu=distributed_on_cpu() or cpu_bf16(bf16),
         ddp_find_unused_parameters=False,
         disable_tqdm=args.disable_progress_bars,
         dataloader_pin_memory=torch.cuda.is_available(),
@@ -106,8 +107,15 @@ def checkpointing_arguments(enabled: bool, reentrant: bool = False) -> dict:
     return {f"{prefix}_checkpointing": True, f"{prefix}_checkpointing_kwargs": {"use_reentrant": reentrant}}
 
 
+def cpu_bf16(bf16: bool) -> bool:
+    """bf16 asked for on a machine with no GPU to run it: Accelerate's CPU bf16 autocast, which Transformers runs
+    only with `use_cpu` (a CUDA GPU without bf16 keeps Transformers' refusal rather than falling back to the CPU)."""
+    return bf16 and not torch.cuda.is_available() and not is_torch_bf16_gpu_available()
+
+
 def distributed_on_cpu() -> bool:
-    """Launched by torchrun / accelerate with several processes and no GPU: DDP needs the gloo backend."""
+    """Launched by torchrun / accelerate with several processes and no GPU: DDP needs the gloo backend, and
+    `use_cpu` (else Accelerate sees several CPU processes but no distributed run)."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
 
 

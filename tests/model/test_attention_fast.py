@@ -47,7 +47,7 @@ def attention_module(theta_beta, ssmax=True, ssmax_prior=True, heads=4, kv_heads
 def run_sdpa_path(module, prior, query, key, value, positions, key_valid=None, document_ids=None):
     output, _ = bam_sdpa_attention_forward(
         module, query, key, value, key_valid, scaling=query.shape[-1] ** -0.5,
-        query_positions=positions, prior=prior, document_ids=document_ids,
+        query_positions=positions, prior=prior, document_ids=document_ids, last_position=int(positions[-1]),
     )
     return output.transpose(1, 2)  # (B, H, Lq, D)
 

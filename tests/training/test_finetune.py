@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import checkout_environment, default_sigint, tiny_model
+from helpers import checkout_environment, default_sigint, tiny_model, training_linear_dtypes
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from bam_llama.cli.finetune import main
 from bam_llama.data.documents import load_documents
@@ -372,6 +372,37 @@ def test_cli_lora_with_reentrant_checkpointing_trains_as_without(workspace, tmp_
     assert checkpointed.keys() == plain.keys() and any("theta_alpha" in name for name in plain)
     for name, tensor in plain.items():
         torch.testing.assert_close(checkpointed[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_trainer_bf16_on_a_cpu_trains_the_prior_and_ssmax(tmp_path):
+    """Transformers' own `Trainer(bf16=True)` (Accelerate's CPU bf16 autocast; Transformers asks for use_cpu
+    without a GPU) on the default "sdpa" attention, trained prior and SSMax scale."""
+    model = tiny_model("sdpa", ssmax=True).train()
+    before = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 97, (8, 24), generator=generator)]
+    args = TrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True, max_steps=3, learning_rate=5e-2,
+                             per_device_train_batch_size=4, save_strategy="no", report_to="none", logging_steps=1)
+    with training_linear_dtypes() as dtypes:
+        result = Trainer(model=model, args=args, train_dataset=rows).train()
+    assert dtypes == {torch.bfloat16} and torch.isfinite(torch.tensor(result.training_loss))
+    unchanged = [name for name, p in model.named_parameters() if name in before and torch.equal(p, before[name])]
+    assert not unchanged
+    assert {"model.prior.theta_alpha", "model.prior.theta_beta", "model.layers.0.self_attn.ssmax.scale"} <= before.keys()
+
+
+def test_cli_bf16_on_a_cpu_trains_under_autocast(workspace, tmp_path):
+    """`bam-finetune --bf16` without a GPU trains (LoRA and the prior) under the CPU's bf16 autocast."""
+    flags = ["--model", str(workspace["base"]), "--data", str(workspace["data"]), "--output-dir", str(tmp_path / "run"),
+             "--context-length", str(TARGET_LENGTH), "--max-steps", "3", "--save-steps", "100", "--batch-size", "4",
+             "--learning-rate", "1e-2", "--lora-rank", "4", "--eval-rows", "4", "--disable-progress-bars", "--bf16"]
+    with training_linear_dtypes() as dtypes:
+        assert main(flags) == 0
+    assert dtypes == {torch.bfloat16}
+    adapter = load_file(tmp_path / "run" / "adapter" / "adapter_model.safetensors")
+    base = load_file(workspace["base"] / "model.safetensors")
+    alpha = next(tensor for name, tensor in adapter.items() if name.endswith("prior.theta_alpha"))
+    assert not torch.equal(alpha, base["model.prior.theta_alpha"])
 
 
 def test_cli_help_lists_the_options(capsys):

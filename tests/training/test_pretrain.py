@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import tiny_model, training_linear_dtypes
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
@@ -246,6 +246,21 @@ def test_bad_arguments_exit_2_with_one_line_before_any_data_loads(tmp_path, caps
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and named in errors[0] and "no-such-data" not in errors[0], errors
     assert not (tmp_path / "out" / "model").exists()
+
+
+def test_bf16_on_a_cpu_trains_the_prior_under_autocast(data, tmp_path):
+    """`--bf16` without a GPU: Accelerate's CPU bf16 autocast (the GPU default, run on the CPU) on the default
+    "sdpa" attention, whose prior and SSMax scale train through BAM's own backward."""
+    argv = ["--data", str(data), "--output-dir", str(tmp_path / "run"), "--context-length", str(CONTEXT_LENGTH),
+            "--max-steps", "3", "--save-steps", "100", "--per-device-train-batch-size", "4", "--eval-rows", "4",
+            "--hidden-size", "32", "--layers", "2", "--heads", "4", "--intermediate-size", "64", "--ssmax",
+            "--disable-progress-bars", "--bf16"]
+    with training_linear_dtypes() as dtypes:
+        assert main(argv) == 0
+    assert dtypes == {torch.bfloat16}
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
+    assert trained.model.prior.theta_alpha.abs().min() > 0 and trained.model.prior.theta_beta.abs().min() > 0
+    assert not torch.equal(trained.model.layers[0].self_attn.ssmax.scale, torch.ones(4))  # trained from 1
 
 
 def test_ddp_on_two_cpu_processes_with_a_bpe_trained_once(data, tmp_path):

@@ -1,0 +1,201 @@
+"""torch.compile(fullgraph=True) and torch.export as on Llama: no graph break, no data-dependent guard, the same
+results as eager. Every test runs a same-size LlamaForCausalLM through the same steps as the bar.
+
+The block planning of BAM's attention reads shapes and the cache length (a Python int, read before the cache is
+updated), never tensor values; a static cache, whose length is a tensor, gets the attention from tensor positions.
+Compiled graphs run under the "aot_eager" backend: Dynamo's capture and AOTAutograd's forward and backward graphs
+(what inductor compiles) without inductor's C++ build, which would take minutes on CPU.
+"""
+
+import pytest
+import torch
+from helpers import tiny_llama, tiny_model
+from transformers import StaticCache
+
+VOCAB = 97
+BATCH, LENGTH = 2, 40  # SSMax, padding or packing materialize block masks of 32 rows: 2 blocks
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def inputs(kind: str) -> dict:
+    """plain rows; left padding (row 1 starts after 4 pads); two packed documents a row (positions restart)."""
+    generator = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(3, VOCAB, (BATCH, LENGTH), generator=generator)}
+    if kind == "padding":
+        batch["attention_mask"] = torch.ones(BATCH, LENGTH, dtype=torch.long)
+        batch["attention_mask"][1, :4] = 0
+    elif kind == "packed":
+        batch["position_ids"] = torch.cat([torch.arange(5), torch.arange(LENGTH - 5)])[None].expand(BATCH, -1)
+    return batch
+
+
+def model_of(name: str, attention: str = "sdpa", **config):
+    """"bam": the default configuration (global prior, SSMax, sdpa) unless `config` says otherwise; "llama"."""
+    if name == "llama":
+        return tiny_llama(attention)
+    return tiny_model(attention, **{"ssmax": True, **config})
+
+
+BAM_CASES = {
+    "default": dict(),
+    "eager": dict(attention="eager"),
+    "layer-prior": dict(prior_scope="layer"),
+    "no-ssmax": dict(ssmax=False),
+    "ssmax-unscaled-prior": dict(ssmax_prior=False),
+}
+
+
+def labelled(batch: dict) -> dict:
+    labels = batch["input_ids"].clone()
+    if "attention_mask" in batch:
+        labels[batch["attention_mask"] == 0] = -100
+    return {**batch, "labels": labels, "use_cache": False}
+
+
+@pytest.mark.parametrize(
+    "case, kind, training",
+    [
+        ("default", "plain", False),
+        ("default", "padding", True),
+        ("eager", "packed", True),
+        ("layer-prior", "packed", True),
+        ("no-ssmax", "plain", True),
+        ("llama", "plain", False),
+        ("llama", "padding", True),
+    ],
+)
+def test_no_graph_break(case, kind, training):
+    """torch._dynamo.explain over a whole forward: one graph, 0 breaks, like Llama. In training mode the prior's
+    gradient runs BAM's own backward, which stays one opaque operator in the graph. (Every fullgraph=True test
+    below proves the same for its configuration.)"""
+    model = tiny_llama() if case == "llama" else model_of("bam", **BAM_CASES[case])
+    with torch.set_grad_enabled(training):
+        explanation = torch._dynamo.explain(model.train(training))(**labelled(inputs(kind)))
+    reasons = [reason.reason.splitlines()[0] for reason in explanation.break_reasons]
+    assert explanation.graph_break_count == 0, reasons
+    assert explanation.graph_count == 1
+
+
+def trained_step(model, batch, compiled=False):
+    """Logits and every parameter's gradient after one forward and backward (of the compiled model if asked)."""
+    model.zero_grad()
+    output = (torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model)(**labelled(batch))
+    output.loss.backward()
+    grads = {name: parameter.grad.clone() for name, parameter in model.named_parameters() if parameter.grad is not None}
+    return output.logits.detach(), grads
+
+
+@pytest.mark.parametrize("name, kind", [("bam", "plain"), ("bam", "padding"), ("bam", "packed"), ("llama", "plain")])
+def test_fullgraph_compiled_training_step_equals_eager(name, kind):
+    """Forward and backward of `torch.compile(model, fullgraph=True)`: the same logits and the same gradient for
+    every parameter, the prior's and SSMax's included (they train here: alpha, beta and the SSMax scale)."""
+    model = model_of(name).train()
+    batch = inputs(kind)
+    eager_logits, eager_grads = trained_step(model, batch)
+    compiled_logits, compiled_grads = trained_step(model, batch, compiled=True)
+    torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert compiled_grads.keys() == eager_grads.keys()
+    if name == "bam":
+        prior = {"model.prior.theta_alpha", "model.prior.theta_beta", "model.layers.1.self_attn.ssmax.scale"}
+        assert prior <= set(eager_grads)
+    for parameter, expected in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[parameter], expected, rtol=1e-5, atol=1e-6, msg=parameter)
+
+
+def test_fullgraph_compiled_training_with_attention_dropout_equals_eager():
+    """With dropout the eager path replays each block in its backward (`_RecomputedBlock`); a compiled graph
+    differentiates the blocks with autograd instead. Same seed, same dropout pattern: the same gradients."""
+    model = tiny_model("sdpa", ssmax=True, attention_dropout=0.2).train()
+    batch = inputs("padding")
+    torch.manual_seed(7)
+    eager_logits, eager_grads = trained_step(model, batch)
+    torch.manual_seed(7)
+    compiled_logits, compiled_grads = trained_step(model, batch, compiled=True)
+    torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert compiled_grads.keys() == eager_grads.keys()
+    for parameter, expected in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[parameter], expected, rtol=1e-5, atol=1e-6, msg=parameter)
+
+
+@pytest.mark.parametrize("case", ["eager", "layer-prior", "ssmax-unscaled-prior"])
+def test_fullgraph_compiled_inference_equals_eager(case):
+    model = model_of("bam", **BAM_CASES[case])
+    batch = {**inputs("padding"), "use_cache": False}
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(**batch).logits
+        torch.testing.assert_close(compiled, model(**batch).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["bam", "llama"])
+def test_export_runs_like_eager_for_any_padding(name):
+    """`torch.export.export` with an attention mask: the exported program gives eager's logits for another mask
+    too (its graph does not depend on the mask's values) and holds only ATen operators, none of BAM's own."""
+    model = model_of(name)
+    traced = inputs("padding")
+    program = torch.export.export(model, (), {**traced, "use_cache": False})
+    graphs = [module.graph for module in program.graph_module.modules() if isinstance(module, torch.fx.GraphModule)]
+    targets = {str(node.target) for graph in graphs for node in graph.nodes if node.op == "call_function"}
+    assert "aten.scaled_dot_product_attention.default" in targets  # the attention itself, as ATen
+    assert not [target for target in targets if "bam_llama" in target or not target.startswith(("aten.", "<"))]
+    exported = program.module()
+    mask_free = {"input_ids": traced["input_ids"], "attention_mask": torch.ones_like(traced["attention_mask"])}
+    other_padding = {"input_ids": traced["input_ids"], "attention_mask": traced["attention_mask"].flip(0)}
+    with torch.no_grad():
+        for batch in (traced, mask_free, other_padding):
+            expected = model(**batch, use_cache=False).logits
+            torch.testing.assert_close(exported(**batch, use_cache=False).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["bam", "llama"])
+def test_compiled_decoding_with_a_static_cache_equals_generate(name):
+    """Transformers' recipe: prefill into a `StaticCache`, then every decoding step through
+    `torch.compile(model.forward, fullgraph=True)`: one graph for all steps (the position lives in the cache's
+    length tensor, so no step recompiles) and `generate()`'s greedy tokens."""
+    model = model_of(name)
+    prompt = torch.randint(3, VOCAB, (BATCH, 7))
+    expected = model.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    step = torch.compile(model.forward, fullgraph=True, backend=recording_backend)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        tokens = [model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)]
+        for _ in range(5):
+            tokens.append(step(tokens[-1], past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1))
+    assert torch.equal(torch.cat([prompt, *tokens], dim=1), expected)
+    assert len(graphs) == 1
+
+
+def test_eager_attention_plans_blocks_from_the_cache_length(monkeypatch):
+    """Outside a traced graph the "sdpa" path stays the blocked one (a window of one prior table per head), its
+    table ending at the last query's position: read from the cache length, a tensor only for a static cache."""
+    from bam_llama.model import modeling_bam
+
+    tables = []
+    blocked = modeling_bam.bam_attention_blocked
+
+    def spy(query, key, value, positions, table, *args, **kwargs):
+        tables.append((table.shape[-1], int(positions[-1]) + 1, key.shape[2]))
+        return blocked(query, key, value, positions, table, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_bam, "bam_attention_blocked", spy)
+    model = model_of("bam")
+    prompt = torch.randint(3, VOCAB, (BATCH, 7))
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(prompt, use_cache=False)
+        model.generate(prompt, max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+        model(prompt, past_key_values=cache, use_cache=True)
+        model(prompt[:, :1], past_key_values=cache, use_cache=True)  # the cache's length is a tensor now
+    calls = [(7, 7, 7), (7, 7, 7), (8, 8, 8), (7, 7, 16), (8, 8, 16)]  # (table, last position + 1, keys)
+    assert tables == [call for call in calls for _ in range(model.config.num_hidden_layers)]
