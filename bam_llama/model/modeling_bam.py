@@ -87,15 +87,23 @@ class BamPrior(nn.Module):
         for name, value in initial_prior_values(config).items():
             _copy_init(getattr(self, name), value)
 
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(theta_alpha, theta_beta, theta_mu), each (H,), on the device the prior computes on. Every use of the
+        prior reads them through this call, so that the hooks that bring offloaded or sharded weights in
+        (Accelerate's `device_map` offload, DeepSpeed ZeRO-3) run."""
+        return self.theta_alpha, self.theta_beta, self.theta_mu
+
     def table(self, last_position: int) -> torch.Tensor:
         """(H, P + 1) float32 prior at distances -P, ..., 0: every row of the bias is a window of it."""
-        distance = torch.arange(-last_position, 1, device=self.theta_alpha.device, dtype=torch.float32)
-        return ggd_bias(distance, self.theta_alpha, self.theta_beta, self.theta_mu, self.formula, self.eps)
+        theta_alpha, theta_beta, theta_mu = self()
+        distance = torch.arange(-last_position, 1, device=theta_alpha.device, dtype=torch.float32)
+        return ggd_bias(distance, theta_alpha, theta_beta, theta_mu, self.formula, self.eps)
 
     def bias(self, query_positions: torch.Tensor, key_length: int) -> torch.Tensor:
         """(1, H, Lq, Lk) float32 prior for queries at absolute positions (Lq,) and keys 0..Lk-1."""
-        distance = relative_distance(query_positions, key_length)
-        return ggd_bias(distance, self.theta_alpha, self.theta_beta, self.theta_mu, self.formula, self.eps)[None]
+        theta_alpha, theta_beta, theta_mu = self()
+        distance = relative_distance(query_positions.to(theta_alpha.device), key_length)
+        return ggd_bias(distance, theta_alpha, theta_beta, theta_mu, self.formula, self.eps)[None]
 
     def extra_repr(self) -> str:
         return f"heads={self.theta_alpha.numel()}, formula={self.formula}, eps={self.eps}"
@@ -114,9 +122,13 @@ class BamScalableSoftmax(nn.Module):
     def reset_parameters(self, config: BamLlamaConfig) -> None:
         _copy_init(self.scale, torch.full_like(self.scale, float(config.ssmax_scale_init)))
 
+    def forward(self) -> torch.Tensor:
+        """(H,) scale s_h, read through a module call (see `BamPrior.forward`)."""
+        return self.scale
+
     def row_factor(self, visible_counts: torch.Tensor) -> torch.Tensor:
         """(B, Lq) counts -> (B, H, Lq, 1) float32 factor."""
-        return ssmax_factor(visible_counts, self.scale)
+        return ssmax_factor(visible_counts, self())
 
 
 def _copy_init(parameter: torch.Tensor, value: torch.Tensor) -> None:
@@ -198,7 +210,7 @@ def bam_sdpa_attention_forward(
     output = bam_attention_blocked(
         query, key, value, query_positions,
         prior.table(int(query_positions[-1])) if prior_table is None else prior_table, scaling,
-        ssmax_scale=None if module.ssmax is None else module.ssmax.scale, ssmax_prior=module.config.ssmax_prior,
+        ssmax_scale=None if module.ssmax is None else module.ssmax(), ssmax_prior=module.config.ssmax_prior,
         key_valid=attention_mask, document_ids=document_ids, dropout=dropout,
     )
     return output.transpose(1, 2).contiguous(), None
@@ -233,9 +245,9 @@ def bam_triton_attention_forward(
         )
     ssmax = module.ssmax
     output = ggd_attention(
-        query, key, value, prior.theta_alpha, prior.theta_beta, prior.theta_mu, query_positions,
+        query, key, value, *prior(), query_positions,
         scaling=scaling, formula=prior.formula, eps=prior.eps, key_valid=attention_mask,
-        document_ids=document_ids, ssmax_scale=None if ssmax is None else ssmax.scale,
+        document_ids=document_ids, ssmax_scale=None if ssmax is None else ssmax(),
         ssmax_prior=module.config.ssmax_prior,
     )
     return output.transpose(1, 2).contiguous(), None
@@ -493,7 +505,9 @@ class BamLlamaPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["BamDecoderLayer"]
-    _skip_keys_device_placement = ["cache", "past_key_values"]
+    # not moved by Accelerate's hooks: the KV cache, and the global prior module every layer gets (a module with
+    # offloaded weights cannot be moved; its own call brings them in)
+    _skip_keys_device_placement = ["cache", "past_key_values", "shared_prior"]
     _supports_sdpa = True
     # Flash / flex / paged / Hub-kernel backends would silently drop the prior: only BAM's own implementations can be
     # selected (see `get_correct_attn_implementation`), so the model is safe as a backend and for padding-free batches.
