@@ -35,7 +35,14 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .blocked_bam import bam_attention_blocked
 from .configuration_bam import BamLlamaConfig
-from .prior_bam import alibi_slopes, ggd_bias, relative_distance, ssmax_factor, visibility_from_positions
+from .prior_bam import (
+    SSMAX_PARAMETER,
+    alibi_slopes,
+    ggd_bias,
+    relative_distance,
+    ssmax_factor,
+    visibility_from_positions,
+)
 from .reference_bam import bam_attention_reference, bam_attention_sdpa
 from .sequence_parallel_bam import active_sequence_parallel
 from .triton_bam import TRITON_AVAILABLE, ggd_attention, triton_usable
@@ -70,16 +77,20 @@ def initial_prior_values(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
 
 
 class BamPrior(nn.Module):
-    """The per-head GGD positional prior: three scalars per head."""
+    """The per-head GGD positional prior: three scalars per head.
+
+    A parameter the config freezes (`train_theta_mu=False` by default) is a buffer, not a Parameter: no wrapper
+    (PEFT's `modules_to_save`, TRL, Trainer, `requires_grad_(True)`) can make it trainable. It is saved and loaded
+    under the same name; `BamLlamaPreTrainedModel.apply_prior_trainability` follows a changed config.
+    """
 
     def __init__(self, config: BamLlamaConfig):
         super().__init__()
         heads = config.num_attention_heads
         self.formula = config.prior_formula
         self.eps = config.prior_eps
-        self.theta_alpha = nn.Parameter(torch.zeros(heads), requires_grad=config.train_theta_alpha)
-        self.theta_beta = nn.Parameter(torch.zeros(heads), requires_grad=config.train_theta_beta)
-        self.theta_mu = nn.Parameter(torch.zeros(heads), requires_grad=config.train_theta_mu)
+        for name, trainable in prior_trainability(config).items():
+            _register_prior_tensor(self, name, torch.zeros(heads), trainable)
         self.reset_parameters(config)
 
     @torch.no_grad()
@@ -110,12 +121,13 @@ class BamPrior(nn.Module):
 
 
 class BamScalableSoftmax(nn.Module):
-    """Scalable Softmax: row factor c_i = s_h * ln(n_i), n_i the number of keys query i sees."""
+    """Scalable Softmax: row factor c_i = s_h * ln(n_i), n_i the number of keys query i sees. A scale the config
+    freezes is a buffer (see `BamPrior`)."""
 
     def __init__(self, config: BamLlamaConfig):
         super().__init__()
         self.prior_scaled = config.ssmax_prior
-        self.scale = nn.Parameter(torch.zeros(config.num_attention_heads), requires_grad=config.train_ssmax_scale)
+        _register_prior_tensor(self, SSMAX_PARAMETER, torch.zeros(config.num_attention_heads), config.train_ssmax_scale)
         self.reset_parameters(config)
 
     @torch.no_grad()
@@ -129,6 +141,35 @@ class BamScalableSoftmax(nn.Module):
     def row_factor(self, visible_counts: torch.Tensor) -> torch.Tensor:
         """(B, Lq) counts -> (B, H, Lq, 1) float32 factor."""
         return ssmax_factor(visible_counts, self())
+
+
+def prior_trainability(config: BamLlamaConfig) -> dict[str, bool]:
+    """Which prior parameters the config trains."""
+    return {
+        "theta_alpha": config.train_theta_alpha,
+        "theta_beta": config.train_theta_beta,
+        "theta_mu": config.train_theta_mu,
+    }
+
+
+def _register_prior_tensor(module: nn.Module, name: str, value: torch.Tensor, trainable: bool) -> None:
+    """`name` as a Parameter when it trains, else as a (saved) buffer: a frozen value no optimizer can reach."""
+    if trainable:
+        module.register_parameter(name, nn.Parameter(value))
+    else:
+        module.register_buffer(name, value)
+
+
+def _set_prior_trainability(module: nn.Module, name: str, trainable: bool) -> None:
+    """Turn `name` into a Parameter or a buffer as `trainable` says, keeping its value; a Parameter that stays one
+    is kept (an optimizer may hold it) and set to require gradients."""
+    if (name in module._parameters) == trainable:
+        if trainable:
+            module._parameters[name].requires_grad_(True)
+        return
+    value = getattr(module, name).detach()
+    delattr(module, name)
+    _register_prior_tensor(module, name, value, trainable)
 
 
 def _copy_init(parameter: torch.Tensor, value: torch.Tensor) -> None:
@@ -549,21 +590,20 @@ class BamLlamaPreTrainedModel(PreTrainedModel):
         return loaded
 
     def apply_prior_trainability(self) -> None:
-        """Freeze or unfreeze the prior and SSMax parameters as the config says (loading resets requires_grad, and
-        so does PEFT's `modules_to_save`: call it after `get_peft_model`). PEFT's `original_module` copies stay
-        frozen."""
-        flags = {
-            "theta_alpha": self.config.train_theta_alpha,
-            "theta_beta": self.config.train_theta_beta,
-            "theta_mu": self.config.train_theta_mu,
-        }
+        """Make every prior and SSMax tensor a trainable Parameter or a frozen buffer, as the config says: after a
+        change of `train_theta_*` / `train_ssmax_scale` (loading does it). Nothing else is needed under PEFT, TRL or
+        Trainer: a frozen one is not a Parameter they could unfreeze. PEFT's `original_module` copies stay frozen."""
         for module_name, module in self.named_modules():
-            trained_copy = ".original_module" not in module_name
             if isinstance(module, BamPrior):
-                for name, trainable in flags.items():
-                    getattr(module, name).requires_grad_(trainable and trained_copy)
+                flags = prior_trainability(self.config)
             elif isinstance(module, BamScalableSoftmax):
-                module.scale.requires_grad_(self.config.train_ssmax_scale and trained_copy)
+                flags = {SSMAX_PARAMETER: self.config.train_ssmax_scale}
+            else:
+                continue
+            for name, trainable in flags.items():
+                _set_prior_trainability(module, name, trainable)
+                if trainable and ".original_module" in module_name:
+                    getattr(module, name).requires_grad_(False)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save weights, config and the remote code, with an `auto_map` for AutoConfig/AutoModel/AutoModelForCausalLM."""

@@ -257,7 +257,8 @@ def test_output_loading_info_returns_model_and_info(tmp_path):
     assert isinstance(model, BamLlamaForCausalLM)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
-    assert trainable["model.prior.theta_alpha"] and not trainable["model.prior.theta_mu"]  # the config's choice
+    assert trainable["model.prior.theta_alpha"] and "model.prior.theta_mu" not in trainable  # the config's choice
+    assert "model.prior.theta_mu" in dict(model.named_buffers())  # frozen: loaded, but not a Parameter
     base, base_info = BamLlamaModel.from_pretrained(tmp_path, output_loading_info=True)
     assert isinstance(base, BamLlamaModel) and not base_info["missing_keys"]
 
