@@ -35,6 +35,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .blocked_bam import bam_attention_blocked
 from .configuration_bam import BamLlamaConfig
+from .paged_bam import CONTINUOUS_BATCHING_ATTENTION, PAGED_PREFIX, PagedRequests, is_paged_cache
 from .prior_bam import (
     SSMAX_PARAMETER,
     alibi_slopes,
@@ -347,13 +348,17 @@ def default_attn_implementation() -> str:
 
 
 def bam_attention_name(requested: str) -> str:
-    """The name the config keeps for a requested implementation; a clear error for any that would drop the prior."""
+    """The name the config keeps for a requested implementation; a clear error for any that would drop the prior.
+    "paged|eager" / "paged|sdpa", which continuous batching asks for, are BAM's own: they run over the paged cache
+    (paged_bam.py)."""
     name = ATTENTION_ALIASES.get(requested, requested)
+    if name.startswith(PAGED_PREFIX) and name.removeprefix(PAGED_PREFIX) in CONTINUOUS_BATCHING_ATTENTION:
+        name = name.removeprefix(PAGED_PREFIX)
     if name not in BAM_ATTENTION_FUNCTIONS:
         raise ValueError(  # Transformers' own wording first: tools and tests match on it
             f'Specified `attn_implementation="{requested}"` is not supported. BamLlama runs only its own attention: '
-            "other backends (flash, flex, paged, kernels from the Hub) would drop the positional prior. Choose one of "
-            f"{sorted(BAM_ATTENTION_FUNCTIONS)}."
+            "other backends (flash, flex, Transformers' paged kernels, kernels from the Hub) would drop the "
+            f"positional prior. Choose one of {sorted(BAM_ATTENTION_FUNCTIONS)}."
         )
     return name
 
@@ -457,13 +462,18 @@ class BamAttention(nn.Module):
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, Hkv, Lq, D)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
-        if cache is not None:
+        paged_requests = kwargs.pop("paged_requests", None)
+        if paged_requests is not None:  # continuous batching (paged_bam.py)
+            key_states, value_states = paged_requests.update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
+        elif cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
         attention_interface: Callable = BAM_ATTENTION_FUNCTIONS[self._implementation_for_call(kwargs)]
         sequence_parallel = kwargs.pop("sequence_parallel", None)
         if sequence_parallel is not None:  # the whole sequence for this rank's heads (sequence_parallel_bam.py)
             attention_interface = sequence_parallel.wrap(attention_interface)
+        if paged_requests is not None:  # request by request, each at its own positions
+            attention_interface = paged_requests.wrap(attention_interface)
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -671,6 +681,8 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        if is_paged_cache(cache):  # continuous batching: positions come from what the cache holds for each request
+            return self._paged_forward(inputs_embeds, cache, **kwargs)
         kwargs.pop("cache_position", None)  # positions come from the cache length, read below
 
         # Absolute query positions, read from the cache BEFORE any layer updates it.
@@ -710,6 +722,19 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_NAME: cache if use_cache else None})
+
+    def _paged_forward(self, inputs_embeds: torch.Tensor, cache, **kwargs) -> BaseModelOutputWithPast:
+        """Continuous batching: every request of the step packed in one row over Transformers' paged cache, each
+        attending at its own positions (paged_bam.py). The global prior's table is computed once, for the longest
+        request; every request's is a window of it."""
+        requests = PagedRequests.from_kwargs(kwargs)
+        prior_table = self.prior.table(requests.last_position) if self.prior is not None else None
+        hidden_states = inputs_embeds
+        for decoder_layer in self.layers:
+            hidden_states = decoder_layer(
+                hidden_states, None, prior_table, shared_prior=self.prior, paged_requests=requests, cache=cache, **kwargs
+            )
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
 
     @staticmethod
     def _packed_document_ids(inputs_embeds, attention_mask, position_ids, cache) -> torch.Tensor | None:
@@ -769,6 +794,27 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """Transformers' continuous batching (also behind `generate_batch` and `transformers serve
+        --continuous-batching`), with BAM's attention over its paged cache (paged_bam.py). What cannot keep the prior
+        is refused here, before any request runs: in the worker thread it would only mark every request failed."""
+        implementation = bam_attention_name(self.config._attn_implementation)
+        if implementation not in CONTINUOUS_BATCHING_ATTENTION:
+            raise ValueError(
+                f"Continuous batching runs BamLlama's {' or '.join(map(repr, CONTINUOUS_BATCHING_ATTENTION))} attention "
+                f"over Transformers' paged KV cache; the fused {implementation!r} kernels do not read that cache. Call "
+                "model.set_attn_implementation('sdpa') first."
+            )
+        manager = super().init_continuous_batching(*args, **kwargs)
+        resolved = manager.continuous_batching_config
+        if any(resolved.cuda_graph_booleans) or (resolved.max_blocks_per_request or 0) > 0:
+            raise ValueError(
+                "BamLlama's paged attention reads each request's length on the host at every step, which CUDA graphs "
+                "(and the block-table decode path, flash attention only) cannot capture: pass "
+                "ContinuousBatchingConfig(use_cuda_graph=False)"
+            )
+        return manager
 
     @deprecated_past_key_values
     @can_return_tuple

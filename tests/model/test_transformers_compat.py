@@ -639,7 +639,8 @@ def refused(backend: str) -> str:
 
 @pytest.mark.parametrize(
     "backend",
-    ["flash_attention_2", "flash_attention_3", "flex_attention", "paged|eager", "kernels-community/flash-attn3", "foo"],
+    ["flash_attention_2", "flash_attention_3", "flex_attention", "paged|flash_attention_2", "paged|bam_triton",
+     "kernels-community/flash-attn3", "foo"],
 )
 def test_backends_that_drop_the_prior_are_refused(tmp_path, backend):
     model = tiny_model("sdpa")
