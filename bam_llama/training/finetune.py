@@ -272,6 +272,7 @@ def write_finetuned_card(model_dir: str, args: FinetuneArguments, train_context_
 
 def record_extension(config: BamLlamaConfig, args: FinetuneArguments) -> None:
     config.train_context_length = args.context_length
+    config.max_position_embeddings = max(config.max_position_embeddings, args.context_length)  # what tools plan for
     config.base_model = args.model
 
 

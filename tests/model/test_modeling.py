@@ -48,10 +48,12 @@ def test_invalid_config_raises_clear_error(overrides, message):
         tiny_config(**overrides)
 
 
-def test_config_keeps_train_length_apart_from_position_limit():
+def test_config_reports_the_train_length_to_tools_unless_told_otherwise():
     config = BamLlamaConfig()
     assert config.train_context_length == 512
-    assert config.max_position_embeddings >= 1 << 20
+    assert config.max_position_embeddings == 512  # what tools plan for; the model has no limit
+    assert BamLlamaConfig(train_context_length=64).max_position_embeddings == 64
+    assert BamLlamaConfig(train_context_length=64, max_position_embeddings=4096).max_position_embeddings == 4096
     assert config.head_dim == 48  # 768 / 16, the reference model's head size
 
 
