@@ -14,7 +14,9 @@ Transformers 5.24 calls `cache.update(key, value, layer, kwargs)` and reads the 
 kwargs; earlier 5.x releases take `read_index` / `write_index` and return (keys, heads, dim) tensors.
 """
 
+import functools
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,9 +27,10 @@ PAGED_PREFIX = "paged|"  # Transformers' name for the paged variant of an implem
 
 
 def is_paged_cache(cache) -> bool:
-    """True for Transformers' `PagedAttentionCache` (continuous batching), told apart by what it lacks: every other
-    cache knows its length."""
-    return cache is not None and not hasattr(cache, "get_seq_length") and hasattr(cache, "update")
+    """True for Transformers' `PagedAttentionCache` (continuous batching). Its module is loaded by then: read from
+    sys.modules, so that ordinary forwards never import continuous batching."""
+    module = sys.modules.get("transformers.generation.continuous_batching.cache")
+    return module is not None and isinstance(cache, module.PagedAttentionCache)
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class PagedRequests:
 
     def update_cache(self, cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: dict):
         """Write this step's (1, Hkv, T, D) keys and values into the cache; every request's keys and values back."""
-        if "kwargs" in _update_parameters(cache):  # Transformers >= 5.24
+        if _update_takes_kwargs(type(cache)):  # Transformers >= 5.24
             return cache.update(key, value, layer_idx, kwargs)
         key, value = cache.update(key, value, layer_idx, read_index=kwargs["read_index"], write_index=kwargs["write_index"])
         return key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
@@ -87,11 +90,6 @@ def _full_attention(lengths):
     return lengths["full_attention"] if isinstance(lengths, dict) else lengths
 
 
-_UPDATE_PARAMETERS: dict[type, frozenset] = {}
-
-
-def _update_parameters(cache) -> frozenset:
-    kind = type(cache)
-    if kind not in _UPDATE_PARAMETERS:
-        _UPDATE_PARAMETERS[kind] = frozenset(inspect.signature(cache.update).parameters)
-    return _UPDATE_PARAMETERS[kind]
+@functools.cache
+def _update_takes_kwargs(cache_type: type) -> bool:
+    return "kwargs" in inspect.signature(cache_type.update).parameters
