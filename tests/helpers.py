@@ -53,10 +53,11 @@ def tiny_config(**overrides):
 
 
 def randomize_prior(model, seed: int = 0) -> None:
-    """Give every prior / SSMax parameter distinct non-trivial values (negative beta, non-zero mu included)."""
+    """Give every prior / SSMax tensor distinct non-trivial values (negative beta, non-zero mu included); those the
+    config freezes are buffers, hence the state dict."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
+        for name, parameter in model.state_dict(keep_vars=True).items():
             heads = parameter.numel()
             if name.endswith("theta_alpha"):
                 parameter.copy_(torch.rand(heads, generator=generator) * 2 - 1.5)

@@ -92,9 +92,6 @@ class SafetensorsShardWriter:
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}  # torch dtype names
 
 
-MIN_MAX_POSITION_EMBEDDINGS = 1 << 20
-
-
 class ConversionError(Exception):
     """Bad input. The message names the file, key or setting at fault; nothing has been written."""
 

@@ -15,7 +15,6 @@ from ..data.tokenizers import TOKENIZER_FILES
 from ..outputs import check_output_dir, staged_output_dir
 from .common import (
     DEFAULT_MAX_SHARD_SIZE,
-    MIN_MAX_POSITION_EMBEDDINGS,
     ConversionError,
     SafetensorsShardWriter,
     cast_weight,
@@ -105,7 +104,6 @@ def bam_config_from_llama(
             bos_token_id=llama.bos_token_id,
             eos_token_id=llama.eos_token_id,
             train_context_length=train_context_length,
-            max_position_embeddings=max(MIN_MAX_POSITION_EMBEDDINGS, train_context_length),
             prior_scope=prior_scope,
             ssmax=ssmax,
             ssmax_scale_init=ssmax_scale_init,

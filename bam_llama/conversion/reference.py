@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 from ..outputs import check_output_dir, staged_output_dir
 from .common import (
     DEFAULT_MAX_SHARD_SIZE,
-    MIN_MAX_POSITION_EMBEDDINGS,
     ConversionError,
     SafetensorsShardWriter,
     bam_parameter_shapes,
@@ -296,7 +295,6 @@ def reference_config(run_args: dict, variant: str, prior_scope: str, formula: st
     train_context_length = reference_train_context_length(run_args)
     if train_context_length is not None:
         values["train_context_length"] = train_context_length
-        values["max_position_embeddings"] = max(MIN_MAX_POSITION_EMBEDDINGS, train_context_length)
     try:
         return BamLlamaConfig(**values)
     except (ValueError, TypeError) as error:

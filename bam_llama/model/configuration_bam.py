@@ -15,6 +15,10 @@ PRIOR_FORMULAS = ("current", "legacy")
 THETA_ALPHA_SCHEMES = ("alibi",)
 THETA_BETA_SCHEMES = ("linear",)
 LOG_FLOAT32_MAX = math.log(3.4028234663852886e38)  # 88.72: exp of more overflows float32
+# Distances up to which the initial prior must stay finite: generation may run far past max_position_embeddings.
+PRIOR_FINITE_HORIZON = 1 << 20
+# max_position_embeddings of earlier releases, which meant "no limit": a saved config holding it is read as unset.
+LEGACY_UNLIMITED_POSITIONS = 1 << 20
 
 
 class BamLlamaConfig(PreTrainedConfig):
@@ -46,8 +50,11 @@ class BamLlamaConfig(PreTrainedConfig):
         ssmax_scale_init (`float`) / train_ssmax_scale (`bool`): the per-head SSMax scale `s_h`.
         train_context_length (`int`): the length the model was (or will be) trained at; informational, never
             used to truncate.
-        max_position_embeddings (`int`): an upper bound reported to generation tools. The prior has no length
-            limit, so this is large by default.
+        max_position_embeddings (`int`, defaults to `train_context_length`): the context length tools plan for
+            (lm-evaluation-harness' window and batch-size probe, vLLM's default `max_model_len`, `generate`'s default
+            cap), as for any Transformers model. The model itself has no limit: generating past it (with
+            `max_new_tokens`) works, after Transformers' one-time reminder. Raise it once the model is shown to
+            extrapolate that far. Saved configs of earlier releases hold 2**20 ("no limit"), read as unset.
     """
 
     model_type = "bam_llama"
@@ -71,7 +78,7 @@ class BamLlamaConfig(PreTrainedConfig):
         pad_token_id: int | None = None,
         bos_token_id: int | None = 1,
         eos_token_id: int | None = 2,
-        max_position_embeddings: int = 1 << 20,
+        max_position_embeddings: int | None = None,
         train_context_length: int = 512,
         prior_scope: str = "global",
         prior_formula: str = "current",
@@ -100,8 +107,8 @@ class BamLlamaConfig(PreTrainedConfig):
         self.initializer_range = initializer_range
         self.attention_dropout = attention_dropout
         self.use_cache = use_cache
-        self.max_position_embeddings = max_position_embeddings
         self.train_context_length = train_context_length
+        self.max_position_embeddings = train_context_length if max_position_embeddings is None else max_position_embeddings
         self.prior_scope = prior_scope
         self.prior_formula = prior_formula
         self.theta_alpha_init = theta_alpha_init
@@ -122,6 +129,18 @@ class BamLlamaConfig(PreTrainedConfig):
         super().__init__(**kwargs)
         self.validate_bam()
         _register_models_with_the_auto_classes()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """A saved config (`from_pretrained`, `AutoConfig`); one of an earlier release says "no limit" with 2**20,
+        which tools took for a context length: it becomes the default, `train_context_length`."""
+        if config_dict.get("max_position_embeddings") == LEGACY_UNLIMITED_POSITIONS:
+            logger.info(
+                f"max_position_embeddings {LEGACY_UNLIMITED_POSITIONS} (\"no limit\" in earlier bam-llama releases) is "
+                "read as train_context_length, the context tools plan for; the model still runs past it"
+            )
+            config_dict = {**config_dict, "max_position_embeddings": None}
+        return super().from_dict(config_dict, **kwargs)
 
     def validate_bam(self) -> None:
         """Raise a ValueError naming the first inconsistent field."""
@@ -147,6 +166,8 @@ class BamLlamaConfig(PreTrainedConfig):
             )
         if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
             raise ValueError(f"BamLlamaConfig.hidden_act {self.hidden_act!r} is not a Transformers activation (e.g. 'silu')")
+        if not _is_positive_int(self.train_context_length):
+            raise ValueError(f"BamLlamaConfig.train_context_length must be a positive integer, got {self.train_context_length!r}")
         if not _is_positive_int(self.max_position_embeddings):
             raise ValueError(
                 f"BamLlamaConfig.max_position_embeddings must be a positive integer, got {self.max_position_embeddings!r}"
@@ -161,21 +182,19 @@ class BamLlamaConfig(PreTrainedConfig):
         _check_init("ssmax_scale_init", self.ssmax_scale_init, ())
         if not _is_number(self.prior_eps) or not self.prior_eps > 0 or math.isinf(self.prior_eps):
             raise ValueError(f"prior_eps must be a finite number > 0, got {self.prior_eps!r}")
-        if not _is_positive_int(self.train_context_length):
-            raise ValueError(f"BamLlamaConfig.train_context_length must be a positive integer, got {self.train_context_length!r}")
         if self.max_position_embeddings < self.train_context_length:
-            # Only a limit reported to generation tools: a config lowered on purpose must still save and reload.
+            # Only the length tools plan for: a config lowered on purpose must still save and reload.
             logger.warning(
                 f"max_position_embeddings ({self.max_position_embeddings}) is below train_context_length "
-                f"({self.train_context_length}): generation tools will stop there, though BAM extrapolates"
+                f"({self.train_context_length}): tools will plan for less than the model was trained on"
             )
         self._check_initial_prior_is_finite()
 
     def _check_initial_prior_is_finite(self) -> None:
-        """The initial prior times the SSMax factor must stay finite in float32 at every distance up to
-        max_position_embeddings (or train_context_length, when longer): an infinite bias makes eager, SDPA and Triton
-        disagree (or give NaN)."""
-        longest = max(self.max_position_embeddings, self.train_context_length)
+        """The initial prior times the SSMax factor must stay finite in float32 at every distance the model may
+        see: up to PRIOR_FINITE_HORIZON, or max_position_embeddings / train_context_length when longer. An infinite
+        bias makes eager, SDPA and Triton disagree (or give NaN)."""
+        longest = max(PRIOR_FINITE_HORIZON, self.max_position_embeddings, self.train_context_length)
         alpha = 0.0 if self.theta_alpha_init == "alibi" else float(self.theta_alpha_init)  # ALiBi: log slopes <= 0
         betas = (0.0, 1.0) if self.theta_beta_init == "linear" else (float(self.theta_beta_init),)
         mu = 2 * math.sinh(min(abs(float(self.theta_mu_init)), 700.0))

@@ -35,7 +35,15 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .blocked_bam import bam_attention_blocked
 from .configuration_bam import BamLlamaConfig
-from .prior_bam import alibi_slopes, ggd_bias, relative_distance, ssmax_factor, visibility_from_positions
+from .paged_bam import CONTINUOUS_BATCHING_ATTENTION, PAGED_PREFIX, PagedRequests, is_paged_cache
+from .prior_bam import (
+    SSMAX_PARAMETER,
+    alibi_slopes,
+    ggd_bias,
+    relative_distance,
+    ssmax_factor,
+    visibility_from_positions,
+)
 from .reference_bam import bam_attention_reference, bam_attention_sdpa
 from .sequence_parallel_bam import active_sequence_parallel
 from .triton_bam import TRITON_AVAILABLE, ggd_attention, triton_usable
@@ -70,16 +78,20 @@ def initial_prior_values(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
 
 
 class BamPrior(nn.Module):
-    """The per-head GGD positional prior: three scalars per head."""
+    """The per-head GGD positional prior: three scalars per head.
+
+    A parameter the config freezes (`train_theta_mu=False` by default) is a buffer, not a Parameter: no wrapper
+    (PEFT's `modules_to_save`, TRL, Trainer, `requires_grad_(True)`) can make it trainable. It is saved and loaded
+    under the same name; `BamLlamaPreTrainedModel.apply_prior_trainability` follows a changed config.
+    """
 
     def __init__(self, config: BamLlamaConfig):
         super().__init__()
         heads = config.num_attention_heads
         self.formula = config.prior_formula
         self.eps = config.prior_eps
-        self.theta_alpha = nn.Parameter(torch.zeros(heads), requires_grad=config.train_theta_alpha)
-        self.theta_beta = nn.Parameter(torch.zeros(heads), requires_grad=config.train_theta_beta)
-        self.theta_mu = nn.Parameter(torch.zeros(heads), requires_grad=config.train_theta_mu)
+        for name, trainable in prior_trainability(config).items():
+            _register_prior_tensor(self, name, torch.zeros(heads), trainable)
         self.reset_parameters(config)
 
     @torch.no_grad()
@@ -87,36 +99,78 @@ class BamPrior(nn.Module):
         for name, value in initial_prior_values(config).items():
             _copy_init(getattr(self, name), value)
 
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(theta_alpha, theta_beta, theta_mu), each (H,), on the device the prior computes on. Every use of the
+        prior reads them through this call, so that the hooks that bring offloaded or sharded weights in
+        (Accelerate's `device_map` offload, DeepSpeed ZeRO-3) run."""
+        return self.theta_alpha, self.theta_beta, self.theta_mu
+
     def table(self, last_position: int) -> torch.Tensor:
         """(H, P + 1) float32 prior at distances -P, ..., 0: every row of the bias is a window of it."""
-        distance = torch.arange(-last_position, 1, device=self.theta_alpha.device, dtype=torch.float32)
-        return ggd_bias(distance, self.theta_alpha, self.theta_beta, self.theta_mu, self.formula, self.eps)
+        theta_alpha, theta_beta, theta_mu = self()
+        distance = torch.arange(-last_position, 1, device=theta_alpha.device, dtype=torch.float32)
+        return ggd_bias(distance, theta_alpha, theta_beta, theta_mu, self.formula, self.eps)
 
     def bias(self, query_positions: torch.Tensor, key_length: int) -> torch.Tensor:
         """(1, H, Lq, Lk) float32 prior for queries at absolute positions (Lq,) and keys 0..Lk-1."""
-        distance = relative_distance(query_positions, key_length)
-        return ggd_bias(distance, self.theta_alpha, self.theta_beta, self.theta_mu, self.formula, self.eps)[None]
+        theta_alpha, theta_beta, theta_mu = self()
+        distance = relative_distance(query_positions.to(theta_alpha.device), key_length)
+        return ggd_bias(distance, theta_alpha, theta_beta, theta_mu, self.formula, self.eps)[None]
 
     def extra_repr(self) -> str:
         return f"heads={self.theta_alpha.numel()}, formula={self.formula}, eps={self.eps}"
 
 
 class BamScalableSoftmax(nn.Module):
-    """Scalable Softmax: row factor c_i = s_h * ln(n_i), n_i the number of keys query i sees."""
+    """Scalable Softmax: row factor c_i = s_h * ln(n_i), n_i the number of keys query i sees. A scale the config
+    freezes is a buffer (see `BamPrior`)."""
 
     def __init__(self, config: BamLlamaConfig):
         super().__init__()
         self.prior_scaled = config.ssmax_prior
-        self.scale = nn.Parameter(torch.zeros(config.num_attention_heads), requires_grad=config.train_ssmax_scale)
+        _register_prior_tensor(self, SSMAX_PARAMETER, torch.zeros(config.num_attention_heads), config.train_ssmax_scale)
         self.reset_parameters(config)
 
     @torch.no_grad()
     def reset_parameters(self, config: BamLlamaConfig) -> None:
         _copy_init(self.scale, torch.full_like(self.scale, float(config.ssmax_scale_init)))
 
+    def forward(self) -> torch.Tensor:
+        """(H,) scale s_h, read through a module call (see `BamPrior.forward`)."""
+        return self.scale
+
     def row_factor(self, visible_counts: torch.Tensor) -> torch.Tensor:
         """(B, Lq) counts -> (B, H, Lq, 1) float32 factor."""
-        return ssmax_factor(visible_counts, self.scale)
+        return ssmax_factor(visible_counts, self())
+
+
+def prior_trainability(config: BamLlamaConfig) -> dict[str, bool]:
+    """Which prior parameters the config trains."""
+    return {
+        "theta_alpha": config.train_theta_alpha,
+        "theta_beta": config.train_theta_beta,
+        "theta_mu": config.train_theta_mu,
+    }
+
+
+def _register_prior_tensor(module: nn.Module, name: str, value: torch.Tensor, trainable: bool) -> None:
+    """`name` as a Parameter when it trains, else as a (saved) buffer: a frozen value no optimizer can reach."""
+    if trainable:
+        module.register_parameter(name, nn.Parameter(value))
+    else:
+        module.register_buffer(name, value)
+
+
+def _set_prior_trainability(module: nn.Module, name: str, trainable: bool) -> None:
+    """Turn `name` into a Parameter or a buffer as `trainable` says, keeping its value; a Parameter that stays one
+    is kept (an optimizer may hold it) and set to require gradients."""
+    if (name in module._parameters) == trainable:
+        if trainable:
+            module._parameters[name].requires_grad_(True)
+        return
+    value = getattr(module, name).detach()
+    delattr(module, name)
+    _register_prior_tensor(module, name, value, trainable)
 
 
 def _copy_init(parameter: torch.Tensor, value: torch.Tensor) -> None:
@@ -201,7 +255,7 @@ def bam_sdpa_attention_forward(
     output = bam_attention_blocked(
         query, key, value, query_positions,
         prior.table(last_position) if prior_table is None else prior_table, scaling,
-        ssmax_scale=None if module.ssmax is None else module.ssmax.scale, ssmax_prior=module.config.ssmax_prior,
+        ssmax_scale=None if module.ssmax is None else module.ssmax(), ssmax_prior=module.config.ssmax_prior,
         key_valid=attention_mask, document_ids=document_ids, dropout=dropout,
     )
     return output.transpose(1, 2).contiguous(), None
@@ -236,9 +290,9 @@ def bam_triton_attention_forward(
         )
     ssmax = module.ssmax
     output = ggd_attention(
-        query, key, value, prior.theta_alpha, prior.theta_beta, prior.theta_mu, query_positions,
+        query, key, value, *prior(), query_positions,
         scaling=scaling, formula=prior.formula, eps=prior.eps, key_valid=attention_mask,
-        document_ids=document_ids, ssmax_scale=None if ssmax is None else ssmax.scale,
+        document_ids=document_ids, ssmax_scale=None if ssmax is None else ssmax(),
         ssmax_prior=module.config.ssmax_prior,
     )
     return output.transpose(1, 2).contiguous(), None
@@ -299,13 +353,17 @@ def default_attn_implementation() -> str:
 
 
 def bam_attention_name(requested: str) -> str:
-    """The name the config keeps for a requested implementation; a clear error for any that would drop the prior."""
+    """The name the config keeps for a requested implementation; a clear error for any that would drop the prior.
+    "paged|eager" / "paged|sdpa", which continuous batching asks for, are BAM's own: they run over the paged cache
+    (paged_bam.py)."""
     name = ATTENTION_ALIASES.get(requested, requested)
+    if name.startswith(PAGED_PREFIX) and name.removeprefix(PAGED_PREFIX) in CONTINUOUS_BATCHING_ATTENTION:
+        name = name.removeprefix(PAGED_PREFIX)
     if name not in BAM_ATTENTION_FUNCTIONS:
         raise ValueError(  # Transformers' own wording first: tools and tests match on it
             f'Specified `attn_implementation="{requested}"` is not supported. BamLlama runs only its own attention: '
-            "other backends (flash, flex, paged, kernels from the Hub) would drop the positional prior. Choose one of "
-            f"{sorted(BAM_ATTENTION_FUNCTIONS)}."
+            "other backends (flash, flex, Transformers' paged kernels, kernels from the Hub) would drop the "
+            f"positional prior. Choose one of {sorted(BAM_ATTENTION_FUNCTIONS)}."
         )
     return name
 
@@ -409,13 +467,18 @@ class BamAttention(nn.Module):
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, Hkv, Lq, D)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
-        if cache is not None:
+        paged_requests = kwargs.pop("paged_requests", None)
+        if paged_requests is not None:  # continuous batching (paged_bam.py)
+            key_states, value_states = paged_requests.update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
+        elif cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
         attention_interface: Callable = BAM_ATTENTION_FUNCTIONS[self._implementation_for_call(kwargs)]
         sequence_parallel = kwargs.pop("sequence_parallel", None)
         if sequence_parallel is not None:  # the whole sequence for this rank's heads (sequence_parallel_bam.py)
             attention_interface = sequence_parallel.wrap(attention_interface)
+        if paged_requests is not None:  # request by request, each at its own positions
+            attention_interface = paged_requests.wrap(attention_interface)
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -498,7 +561,9 @@ class BamLlamaPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["BamDecoderLayer"]
-    _skip_keys_device_placement = ["cache", "past_key_values"]
+    # not moved by Accelerate's hooks: the KV cache, and the global prior module every layer gets (a module with
+    # offloaded weights cannot be moved; its own call brings them in)
+    _skip_keys_device_placement = ["cache", "past_key_values", "shared_prior"]
     _supports_sdpa = True
     # Flash / flex / paged / Hub-kernel backends would silently drop the prior: only BAM's own implementations can be
     # selected (see `get_correct_attn_implementation`), so the model is safe as a backend and for padding-free batches.
@@ -540,21 +605,20 @@ class BamLlamaPreTrainedModel(PreTrainedModel):
         return loaded
 
     def apply_prior_trainability(self) -> None:
-        """Freeze or unfreeze the prior and SSMax parameters as the config says (loading resets requires_grad, and
-        so does PEFT's `modules_to_save`: call it after `get_peft_model`). PEFT's `original_module` copies stay
-        frozen."""
-        flags = {
-            "theta_alpha": self.config.train_theta_alpha,
-            "theta_beta": self.config.train_theta_beta,
-            "theta_mu": self.config.train_theta_mu,
-        }
+        """Make every prior and SSMax tensor a trainable Parameter or a frozen buffer, as the config says: after a
+        change of `train_theta_*` / `train_ssmax_scale` (loading does it). Nothing else is needed under PEFT, TRL or
+        Trainer: a frozen one is not a Parameter they could unfreeze. PEFT's `original_module` copies stay frozen."""
         for module_name, module in self.named_modules():
-            trained_copy = ".original_module" not in module_name
             if isinstance(module, BamPrior):
-                for name, trainable in flags.items():
-                    getattr(module, name).requires_grad_(trainable and trained_copy)
+                flags = prior_trainability(self.config)
             elif isinstance(module, BamScalableSoftmax):
-                module.scale.requires_grad_(self.config.train_ssmax_scale and trained_copy)
+                flags = {SSMAX_PARAMETER: self.config.train_ssmax_scale}
+            else:
+                continue
+            for name, trainable in flags.items():
+                _set_prior_trainability(module, name, trainable)
+                if trainable and ".original_module" in module_name:
+                    getattr(module, name).requires_grad_(False)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save weights, config and the remote code, with an `auto_map` for AutoConfig/AutoModel/AutoModelForCausalLM."""
@@ -622,6 +686,8 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        if is_paged_cache(cache):  # continuous batching: positions come from what the cache holds for each request
+            return self._paged_forward(inputs_embeds, cache, **kwargs)
         kwargs.pop("cache_position", None)  # positions come from the cache length, read below
 
         # Absolute query positions, read from the cache BEFORE any layer updates it.
@@ -666,6 +732,19 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_NAME: cache if use_cache else None})
+
+    def _paged_forward(self, inputs_embeds: torch.Tensor, cache, **kwargs) -> BaseModelOutputWithPast:
+        """Continuous batching: every request of the step packed in one row over Transformers' paged cache, each
+        attending at its own positions (paged_bam.py). The global prior's table is computed once, for the longest
+        request; every request's is a window of it."""
+        requests = PagedRequests.from_kwargs(kwargs)
+        prior_table = self.prior.table(requests.last_position) if self.prior is not None else None
+        hidden_states = inputs_embeds
+        for decoder_layer in self.layers:
+            hidden_states = decoder_layer(
+                hidden_states, None, prior_table, shared_prior=self.prior, paged_requests=requests, cache=cache, **kwargs
+            )
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
 
     @staticmethod
     def _packed_document_ids(inputs_embeds, attention_mask, position_ids, cache) -> torch.Tensor | None:
@@ -737,6 +816,27 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """Transformers' continuous batching (also behind `generate_batch` and `transformers serve
+        --continuous-batching`), with BAM's attention over its paged cache (paged_bam.py). What cannot keep the prior
+        is refused here, before any request runs: in the worker thread it would only mark every request failed."""
+        implementation = bam_attention_name(self.config._attn_implementation)
+        if implementation not in CONTINUOUS_BATCHING_ATTENTION:
+            raise ValueError(
+                f"Continuous batching runs BamLlama's {' or '.join(map(repr, CONTINUOUS_BATCHING_ATTENTION))} attention "
+                f"over Transformers' paged KV cache; the fused {implementation!r} kernels do not read that cache. Call "
+                "model.set_attn_implementation('sdpa') first."
+            )
+        manager = super().init_continuous_batching(*args, **kwargs)
+        resolved = manager.continuous_batching_config
+        if any(resolved.cuda_graph_booleans) or (resolved.max_blocks_per_request or 0) > 0:
+            raise ValueError(
+                "BamLlama's paged attention reads each request's length on the host at every step, which CUDA graphs "
+                "(and the block-table decode path, flash attention only) cannot capture: pass "
+                "ContinuousBatchingConfig(use_cuda_graph=False)"
+            )
+        return manager
 
     @deprecated_past_key_values
     @can_return_tuple

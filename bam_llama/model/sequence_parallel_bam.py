@@ -202,9 +202,10 @@ class _PriorHeads:
 
     def __init__(self, prior, heads: slice):
         self.prior, self.heads = prior, heads
-        self.theta_alpha, self.theta_beta, self.theta_mu = (p[heads] for p in (prior.theta_alpha, prior.theta_beta,
-                                                                               prior.theta_mu))
         self.formula, self.eps = prior.formula, prior.eps
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(parameter[self.heads] for parameter in self.prior())
 
     def table(self, last_position: int) -> torch.Tensor:
         return self.prior.table(last_position)[self.heads]
@@ -217,11 +218,14 @@ class _ScalableSoftmaxHeads:
     """Scalable Softmax of some heads (see `BamScalableSoftmax`)."""
 
     def __init__(self, ssmax, heads: slice):
-        self.scale = ssmax.scale[heads]
+        self.ssmax, self.heads = ssmax, heads
         self.prior_scaled = ssmax.prior_scaled
 
+    def __call__(self) -> torch.Tensor:
+        return self.ssmax()[self.heads]
+
     def row_factor(self, visible_counts: torch.Tensor) -> torch.Tensor:
-        return ssmax_factor(visible_counts, self.scale)
+        return ssmax_factor(visible_counts, self())
 
 
 class _AttentionHeads:

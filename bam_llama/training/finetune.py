@@ -183,11 +183,9 @@ def prepare_model(model: BamLlamaForCausalLM, args: FinetuneArguments):
             modules_to_save=["prior"] + (["ssmax"] if config.ssmax else []),
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, lora_config)
-        model.get_base_model().apply_prior_trainability()  # modules_to_save unfreezes every copied parameter
+        model = get_peft_model(model, lora_config)  # what the config freezes is a buffer: never copied as trainable
     else:
         model.requires_grad_(True)
-        model.apply_prior_trainability()
     return model
 
 
@@ -274,6 +272,7 @@ def write_finetuned_card(model_dir: str, args: FinetuneArguments, train_context_
 
 def record_extension(config: BamLlamaConfig, args: FinetuneArguments) -> None:
     config.train_context_length = args.context_length
+    config.max_position_embeddings = max(config.max_position_embeddings, args.context_length)  # what tools plan for
     config.base_model = args.model
 
 

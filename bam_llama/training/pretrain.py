@@ -299,7 +299,6 @@ def build_model(args: PretrainArguments, config):
         from ..model.modeling_bam import BamLlamaForCausalLM
 
         model = BamLlamaForCausalLM._from_config(config, attn_implementation=args.attn_implementation, dtype=torch.float32)
-        model.apply_prior_trainability()
     model.config.use_cache = False  # no cache while training; restored before saving
     return model
 

@@ -53,7 +53,7 @@ def test_baselines_share_the_recipe(tokenizer):
     )
     trainable = {name for name, p in alibi.named_parameters() if p.requires_grad}
     assert not any("theta" in name for name in trainable)
-    betas = [p for name, p in alibi.named_parameters() if name.endswith("theta_beta")]
+    betas = [p for name, p in alibi.state_dict().items() if name.endswith("theta_beta")]  # frozen: buffers
     assert betas and all(torch.all(beta == 1.0) for beta in betas)
     assert {name for name, p in bam.named_parameters() if p.requires_grad and "theta" in name}
     with pytest.raises(ValueError, match="unknown model"):

@@ -37,7 +37,9 @@ def build_model(name: str):
     implementation, overrides, _ = CASES[name]
     model = tiny_model(implementation, seed=3, **overrides).train()
     model.config.use_cache = False
-    for parameter in model.parameters():  # mu too: every prior parameter gets a gradient to compare
+    model.config.train_theta_mu = True  # mu too: every prior parameter gets a gradient to compare
+    model.apply_prior_trainability()
+    for parameter in model.parameters():
         parameter.requires_grad_(True)
     return model
 

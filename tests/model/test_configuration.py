@@ -35,11 +35,14 @@ def test_bad_field_is_named(field, value):
 
 
 @pytest.mark.parametrize("ssmax", [False, True])
-def test_theta_alpha_init_is_bounded_where_the_prior_would_overflow_float32(ssmax):
-    # Uniform prior (beta 0): |b| = exp(theta_alpha); with SSMax (scale 1) times ln(n) <= ln(max_position_embeddings).
-    max_positions = 4096
+@pytest.mark.parametrize("max_positions", [None, 1 << 22])
+def test_theta_alpha_init_is_bounded_where_the_prior_would_overflow_float32(ssmax, max_positions):
+    # Uniform prior (beta 0): |b| = exp(theta_alpha); with SSMax (scale 1) times ln(n), n up to the longest length
+    # the model may see: 2^20 tokens (generation runs past max_position_embeddings), or max_position_embeddings
+    # when longer.
+    longest = max(1 << 20, max_positions or 0)
     log_float32_max = math.log(torch.finfo(torch.float32).max)
-    bound = log_float32_max - (math.log(math.log(max_positions)) if ssmax else 0.0)
+    bound = log_float32_max - (math.log(math.log(longest)) if ssmax else 0.0)
     tiny_config(theta_alpha_init=bound - 0.01, ssmax=ssmax, max_position_embeddings=max_positions)
     with pytest.raises(ValueError, match=rf"theta_alpha_init.*overflow float32.*below {bound:.2f}"):
         tiny_config(theta_alpha_init=bound + 0.01, ssmax=ssmax, max_position_embeddings=max_positions)

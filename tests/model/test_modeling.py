@@ -48,10 +48,12 @@ def test_invalid_config_raises_clear_error(overrides, message):
         tiny_config(**overrides)
 
 
-def test_config_keeps_train_length_apart_from_position_limit():
+def test_config_reports_the_train_length_to_tools_unless_told_otherwise():
     config = BamLlamaConfig()
     assert config.train_context_length == 512
-    assert config.max_position_embeddings >= 1 << 20
+    assert config.max_position_embeddings == 512  # what tools plan for; the model has no limit
+    assert BamLlamaConfig(train_context_length=64).max_position_embeddings == 64
+    assert BamLlamaConfig(train_context_length=64, max_position_embeddings=4096).max_position_embeddings == 4096
     assert config.head_dim == 48  # 768 / 16, the reference model's head size
 
 
@@ -86,7 +88,8 @@ def test_prior_init_schemes_and_trainability():
     torch.testing.assert_close(prior.theta_alpha.exp(), torch.tensor([2**-2, 2**-4, 2**-6, 2**-8]))
     torch.testing.assert_close(prior.theta_beta, torch.linspace(0, 1, 4))
     assert prior.theta_alpha.requires_grad and prior.theta_beta.requires_grad
-    assert not prior.theta_mu.requires_grad  # mu is fixed at 0 by default
+    assert not prior.theta_mu.requires_grad  # mu is fixed at 0 by default: a buffer, not a Parameter
+    assert "theta_mu" in dict(prior.named_buffers()) and "theta_mu" not in dict(prior.named_parameters())
 
 
 # ---------------------------------------------------------------------------------------------- attention paths
@@ -269,8 +272,9 @@ def test_save_and_load_round_trip_is_exact(tmp_path):
     original = model.state_dict()
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, original[name]), name
-    for name, parameter in loaded.named_parameters():
-        assert parameter.requires_grad == (not name.endswith("theta_mu")), name
+    assert all(parameter.requires_grad for parameter in loaded.parameters())
+    frozen = {name for name, _ in loaded.named_buffers()}  # what the config freezes is not a Parameter
+    assert frozen == {name for name in original if name.endswith("theta_mu")} and len(frozen) == 2
     input_ids = torch.randint(0, 97, (1, 10))
     assert torch.equal(logits(loaded, input_ids), logits(model, input_ids))
 

@@ -28,6 +28,7 @@ SHIPPED_CODE = {
     "triton_bam.py",
     "triton_kernels_bam.py",
     "sequence_parallel_bam.py",
+    "paged_bam.py",
 }
 HIDE_BAM_LLAMA = """
 import sys

@@ -257,7 +257,8 @@ def test_output_loading_info_returns_model_and_info(tmp_path):
     assert isinstance(model, BamLlamaForCausalLM)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
-    assert trainable["model.prior.theta_alpha"] and not trainable["model.prior.theta_mu"]  # the config's choice
+    assert trainable["model.prior.theta_alpha"] and "model.prior.theta_mu" not in trainable  # the config's choice
+    assert "model.prior.theta_mu" in dict(model.named_buffers())  # frozen: loaded, but not a Parameter
     base, base_info = BamLlamaModel.from_pretrained(tmp_path, output_loading_info=True)
     assert isinstance(base, BamLlamaModel) and not base_info["missing_keys"]
 
@@ -638,7 +639,8 @@ def refused(backend: str) -> str:
 
 @pytest.mark.parametrize(
     "backend",
-    ["flash_attention_2", "flash_attention_3", "flex_attention", "paged|eager", "kernels-community/flash-attn3", "foo"],
+    ["flash_attention_2", "flash_attention_3", "flex_attention", "paged|flash_attention_2", "paged|bam_triton",
+     "kernels-community/flash-attn3", "foo"],
 )
 def test_backends_that_drop_the_prior_are_refused(tmp_path, backend):
     model = tiny_model("sdpa")

@@ -44,7 +44,7 @@ def model_pair(seed=0, **overrides):
     forward's score in the backward keeps it 1)."""
     eager = tiny_model("bam_eager", seed=seed, **MODEL, **overrides)
     with torch.no_grad():
-        for name, parameter in eager.named_parameters():
+        for name, parameter in eager.state_dict(keep_vars=True).items():  # theta_mu is a buffer (frozen)
             if name.endswith("theta_beta"):
                 parameter.copy_(torch.linspace(-3.0, 1.5, parameter.numel()))
             elif name.endswith("theta_mu"):

@@ -221,8 +221,8 @@ def test_lora_with_ssmax_and_layer_priors_trains_their_copies():
 
 def test_full_finetuning_trains_everything_but_theta_mu():
     model = prepare_model(tiny_model(vocab_size=259), FinetuneArguments("m", "d", "o", 64, lora=False))
-    frozen = {name for name, parameter in model.named_parameters() if not parameter.requires_grad}
-    assert frozen == {"model.prior.theta_mu"}
+    assert all(parameter.requires_grad for parameter in model.parameters())
+    assert {name for name, _ in model.named_buffers()} == {"model.prior.theta_mu"}  # frozen: not a Parameter
 
 
 def test_the_prior_gets_its_own_learning_rate_without_weight_decay(tmp_path):
@@ -347,6 +347,7 @@ def test_full_finetuning_with_gradient_checkpointing(workspace, tmp_path):
     assert summary.mode == "full" and summary.loss_after < summary.loss_before
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "model")
     assert model.config.train_context_length == TARGET_LENGTH
+    assert model.config.max_position_embeddings == TARGET_LENGTH  # tools plan for the extended length (was 32)
     base = load_file(workspace["base"] / "model.safetensors")
     torch.testing.assert_close(model.model.prior.theta_mu.detach(), base["model.prior.theta_mu"], atol=0, rtol=0)
     assert not torch.equal(model.model.embed_tokens.weight.detach(), base["model.embed_tokens.weight"])
