@@ -154,7 +154,7 @@ def evaluation_section(results) -> dict:
         digits = len(results.passkeys[0][0]) if results.passkeys else "random"
         description = (
             f"Passkey retrieval: a {digits}-digit key hidden at {len(results.depths)} depths uniformly spaced through "
-            "filler text; greedy decoding, correct when the answer starts with the key. "
+            "filler text; greedy decoding, correct when the answer starts with the key (and no other digit follows). "
             f"Mean accuracy {100 * results.mean_accuracy():.1f}%."
         )
         return {"title": "Passkey retrieval", "description": description, "table": results.to_markdown().strip()}
