@@ -260,6 +260,48 @@ def test_synthetic_reference_run_converts_and_round_trips(case, tmp_path):
     assert json.loads((back / "args.json").read_text()) == original_args
 
 
+def edit_model_args(run_dir: Path, **changes) -> None:
+    """Set (or, with None, remove) model_args fields of a reference run's args.json."""
+    path = run_dir / "args.json"
+    args = json.loads(path.read_text())
+    for name, value in changes.items():
+        if value is None:
+            args["model_args"].pop(name, None)
+        else:
+            args["model_args"][name] = value
+    path.write_text(json.dumps(args))
+
+
+TRAINING_FIELDS = ("train_shape", "train_scale", "train_loc", "train_theta_beta", "train_theta_alpha",
+                   "train_theta_mu", "seq_scale", "ssmax_prior", "norm_eps", "n_kv_heads", "multiple_of")
+
+
+@pytest.mark.parametrize("theta_names", [False, True])
+def test_args_json_without_training_flags_takes_the_reference_dataclass_defaults(tmp_path, theta_names):
+    """The reference ModelArgs defaults (official-bam-details.md, section 1): shape and scale trained, loc not;
+    bam_ssmax: seq_scale trained, ssmax_prior on; norm_eps 1e-5 (train.py's value); n_kv_heads = n_heads."""
+    write_reference_run(tmp_path / "run", variant="bam_ssmax", theta_names=theta_names)
+    edit_model_args(tmp_path / "run", **dict.fromkeys(TRAINING_FIELDS))
+    config = BamLlamaConfig.from_pretrained(convert_reference_checkpoint(tmp_path / "run", tmp_path / "bam", verbose=False))
+    assert (config.train_theta_beta, config.train_theta_alpha, config.train_theta_mu) == (True, True, False)
+    assert config.train_ssmax_scale and config.ssmax_prior
+    assert config.rms_norm_eps == 1e-5 and config.num_key_value_heads == config.num_attention_heads == 4
+
+
+@pytest.mark.parametrize("theta_names", [False, True])
+@pytest.mark.parametrize("frozen", [0, 1, 2])
+def test_each_training_flag_of_args_json_is_read_under_its_own_name(tmp_path, theta_names, frozen):
+    """One flag false, the others true (loc / theta_mu given true, against its default): each reaches its own
+    parameter, under either generation's names."""
+    flags = ("train_theta_beta", "train_theta_alpha", "train_theta_mu") if theta_names else ("train_shape", "train_scale", "train_loc")
+    write_reference_run(tmp_path / "run", theta_names=theta_names)
+    edit_model_args(tmp_path / "run", **{flag: index != frozen for index, flag in enumerate(flags)})
+    model = load_bam(convert_reference_checkpoint(tmp_path / "run", tmp_path / "bam", verbose=False))
+    prior = model.model.prior
+    trained = [prior.theta_beta.requires_grad, prior.theta_alpha.requires_grad, prior.theta_mu.requires_grad]
+    assert trained == [index != frozen for index in range(3)]
+
+
 def test_reference_dtype_option_casts_weights_but_keeps_prior_precision(tmp_path):
     write_reference_run(tmp_path / "run", variant="bam_ssmax")
     out = convert_reference_checkpoint(tmp_path / "run", tmp_path / "bam", dtype="bfloat16", verbose=False)
