@@ -5,6 +5,7 @@ import logging
 import os
 import sys
 
+from ..model_folders import TrainingDiverged
 from ..outputs import exit_on_sigterm
 from ..training.finetune import FinetuneArguments, finetune
 from .arguments import (
@@ -18,6 +19,7 @@ from .arguments import (
     probability,
     show_defaults,
 )
+from .reporting import run_reported
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,11 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = FinetuneArguments(**vars(parsed))
-    try:
-        finetune(args)
-    except (OSError, ValueError) as error:  # a missing model or data file; an invalid setting
-        print(f"bam-finetune: error: {error}", file=sys.stderr)
-        return 2
+    status = run_reported("bam-finetune", finetune, args, failures=(TrainingDiverged,))
+    if status:
+        return status
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     print(f"bam-finetune: rank {rank} of {world_size} finished", flush=True)
     return 0

@@ -6,6 +6,7 @@ import os
 import sys
 
 from ..data.tokenizers import BYTE_VOCAB_SIZE
+from ..model_folders import TrainingDiverged
 from ..outputs import exit_on_sigterm
 from ..training.pretrain import (
     DEFAULT_PRESET,
@@ -28,6 +29,7 @@ from .arguments import (
     positive_int,
     show_defaults,
 )
+from .reporting import run_reported
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,11 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     exit_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        pretrain(args)
-    except (OSError, ValueError) as error:  # a missing data file or checkpoint; an invalid setting
-        print(f"bam-pretrain: error: {error}", file=sys.stderr)
-        return 2
+    status = run_reported("bam-pretrain", pretrain, args, failures=(TrainingDiverged,))
+    if status:
+        return status
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     print(f"bam-pretrain: rank {rank} of {world_size} finished", flush=True)
     return 0
