@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     status = run_reported("bam-finetune", finetune, args, failures=(TrainingDiverged,))
     if status:
         return status
+    from ..training.distributed import end_distributed_run  # PyTorch is loaded by now
+
+    end_distributed_run()
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     print(f"bam-finetune: rank {rank} of {world_size} finished", flush=True)
     return 0
