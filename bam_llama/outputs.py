@@ -53,6 +53,8 @@ def staged_output_dir(out_dir: Path, force: bool, inputs: Iterable[Path] = ()) -
         staging = Path(tempfile.mkdtemp(prefix=leftover_prefix(out_dir), suffix=".partial", dir=out_dir.parent))
     except PermissionError as error:
         raise OutputError(f"cannot create {out_dir}: no permission to write in {error.filename or out_dir.parent}") from None
+    except OSError as error:
+        raise OutputError(f"cannot create {out_dir}: {os_error_message(error)}") from None
     try:
         yield staging
         check_output_dir(out_dir, force, inputs)
@@ -65,6 +67,47 @@ def staged_output_dir(out_dir: Path, force: bool, inputs: Iterable[Path] = ()) -
                 with contextlib.suppress(OSError):
                     folder.rmdir()
         raise
+
+
+@contextlib.contextmanager
+def staged_files(folder: Path, name: str) -> Iterator[Path]:
+    """Yield an empty staging folder inside `folder` (created if missing); the files written into it replace their
+    namesakes in `folder` (paths relative to the staging folder kept) once the block succeeds, all renames with
+    SIGINT / SIGTERM held. Otherwise nothing of it stays and the earlier files are untouched.
+
+    For outputs that share a folder with other files (`bam-eval --out`'s table, results and plot; `bam-card`'s
+    README.md and plots). The staging folder is `.NAME.<pid>.<random>.partial`: a killed run's is removed by the
+    next one (`recover_interrupted_output(folder / name)`)."""
+    folder = Path(folder)
+    recover_interrupted_output(folder / name)
+    try:
+        created_parents = make_parents(folder)
+        staging = Path(tempfile.mkdtemp(prefix=leftover_prefix(folder / name), suffix=".partial", dir=folder))
+    except OSError as error:
+        raise OutputError(f"cannot write in {folder}: {os_error_message(error)}") from None
+    try:
+        yield staging
+        apply_umask_permissions(staging)
+        with signals_deferred():
+            for path in sorted(path for path in staging.rglob("*") if not path.is_dir()):
+                target = folder / path.relative_to(staging)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, target)
+            shutil.rmtree(staging)
+    except BaseException:
+        with signals_deferred():
+            shutil.rmtree(staging, ignore_errors=True)
+            for created in reversed(created_parents):
+                with contextlib.suppress(OSError):
+                    created.rmdir()
+        raise
+
+
+def os_error_message(error: OSError) -> str:
+    """'No space left on device (/out/passkey.json)': an OSError in one line, with the path it names."""
+    reason = error.strerror or str(error)
+    filename = error.filename if error.filename2 is None else f"{error.filename} -> {error.filename2}"
+    return f"{reason} ({filename})" if filename else reason
 
 
 def move_into_place(staging: Path, out_dir: Path) -> None:

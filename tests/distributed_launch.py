@@ -1,4 +1,5 @@
-"""Start a worker script under torchrun: gloo on CPU, a free loopback port, bounded in time."""
+"""Start a worker script under torchrun (gloo on CPU, a free loopback port, bounded in time), and end one
+(`finish_worker`, called by the workers)."""
 
 import importlib.util
 import os
@@ -41,3 +42,24 @@ def torchrun(script: str, *arguments: str, processes: int = 2, timeout: float = 
     if result.returncode != 0:
         raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
     return result
+
+
+def finish_worker(rank: int, results, path: Path) -> None:
+    """End a torchrun worker: rank 0 writes `results` to `path` (whole, then renamed in), every rank waits at a
+    barrier until it is there, the process group is destroyed, and the process exits with status 0 at once.
+
+    os._exit skips the interpreter's own teardown, where gloo's worker threads, DeepSpeed's communication backend and
+    C++ static destructors are torn down in no fixed order: one such teardown aborted a worker (SIGABRT, exit -6)
+    after its results were written, failing the test. Nothing is left to do there once the results are on disk."""
+    import torch
+    import torch.distributed as dist
+
+    if rank == 0:
+        partial = path.with_name(path.name + ".partial")
+        torch.save(results, partial)
+        os.replace(partial, path)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

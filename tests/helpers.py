@@ -1,7 +1,9 @@
 """Helpers the tests share: tiny BamLlama models with a non-trivial prior, the environment of a subprocess that
-imports this checkout, and the reference implementation's fixtures."""
+imports this checkout, the reference implementation's fixtures, and what the tests of failing commands share (the
+one error line, a full disk, an unwritable folder)."""
 
 import contextlib
+import errno
 import os
 import signal
 from pathlib import Path
@@ -107,3 +109,65 @@ def training_linear_dtypes():
         yield dtypes
     finally:
         handle.remove()
+
+
+# ---------------------------------------------------------------------------------------- failures of commands
+
+
+def one_error_line(stderr: str, prog: str) -> str:
+    """The one error line, last on stderr (progress bars and notes may come before it); no traceback."""
+    errors = [line for line in stderr.splitlines() if line.startswith(f"{prog}: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"{prog}: error: "), stderr
+    assert stderr.rstrip("\n").splitlines()[-1] == errors[0] and "Traceback" not in stderr, stderr
+    return errors[0]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (hidden ones included) and its bytes."""
+    return {path.relative_to(folder).as_posix(): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+
+
+def disk_full_after_half(write):
+    """A stand-in for a file writer `write(self_or_path, path, ...)`: writes half of what the real one writes, then
+    raises ENOSPC naming the file, as a full disk does."""
+
+    def write_half_then_fail(target, path, *args, **kwargs):
+        write(target, path, *args, **kwargs)
+        data = Path(path).read_bytes()
+        Path(path).write_bytes(data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    return write_half_then_fail
+
+
+@contextlib.contextmanager
+def unwritable(folder: Path, monkeypatch):
+    """`folder` as a user sees a folder they cannot write: chmod 0555, or, as root (which writes anyway), an
+    EACCES from every attempt to create something in it."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
+        return
+    from bam_llama import outputs
+
+    real_mkdtemp, real_mkdir = outputs.tempfile.mkdtemp, Path.mkdir
+
+    def refuse(where: Path):
+        if Path(where).resolve() == folder.resolve():
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(where))
+
+    def mkdtemp(*args, dir=None, **kwargs):
+        refuse(dir)
+        return real_mkdtemp(*args, dir=dir, **kwargs)
+
+    def mkdir(self, *args, **kwargs):
+        refuse(self.parent)
+        return real_mkdir(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(outputs.tempfile, "mkdtemp", mkdtemp)
+        patch.setattr(Path, "mkdir", mkdir)
+        yield

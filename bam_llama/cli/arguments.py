@@ -5,9 +5,9 @@ on imports, so --help stays fast."""
 import argparse
 import logging
 import os
-import sys
 
 from ..outputs import exit_on_sigterm
+from .reporting import run_reported
 
 
 def positive_int(text: str) -> int:
@@ -83,14 +83,19 @@ def device_name(text: str) -> str:
 
 def run_training(prog: str, train, args) -> int:
     """`train(args)` as a training command runs it: SIGTERM ends it like Ctrl-C (staged outputs cleaned up), logs at
-    INFO, a missing file or an invalid setting is one line and exit status 2, and each rank says when it finished."""
+    INFO, every failure is one line and an exit status (`reporting.py`: 2 for bad input, 1 for a diverged loss or
+    an I/O error, 130 for Ctrl-C), the process group of a torchrun run is destroyed, and each rank says when it
+    finished."""
+    from ..model_folders import TrainingDiverged
+
     exit_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        train(args)
-    except (OSError, ValueError) as error:  # a missing model, data file or checkpoint; an invalid setting
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
+    status = run_reported(prog, train, args, failures=(TrainingDiverged,))
+    if status:
+        return status
+    from ..training.distributed import end_distributed_run  # PyTorch is loaded by now
+
+    end_distributed_run()
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     print(f"{prog}: rank {rank} of {world_size} finished", flush=True)
     return 0

@@ -5,11 +5,14 @@
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..hub.card import check_repo_id, write_model_card
 from ..hub.publish import check_uploadable, push_model_to_hub
-from ..model_folders import check_safetensors_files
+from ..model_folders import check_finite_weights, check_safetensors_files
+from ..outputs import exit_on_sigterm
+from .reporting import run_reported
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,17 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        run(args)
-    except (FileNotFoundError, ValueError) as error:
-        parser.exit(2, f"bam-card: error: {error}\n")
+    """Exits with `reporting.run_reported`'s status when something stops the command."""
+    args = build_parser().parse_args(argv)
+    exit_on_sigterm()
+    status = run_reported("bam-card", run, args)
+    if status:
+        sys.exit(status)
 
 
 def run(args) -> None:
     model_dir = Path(args.model_dir)
     check_safetensors_files(model_dir)
+    check_finite_weights(model_dir)
     if args.push:
         check_repo_id(args.push)
         check_uploadable(model_dir.resolve())

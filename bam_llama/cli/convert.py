@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..conversion.common import DEFAULT_MAX_SHARD_SIZE, DTYPES, ConversionError
+from ..conversion.common import DEFAULT_MAX_SHARD_SIZE, DTYPES, ConversionError, parse_size
 from ..conversion.llama import LLAMA_PRIOR_INITS, convert_llama_checkpoint
 from ..conversion.reference import (
     PRIOR_NAME_GENERATIONS,
@@ -21,7 +21,8 @@ from ..conversion.reference import (
     convert_bam_to_reference,
     convert_reference_checkpoint,
 )
-from ..outputs import OutputError, exit_on_sigterm
+from ..outputs import exit_on_sigterm
+from .reporting import run_reported
 
 
 def add_output_options(parser: argparse.ArgumentParser, with_dtype: bool = True) -> None:
@@ -32,9 +33,18 @@ def add_output_options(parser: argparse.ArgumentParser, with_dtype: bool = True)
             help="weights dtype (default: auto, keep the stored one); prior and SSMax parameters keep theirs",
         )
         parser.add_argument(
-            "--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
+            "--max-shard-size", type=shard_size, default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
             help=f"largest safetensors shard, e.g. 2GB (default {DEFAULT_MAX_SHARD_SIZE})",
         )
+
+
+def shard_size(text: str) -> str:
+    """A size `parse_size` reads (checked before anything runs), passed on as written."""
+    try:
+        parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,12 +126,7 @@ def run_command(args: argparse.Namespace) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     exit_on_sigterm()
-    try:
-        run_command(args)
-    except (ConversionError, OutputError) as error:
-        print(f"bam-convert: error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return run_reported("bam-convert", run_command, args, bad_input=(ConversionError, ValueError))
 
 
 if __name__ == "__main__":

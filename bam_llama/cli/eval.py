@@ -15,7 +15,9 @@ from ..evaluation.passkey import choose_passkey_template, evaluate_passkey
 from ..evaluation.perplexity import evaluate_perplexity
 from ..evaluation.plots import plot_prior
 from ..evaluation.results import write_outputs
+from ..outputs import exit_on_sigterm, staged_files
 from .arguments import device_name, length_list, non_negative_int, positive_int
+from .reporting import run_reported
 
 PASSKEY_LENGTHS = "256,512,1024,2048,4096"
 
@@ -147,17 +149,18 @@ def run_prior(args) -> None:
     path = Path(args.out)
     if path.suffix.lower() != ".png":
         path = path / "prior.png"
-    plot_prior(args.model, path, max_distance=args.max_distance, layer=args.layer)
+    with staged_files(path.parent, path.name) as staging:
+        plot_prior(args.model, staging / path.name, max_distance=args.max_distance, layer=args.layer)
     print(f"Wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        args.run(args)
-    except (OSError, ValueError) as error:  # a missing model, data file or tokenizer; an invalid setting
-        parser.exit(2, f"bam-eval {args.command}: error: {error}\n")
+    """Exits with `reporting.run_reported`'s status when something stops the command."""
+    args = build_parser().parse_args(argv)
+    exit_on_sigterm()
+    status = run_reported(f"bam-eval {args.command}", args.run, args)
+    if status:
+        sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..data.tokenizers import TOKENIZER_FILES
+from ..model_folders import check_finite_tensors
 from ..outputs import OutputError
 
 if TYPE_CHECKING:  # PyTorch and the model are imported where used, so that --help does not load them
@@ -148,13 +149,15 @@ def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 
 
 def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors one at a time, opening one shard at a time."""
+    """Tensors one at a time, opening one shard at a time; one holding NaN or infinity is refused (NonFiniteError)."""
     from safetensors import safe_open
 
     for path in files:
         with safe_open(path, framework="pt") as shard:
             for name in shard.keys():
-                yield name, shard.get_tensor(name)
+                tensor = shard.get_tensor(name)
+                check_finite_tensors([(name, tensor)], str(path))
+                yield name, tensor
 
 
 def format_names(names: list[str], limit: int = 12) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..outputs import check_output_dir, leftover_prefix
-from .common import ConversionError, dtype_name, parse_dtype, quiet
+from .common import DEFAULT_MAX_SHARD_SIZE, ConversionError, dtype_name, parse_dtype, parse_size, quiet
 from .llama import convert_llama_checkpoint
 
 if TYPE_CHECKING:  # PyTorch and Transformers are imported where used, as in reference.py
@@ -131,6 +131,7 @@ def convert_gguf_checkpoint(
     gguf_path, out_dir = Path(gguf_path).resolve(), Path(out_dir).resolve()
     check_output_dir(out_dir, force, (gguf_path,))
     weights_dtype = parse_dtype(dtype) or torch.float32
+    parse_size(llama_options.get("max_shard_size", DEFAULT_MAX_SHARD_SIZE))
     metadata = check_gguf_file(gguf_path)
     quantization = quantization_name(metadata)
     log(f"GGUF model {gguf_path} ({quantization or 'unknown file type'}): dequantizing to {dtype_name(weights_dtype)}")

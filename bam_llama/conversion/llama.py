@@ -25,6 +25,7 @@ from .common import (
     is_per_head_parameter,
     iterate_safetensors,
     parse_dtype,
+    parse_size,
     quiet,
     safetensors_files,
     safetensors_shapes,
@@ -175,6 +176,7 @@ def convert_llama_checkpoint(
     llama_dir, out_dir = Path(llama_dir).resolve(), Path(out_dir).resolve()
     check_output_dir(out_dir, force, (llama_dir,))
     target_dtype = parse_dtype(dtype)
+    parse_size(max_shard_size)
     if not llama_dir.is_dir():
         raise ConversionError(f"the Llama folder {llama_dir} does not exist")
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..model_folders import check_finite_tensors
 from ..outputs import check_output_dir, staged_output_dir
 from .common import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -30,6 +31,7 @@ from .common import (
     is_per_head_parameter,
     iterate_safetensors,
     parse_dtype,
+    parse_size,
     quiet,
     safetensors_files,
     safetensors_shapes,
@@ -329,6 +331,7 @@ def convert_reference_checkpoint(
     inputs = (run_dir,) if tokenizer is None else (run_dir, tokenizer)
     check_output_dir(out_dir, force, inputs)
     target_dtype = parse_dtype(dtype)
+    parse_size(max_shard_size)
     if formula is not None and formula not in PRIOR_FORMULAS:
         raise ConversionError(f"unknown prior formula {formula!r}; expected one of {PRIOR_FORMULAS}")
     if not run_dir.is_dir():
@@ -376,6 +379,7 @@ def convert_reference_checkpoint(
         writer = SafetensorsShardWriter(staging, max_shard_size)
         for reference_name, bam_name in table.items():
             tensor = state_dict[reference_name]
+            check_finite_tensors([(reference_name, tensor)], str(run_dir / "model.pt"))
             if is_per_head_parameter(bam_name):
                 tensor = tensor.reshape(-1)
             writer.add(bam_name, cast_weight(bam_name, tensor, target_dtype))

@@ -7,7 +7,7 @@ import inspect
 from typing import TYPE_CHECKING
 
 from ..data.tokenizers import load_tokenizer
-from ..model_folders import check_model_path, check_safetensors_files
+from ..model_folders import check_finite_model, check_model_path, check_safetensors_files
 from ..registration import register
 
 if TYPE_CHECKING:  # torch and Transformers are imported where used, so that --help does not load them
@@ -66,7 +66,7 @@ def check_positive(**values: int) -> None:
 
 def load_model(path, device=None, dtype=None, attn_implementation=None):
     """A causal LM from a folder or Hub id (BamLlama or any other), in eval mode on `device` (default: CUDA if
-    available)."""
+    available). Weights holding NaN or infinity are refused (`NonFiniteError`, naming the tensor)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -78,7 +78,9 @@ def load_model(path, device=None, dtype=None, attn_implementation=None):
     kwargs = {"dtype": parse_torch_dtype(dtype)}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    check_finite_model(model, path)
+    return model.to(device).eval()
 
 
 def load_model_and_tokenizer(path, tokenizer=None, device=None, dtype=None, attn_implementation=None):

@@ -201,7 +201,10 @@ def _depth_ticks(num_depths: int) -> tuple[list[float], list[str]]:
 
 
 def is_correct(continuation: str, passkey: str) -> bool:
-    return continuation.lstrip().startswith(passkey)
+    """Found: the answer, past leading whitespace, starts with the key's digits and no further digit follows (a
+    longer number is another number)."""
+    answer = continuation.lstrip()
+    return answer.startswith(passkey) and not answer[len(passkey) : len(passkey) + 1].isdigit()
 
 
 def evaluate_passkey(
@@ -218,7 +221,7 @@ def evaluate_passkey(
 ) -> PasskeyResults:
     """Passkey retrieval accuracy for each requested prompt length, at `num_depths` depths uniformly spaced in
     [0, 1]. One seeded random key per (length, depth); correct iff the greedy continuation (num_digits + 2 new
-    tokens), stripped of leading whitespace, starts with the key."""
+    tokens), stripped of leading whitespace, starts with the key and goes on with something else than a digit."""
     import torch
     from tqdm.auto import tqdm
 

@@ -5,16 +5,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..outputs import staged_files
 from .passkey import PasskeyResults
 from .perplexity import PerplexityResults
 
 
 def write_outputs(folder, name: str, table: str, results: dict, save_png) -> None:
+    """NAME.md, NAME.json and NAME.png (`save_png(path)` writes it) in `folder`, staged and renamed in together: a
+    failure (a full disk, Ctrl-C) leaves no partial file and keeps the earlier ones."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{name}.md").write_text(table, encoding="utf-8")
-    (folder / f"{name}.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
-    save_png(folder / f"{name}.png")
+    with staged_files(folder, name) as staging:
+        (staging / f"{name}.md").write_text(table, encoding="utf-8")
+        (staging / f"{name}.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+        save_png(staging / f"{name}.png")
     print(f"Wrote {folder / name}.md, .json and .png")
 
 

@@ -12,6 +12,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from ..data.tokenizers import TOKENIZER_FILES
+from ..outputs import staged_files
 
 TEMPLATE_NAME = "card_template.md"  # package data of bam_llama.hub, so wheels carry it
 BAM_TAGS = ["bam", "ggd-bam", "custom_code", "long-context"]
@@ -33,6 +34,12 @@ def read_config(model_dir: Path) -> dict:
     config = json.loads(config_path.read_text(encoding="utf-8"))
     if config.get("model_type") != "bam_llama":
         raise ValueError(f"{model_dir} holds a {config.get('model_type')!r} model; bam-card describes BamLlama models")
+    from ..model.configuration_bam import BamLlamaConfig
+
+    try:
+        BamLlamaConfig.from_dict(config)  # every field checked, as loading the model would
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{config_path} is not a valid BamLlama config: {error}") from None
     return config
 
 
@@ -154,7 +161,7 @@ def evaluation_section(results) -> dict:
         digits = len(results.passkeys[0][0]) if results.passkeys else "random"
         description = (
             f"Passkey retrieval: a {digits}-digit key hidden at {len(results.depths)} depths uniformly spaced through "
-            "filler text; greedy decoding, correct when the answer starts with the key. "
+            "filler text; greedy decoding, correct when the answer starts with the key (and no other digit follows). "
             f"Mean accuracy {100 * results.mean_accuracy():.1f}%."
         )
         return {"title": "Passkey retrieval", "description": description, "table": results.to_markdown().strip()}
@@ -178,12 +185,12 @@ def plot_links(model_dir: Path, plots) -> dict[Path, str]:
     return links
 
 
-def copy_plots(model_dir: Path, links: dict[Path, str]) -> None:
+def copy_plots(model_dir: Path, staging: Path, links: dict[Path, str]) -> None:
+    """Into `staging`, the plots that are not in `model_dir` already."""
     for plot, link in links.items():
-        target = model_dir / link
-        if target != plot:
-            target.parent.mkdir(exist_ok=True)
-            shutil.copyfile(plot, target)
+        if model_dir / link != plot:
+            (staging / link).parent.mkdir(exist_ok=True)
+            shutil.copyfile(plot, staging / link)
 
 
 def render_card(model_dir: Path, config: dict, *, base_model, datasets, license, tags, eval_results, plot_paths,
@@ -276,8 +283,9 @@ def write_model_card(
         description=description,
         extra=extra,
     )
-    copy_plots(model_dir, links)
-    card.save(model_dir / "README.md")
+    with staged_files(model_dir, "README.md") as staging:  # README.md and plots replaced together, or not at all
+        copy_plots(model_dir, staging, links)
+        card.save(staging / "README.md")
     return model_dir / "README.md"
 
 

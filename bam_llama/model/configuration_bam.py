@@ -180,6 +180,12 @@ class BamLlamaConfig(PreTrainedConfig):
         _check_init("theta_beta_init", self.theta_beta_init, THETA_BETA_SCHEMES)
         _check_init("theta_mu_init", self.theta_mu_init, ())
         _check_init("ssmax_scale_init", self.ssmax_scale_init, ())
+        if not _is_number(self.rms_norm_eps) or not 0 < self.rms_norm_eps < math.inf:
+            raise ValueError(f"rms_norm_eps must be a finite number > 0, got {self.rms_norm_eps!r}")
+        if not _is_number(self.attention_dropout) or not 0 <= self.attention_dropout < 1:
+            raise ValueError(f"attention_dropout must be a probability in [0, 1), got {self.attention_dropout!r}")
+        if not _is_number(self.initializer_range) or not 0 <= self.initializer_range < math.inf:
+            raise ValueError(f"initializer_range must be a finite number >= 0, got {self.initializer_range!r}")
         if not _is_number(self.prior_eps) or not self.prior_eps > 0 or math.isinf(self.prior_eps):
             raise ValueError(f"prior_eps must be a finite number > 0, got {self.prior_eps!r}")
         if self.max_position_embeddings < self.train_context_length:

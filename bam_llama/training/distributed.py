@@ -60,6 +60,15 @@ def save_sharded_pretrained(model: torch.nn.Module, output_dir: str | Path, toke
     dist.barrier()
 
 
+def end_distributed_run() -> None:
+    """After a run launched by torchrun / accelerate finished on every rank: wait for all of them, then destroy the
+    process group. Left to the interpreter's exit, gloo's threads and connections are torn down in no fixed order,
+    which can abort (SIGABRT) a process whose results are already saved."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def zero_config(stage: int, micro_batch_size="auto", gradient_accumulation_steps="auto", bf16="auto") -> dict:
     """A DeepSpeed config for ZeRO stage 2 or 3 with the optimizer the caller passes (Trainer's, whose parameter
     groups give the prior its own learning rate). "auto" values are filled in by Trainer from its arguments; a

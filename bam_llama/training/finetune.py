@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from ..data.documents import load_documents, tokenize_documents
 from ..data.packing import PackedRows, collate_packed_rows, pack_documents, split_eval_rows
 from ..data.tokenizers import load_tokenizer
-from ..model_folders import check_model_path, check_safetensors_files
+from ..model_folders import check_finite_model, check_finite_weights, check_model_path, check_safetensors_files
 from ..outputs import staged_output_dir
 from .arguments import TrainingRunArguments
 from .checkpoints import checkpoint_step, resolve_checkpoint
@@ -115,6 +115,13 @@ class FinetuneSummary(TrainingSummary):
 # --------------------------------------------------------------------------------------------------------
 
 
+def check_arguments(args: FinetuneArguments) -> None:
+    """A ValueError naming a combination of settings that cannot run; reads no data and no weights."""
+    if args.merge and not args.lora:
+        raise ValueError("--merge merges a LoRA adapter; with --full the fine-tuned model is saved whole in "
+                         "OUTPUT_DIR/model: drop --merge or --full")
+
+
 def check_model_config(model: str, context_length: int) -> BamLlamaConfig:
     """Read the config of `model`; refuse models that are not BamLlama and lengths below the training length."""
     from transformers import AutoConfig
@@ -161,6 +168,7 @@ def load_model(args: FinetuneArguments) -> BamLlamaForCausalLM:
     model = BamLlamaForCausalLM.from_pretrained(
         args.model, dtype=torch.float32, attn_implementation=args.attn_implementation
     )
+    check_finite_model(model, args.model)
     model.config.use_cache = False  # no cache while training; restored before saving
     return model
 
@@ -298,6 +306,7 @@ def finetune(args: FinetuneArguments) -> FinetuneSummary:
     """Fine-tune `args.model` at `args.context_length` on `args.data`; returns (and on rank 0 writes and prints)
     the summary. The output folder is held for the run: a second live run into it, or a new run over an earlier
     run's results, is refused before anything loads."""
+    check_arguments(args)
     continuing = resumes_in(args.output_dir, args.resume_from_checkpoint)
     overwrite = args.overwrite_output_dir
     with hold_output_dir(args.output_dir, "bam-finetune", FINETUNE_RESULTS, continuing, overwrite) as hold:
@@ -313,14 +322,14 @@ def _finetune(args: FinetuneArguments, hold: OutputDirHold) -> FinetuneSummary:
     started = time.perf_counter()
     base_config = check_model_config(args.model, args.context_length)
     checkpoint = resolve_checkpoint(args)
+    if checkpoint is not None:
+        check_finite_weights(checkpoint)
     resumed_from_step = 0 if checkpoint is None else checkpoint_step(checkpoint)  # rotation may delete it later
     check_no_stale_merged_model(args, hold.replaced)
     training_args = training_arguments(args, merge=args.lora and args.merge)
     is_main = training_args.process_index == 0
     show_progress = is_main and not args.disable_progress_bars
 
-    if args.merge and not args.lora and is_main:
-        logger.warning("--merge has no effect with --full: the fine-tuned model is saved whole in %s/model", args.output_dir)
     tokenizer = load_tokenizer(args.model, base_config)
     pad_token_id = check_tokenizer(tokenizer, base_config)
     documents, train_data, eval_rows, eval_split = build_training_data(args, tokenizer, pad_token_id, show_progress)
@@ -343,6 +352,7 @@ def _finetune(args: FinetuneArguments, hold: OutputDirHold) -> FinetuneSummary:
         train_dataset=train_data,
         data_collator=collate_packed_rows,
         processing_class=tokenizer,
+        before_saving=hold.ensure_held,
         prior_learning_rate=args.prior_learning_rate,
     )
     evaluate = lambda: mean_token_loss(  # noqa: E731
@@ -358,6 +368,7 @@ def _finetune(args: FinetuneArguments, hold: OutputDirHold) -> FinetuneSummary:
     final_dir, merged_dir = str(Path(args.output_dir) / ("adapter" if args.lora else "model")), None
     prior_after = prior_values(model, state_dict) if is_main or not sharded else {}
     if is_main:
+        hold.ensure_held()
         final_dir, merged_dir = save_final(model, tokenizer, args, base_config.train_context_length, state_dict)
     summary = FinetuneSummary(
         model=args.model,

@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -43,15 +44,26 @@ class OutputDirHold:
     """What `hold_output_dir` yields: the folder, and the earlier results this run replaces (empty unless
     overwriting). Every rank knows them; only the main process (the owner) deletes them."""
 
-    def __init__(self, folder: Path, replaced: list[str], owner: bool):
+    def __init__(self, folder: Path, replaced: list[str], owner: bool, lock_descriptor: int | None = None):
         self.folder, self.replaced, self.owner = folder, replaced, owner
+        self.lock_descriptor = lock_descriptor
 
     def clear_earlier_results(self) -> None:
         """Delete the replaced results (call it after the inputs loaded, before writing anything)."""
+        self.ensure_held()
         if self.owner:
             for name in self.replaced:
                 _remove(self.folder / name)
         self.replaced = []
+
+    def ensure_held(self) -> None:
+        """Raise OutputDirInUse if the lock file is no longer this run's (someone deleted it, so another run may
+        have taken the folder since): called before the run writes or deletes anything there."""
+        if self.lock_descriptor is not None and not _same_file(self.lock_descriptor, self.folder / LOCK_NAME):
+            raise OutputDirInUse(
+                f"the lock file {self.folder / LOCK_NAME} was removed while this run held {self.folder}, so another "
+                "run may be writing there: stopped before writing; choose another --output-dir"
+            )
 
 
 @contextlib.contextmanager
@@ -77,8 +89,9 @@ def hold_output_dir(
     except OSError as error:
         raise OutputDirError(f"cannot create the output folder {folder}: {error.strerror}") from None
     try:
-        with _folder_lock(folder, command):
-            yield OutputDirHold(folder, _replaced_results(folder, results, continuing, overwrite), owner=True)
+        with _folder_lock(folder, command) as descriptor:
+            remove_staged_checkpoints(folder)
+            yield OutputDirHold(folder, _replaced_results(folder, results, continuing, overwrite), True, descriptor)
     finally:
         if created:
             with contextlib.suppress(OSError):
@@ -96,6 +109,16 @@ def _replaced_results(folder: Path, results: Iterable[str], continuing: bool, ov
             "continue that run, --overwrite-output-dir to replace them, or choose another --output-dir"
         )
     return earlier
+
+
+STAGED_CHECKPOINT = ".{}.staging"  # where a checkpoint is written before it is renamed to its name (trainer.py)
+
+
+def remove_staged_checkpoints(folder: Path) -> None:
+    """Checkpoints a killed run was still writing: only the holder of the folder writes there, so they are dead."""
+    for leftover in sorted(folder.glob(STAGED_CHECKPOINT.format("checkpoint-*"))):
+        _remove(leftover)
+        print(f"note: removed {leftover.name}, a checkpoint an interrupted run did not finish writing", file=sys.stderr)
 
 
 def earlier_results(folder: Path, patterns: Iterable[str]) -> list[str]:
@@ -116,9 +139,10 @@ def is_main_process() -> bool:
 
 
 @contextlib.contextmanager
-def _folder_lock(folder: Path, command: str) -> Iterator[None]:
-    """An exclusive flock on folder/LOCK_NAME, never waiting. The file is removed on release while still locked;
-    a process that opened it before the removal finds its inode gone from the path after locking, and retries."""
+def _folder_lock(folder: Path, command: str) -> Iterator[int]:
+    """An exclusive flock on folder/LOCK_NAME, never waiting; yields its descriptor. The file is removed on release
+    while still locked (if it is still ours); a process that opened it before the removal finds its inode gone
+    from the path after locking, and retries."""
     path = folder / LOCK_NAME
     while True:
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -135,10 +159,11 @@ def _folder_lock(folder: Path, command: str) -> Iterator[None]:
         os.close(descriptor)  # unlinked by its releasing holder between our open and our lock: take the new file
     try:
         _write_holder(descriptor, command)
-        yield
+        yield descriptor
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        if _same_file(descriptor, path):  # not a later run's lock file, if ours was deleted under us
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         os.close(descriptor)
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ..data.documents import load_documents, looks_like_a_local_path, tokenize_documents
 from ..data.packing import PackedRows, collate_packed_rows, pack_documents, split_eval_rows
+from ..model_folders import check_finite_weights
 from ..outputs import staged_output_dir
 from .arguments import (
     TrainingRunArguments,
@@ -352,6 +353,8 @@ def _run_pretraining(args: PretrainArguments, hold: OutputDirHold, started: floa
     from .trainer import BamTrainer, mean_token_loss, training_arguments
 
     checkpoint = resolve_checkpoint(args)
+    if checkpoint is not None:
+        check_finite_weights(checkpoint)
     resumed_from_step = 0 if checkpoint is None else checkpoint_step(checkpoint)
     training_args = training_arguments(args, report_to=report_to_value(args.report_to))
     is_main = training_args.process_index == 0
@@ -382,6 +385,7 @@ def _run_pretraining(args: PretrainArguments, hold: OutputDirHold, started: floa
         train_dataset=PackedRows(train_rows),
         data_collator=collate_packed_rows,
         processing_class=tokenizer,
+        before_saving=hold.ensure_held,
         prior_learning_rate=args.resolved_prior_learning_rate,
     )
     evaluate = lambda: mean_token_loss(  # noqa: E731
@@ -395,6 +399,7 @@ def _run_pretraining(args: PretrainArguments, hold: OutputDirHold, started: floa
 
     final_dir = str(Path(args.output_dir) / "model")
     if is_main:
+        hold.ensure_held()
         final_dir = save_final(model, tokenizer, args, state_dict)
     summary = PretrainSummary(
         data=args.data,

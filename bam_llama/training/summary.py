@@ -1,15 +1,13 @@
 """The end-of-run summary of `bam-finetune` and `bam-pretrain`: the rows both print, the table, and summary.json
-written atomically (a temporary file renamed into place)."""
+written atomically (staged, then renamed into place)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from pathlib import Path
 
-from ..outputs import current_umask
+from ..outputs import staged_files
 
 
 @dataclasses.dataclass
@@ -57,9 +55,6 @@ def format_rows(title: str, rows: list[tuple[str, str]]) -> str:
 
 
 def write_summary(summary: TrainingSummary, output_dir: str) -> None:
-    """OUTPUT_DIR/summary.json from `summary.to_json()`, never half-written."""
-    handle, temporary = tempfile.mkstemp(prefix=".summary.", suffix=".json", dir=output_dir)
-    with os.fdopen(handle, "w") as file:
-        file.write(summary.to_json() + "\n")
-    os.chmod(temporary, 0o666 & ~current_umask())
-    os.replace(temporary, Path(output_dir) / "summary.json")
+    """OUTPUT_DIR/summary.json from `summary.to_json()`, never half-written (staged, then renamed)."""
+    with staged_files(Path(output_dir), "summary.json") as staging:
+        (staging / "summary.json").write_text(summary.to_json() + "\n")

@@ -6,15 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainingArguments
 from transformers.utils import is_torch_bf16_gpu_available
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..data.packing import IGNORE_INDEX, collate_packed_rows
 from ..model.prior_bam import is_prior_parameter
+from ..model_folders import check_finite_loss
+from ..outputs import move_into_place, signals_deferred
 from .distributed import parallel_training_arguments
+from .lock import STAGED_CHECKPOINT
 
 
 def optimizer_parameter_groups(model: torch.nn.Module, decay_names, weight_decay: float, prior_learning_rate: float):
@@ -38,11 +44,54 @@ def optimizer_parameter_groups(model: torch.nn.Module, decay_names, weight_decay
 
 
 class BamTrainer(Trainer):
-    """`Trainer` whose optimizer gives the prior and SSMax parameters their own learning rate (and no decay)."""
+    """`Trainer` whose optimizer gives the prior and SSMax parameters their own learning rate (and no decay), that
+    stops on a loss that is not finite, and writes each checkpoint whole or not at all.
 
-    def __init__(self, *args, prior_learning_rate: float, **kwargs):
+    before_saving: called before each checkpoint is written (e.g. `OutputDirHold.ensure_held`).
+    """
+
+    def __init__(self, *args, prior_learning_rate: float, before_saving=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.prior_learning_rate = prior_learning_rate
+        self.before_saving = before_saving
+        self._checkpoint_staging = None
+
+    def training_step(self, *args, **kwargs):
+        """A loss that turned NaN or infinite stops the run here, before the optimizer step and any checkpoint
+        (Trainer's own filter would average it away and carry on)."""
+        loss = super().training_step(*args, **kwargs)
+        check_finite_loss(loss, self.state.global_step + 1)
+        return loss
+
+    def _save_checkpoint(self, model, trial):
+        """Trainer's checkpoint-N, written into `.checkpoint-N.staging/` (every rank writes its part there) and
+        renamed into place once complete: a full disk, Ctrl-C or a crash leaves no partial checkpoint-N, only the
+        staging folder, which the next run holding the folder removes (`training.lock`)."""
+        if self.before_saving is not None:
+            self.before_saving()
+        run_dir = Path(super()._get_output_dir(trial))
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = run_dir / STAGED_CHECKPOINT.format(name)
+        self._checkpoint_staging = staging
+        try:
+            super()._save_checkpoint(model, trial)  # into staging / name; rotates nothing there
+            self.accelerator.wait_for_everyone()
+            if self.args.should_save:
+                move_into_place(staging / name, run_dir / name)
+                staging.rmdir()
+                rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
+                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        except BaseException:
+            if self.args.should_save:
+                with signals_deferred():
+                    shutil.rmtree(staging, ignore_errors=True)
+            raise
+        finally:
+            self._checkpoint_staging = None
+        self.accelerator.wait_for_everyone()
+
+    def _get_output_dir(self, trial) -> str:
+        return str(self._checkpoint_staging) if self._checkpoint_staging is not None else super()._get_output_dir(trial)
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:

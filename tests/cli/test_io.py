@@ -1,10 +1,12 @@
 """Staged outputs under interruption: SIGTERM, SIGKILL and crashes between the two renames of a replace, sent to
 real subprocesses; and the stale leftovers of killed runs, cleaned (or put back) by the next run."""
 
+import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,67 @@ def test_a_killed_conversions_scratch_folder_is_removed_by_the_next_run(tmp_path
     check_output_dir(tmp_path / "out", force=False)
     assert not scratch.exists()
     assert f"removed {scratch.name}, the scratch folder" in capsys.readouterr().err
+
+
+def dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+
+
+def test_of_several_leftovers_only_the_newest_previous_output_is_put_back(tmp_path, capsys):
+    """Killed replaces left two previous outputs (.old) and a newer incomplete one (.partial): the most recently
+    written previous output comes back, never the incomplete one, and the rest is removed."""
+    pid = dead_pid()
+    for name, content, age in [("aaa.old", "oldest", 300), ("bbb.old", "newer", 200), ("ccc.partial", "incomplete", 100)]:
+        leftover = tmp_path / f".out.{pid}.{name}"
+        leftover.mkdir()
+        (leftover / "content.txt").write_text(content)
+        os.utime(leftover, (time.time() - age, time.time() - age))
+    check_output_dir(tmp_path / "out", force=True)
+    assert (tmp_path / "out" / "content.txt").read_text() == "newer"
+    assert hidden_leftovers(tmp_path) == []
+    assert f"restored {tmp_path / 'out'} from .out.{pid}.bbb.old" in capsys.readouterr().err
+
+
+def test_an_output_that_appeared_while_staging_is_not_replaced_without_force(tmp_path):
+    """The folder is checked again after the staged output is complete: another run may have written it since."""
+    out = tmp_path / "out"
+    with pytest.raises(OutputError, match="already exists; pass --force"):
+        with staged_output_dir(out, force=False) as staging:
+            (staging / "content.txt").write_text("mine")
+            out.mkdir()
+            (out / "content.txt").write_text("the other run's")
+    assert (out / "content.txt").read_text() == "the other run's"
+    assert hidden_leftovers(tmp_path) == []
+
+
+def test_staged_files_replace_their_namesakes_together_or_not_at_all(tmp_path):
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("the user's")
+    with io_bam.staged_files(folder, "result") as staging:
+        (staging / "result.json").write_text("1")
+        (staging / "plots").mkdir()
+        (staging / "plots" / "result.png").write_text("one")
+    assert sorted(str(path.relative_to(folder)) for path in folder.rglob("*")) == [
+        "keep.txt", "plots", "plots/result.png", "result.json"]
+
+    with pytest.raises(OSError):
+        with io_bam.staged_files(folder, "result") as staging:
+            (staging / "result.json").write_text("2")
+            raise OSError(28, "No space left on device")
+    assert (folder / "result.json").read_text() == "1" and (folder / "plots" / "result.png").read_text() == "one"
+    assert hidden_leftovers(folder) == []
+
+    with io_bam.staged_files(folder, "result") as staging:
+        (staging / "result.json").write_text("3")
+    assert (folder / "result.json").read_text() == "3" and (folder / "plots" / "result.png").read_text() == "one"
+
+
+def test_the_staged_files_of_a_killed_run_are_removed_by_the_next_run(tmp_path, capsys):
+    leftover = tmp_path / f".result.{dead_pid()}.x1y2.partial"
+    leftover.mkdir()
+    (leftover / "result.json").write_text("half")
+    with io_bam.staged_files(tmp_path, "result") as staging:
+        (staging / "result.json").write_text("whole")
+    assert (tmp_path / "result.json").read_text() == "whole" and hidden_leftovers(tmp_path) == []
+    assert f"removed {leftover.name}" in capsys.readouterr().err

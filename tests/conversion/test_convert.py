@@ -5,7 +5,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FIXTURES_DIR, checkout_environment, require_reference_fixtures
+from helpers import (
+    FIXTURES_DIR,
+    checkout_environment,
+    default_sigint,
+    disk_full_after_half,
+    one_error_line,
+    require_reference_fixtures,
+    snapshot,
+    unwritable,
+)
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
@@ -258,6 +268,48 @@ def test_synthetic_reference_run_converts_and_round_trips(case, tmp_path):
     assert all(torch.equal(restored[name], tensor) for name, tensor in state_dict.items())
     original_args = json.loads((tmp_path / "run" / "args.json").read_text())
     assert json.loads((back / "args.json").read_text()) == original_args
+
+
+def edit_model_args(run_dir: Path, **changes) -> None:
+    """Set (or, with None, remove) model_args fields of a reference run's args.json."""
+    path = run_dir / "args.json"
+    args = json.loads(path.read_text())
+    for name, value in changes.items():
+        if value is None:
+            args["model_args"].pop(name, None)
+        else:
+            args["model_args"][name] = value
+    path.write_text(json.dumps(args))
+
+
+TRAINING_FIELDS = ("train_shape", "train_scale", "train_loc", "train_theta_beta", "train_theta_alpha",
+                   "train_theta_mu", "seq_scale", "ssmax_prior", "norm_eps", "n_kv_heads", "multiple_of")
+
+
+@pytest.mark.parametrize("theta_names", [False, True])
+def test_args_json_without_training_flags_takes_the_reference_dataclass_defaults(tmp_path, theta_names):
+    """The reference ModelArgs defaults (official-bam-details.md, section 1): shape and scale trained, loc not;
+    bam_ssmax: seq_scale trained, ssmax_prior on; norm_eps 1e-5 (train.py's value); n_kv_heads = n_heads."""
+    write_reference_run(tmp_path / "run", variant="bam_ssmax", theta_names=theta_names)
+    edit_model_args(tmp_path / "run", **dict.fromkeys(TRAINING_FIELDS))
+    config = BamLlamaConfig.from_pretrained(convert_reference_checkpoint(tmp_path / "run", tmp_path / "bam", verbose=False))
+    assert (config.train_theta_beta, config.train_theta_alpha, config.train_theta_mu) == (True, True, False)
+    assert config.train_ssmax_scale and config.ssmax_prior
+    assert config.rms_norm_eps == 1e-5 and config.num_key_value_heads == config.num_attention_heads == 4
+
+
+@pytest.mark.parametrize("theta_names", [False, True])
+@pytest.mark.parametrize("frozen", [0, 1, 2])
+def test_each_training_flag_of_args_json_is_read_under_its_own_name(tmp_path, theta_names, frozen):
+    """One flag false, the others true (loc / theta_mu given true, against its default): each reaches its own
+    parameter, under either generation's names."""
+    flags = ("train_theta_beta", "train_theta_alpha", "train_theta_mu") if theta_names else ("train_shape", "train_scale", "train_loc")
+    write_reference_run(tmp_path / "run", theta_names=theta_names)
+    edit_model_args(tmp_path / "run", **{flag: index != frozen for index, flag in enumerate(flags)})
+    model = load_bam(convert_reference_checkpoint(tmp_path / "run", tmp_path / "bam", verbose=False))
+    prior = model.model.prior
+    trained = [prior.theta_beta.requires_grad, prior.theta_alpha.requires_grad, prior.theta_mu.requires_grad]
+    assert trained == [index != frozen for index in range(3)]
 
 
 def test_reference_dtype_option_casts_weights_but_keeps_prior_precision(tmp_path):
@@ -628,3 +680,105 @@ def test_unknown_formula_and_prior_scope_are_one_line_errors(tiny_llama, tmp_pat
     assert main(["llama", str(llama_dir), str(tmp_path / "bam"), "--prior-scope", "head"]) == 2
     assert "unknown prior scope 'head'; expected one of ('global', 'layer')" in capsys.readouterr().err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]
+
+
+# ---------------------------------------------------------------------------------------------- weights that are not finite, a full disk
+
+
+def write_tiny_llama_with(folder: Path, name: str, value: float) -> None:
+    save_tiny_llama(folder)
+    weights = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        weights = load_file(path)
+        if name in weights:
+            weights[name].view(-1)[3] = value
+            save_file(weights, path, metadata={"format": "pt"})
+            return
+    raise AssertionError(f"{name} is in no shard")
+
+
+def test_weights_that_are_not_finite_are_refused_by_every_conversion(tmp_path, capsys):
+    """One line naming the tensor and its file, status 2, nothing written: a Llama folder, a reference run and a
+    BamLlama folder (to-reference)."""
+    write_tiny_llama_with(tmp_path / "llama", "model.layers.1.mlp.up_proj.weight", float("nan"))
+    state_dict = write_reference_run(tmp_path / "run")
+    state_dict["layers.0.attention.wk.weight"][0, 0] = float("-inf")
+    torch.save(state_dict, tmp_path / "run" / "model.pt")
+    write_reference_run(tmp_path / "good-run")
+    assert main(["reference", str(tmp_path / "good-run"), str(tmp_path / "bam")]) == 0
+    bam_weights = load_file(tmp_path / "bam" / "model.safetensors")
+    bam_weights["model.prior.theta_beta"][1] = float("inf")
+    save_file(bam_weights, tmp_path / "bam" / "model.safetensors", metadata={"format": "pt"})
+    before = folder_listing(tmp_path)
+    cases = [
+        (["llama", str(tmp_path / "llama"), str(tmp_path / "out-llama")], "model.layers.1.mlp.up_proj.weight in"),
+        (["reference", str(tmp_path / "run"), str(tmp_path / "out-reference")],
+         f"layers.0.attention.wk.weight in {tmp_path / 'run' / 'model.pt'}"),
+        (["to-reference", str(tmp_path / "bam"), str(tmp_path / "out-run")],
+         f"model.prior.theta_beta in {tmp_path / 'bam' / 'model.safetensors'}"),
+    ]
+    for argv, named in cases:
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        line = one_error_line(capsys.readouterr().err, "bam-convert")
+        assert named in line and "NaN or infinite" in line, line
+    assert folder_listing(tmp_path) == before
+
+
+def test_a_full_disk_during_a_conversion_keeps_the_earlier_output(tiny_llama, tmp_path, monkeypatch, capsys):
+    llama_dir, _ = tiny_llama
+    out = tmp_path / "out" / "bam"
+    assert main(["llama", str(llama_dir), str(out), "--max-shard-size", "30KB"]) == 0
+    before = snapshot(tmp_path / "out")
+    monkeypatch.setattr("safetensors.torch.save_file", disk_full_after_half(save_file))  # read when a shard is written
+    capsys.readouterr()
+    assert main(["llama", str(llama_dir), str(out), "--force", "--prior", "alibi"]) == 1
+    assert "No space left on device" in one_error_line(capsys.readouterr().err, "bam-convert")
+    assert snapshot(tmp_path / "out") == before  # the earlier conversion, and no staging folder beside it
+
+
+def test_an_unwritable_output_folder_is_one_line_for_llama_and_gguf_sources(tiny_llama, tmp_path, monkeypatch, capsys):
+    llama_dir, _ = tiny_llama
+    (tmp_path / "out").mkdir()
+    with unwritable(tmp_path / "out", monkeypatch):
+        assert main(["llama", str(llama_dir), str(tmp_path / "out" / "bam")]) == 2
+    line = one_error_line(capsys.readouterr().err, "bam-convert")
+    assert "Permission denied" in line or "no permission" in line
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_bad_shard_size_is_refused_before_anything_is_printed(tiny_llama, tmp_path, capsys):
+    llama_dir, _ = tiny_llama
+    with pytest.raises(SystemExit) as exit_info:
+        main(["llama", str(llama_dir), str(tmp_path / "bam"), "--max-shard-size", "0"])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and captured.out == ""
+    assert "--max-shard-size: cannot read the shard size '0'" in captured.err.splitlines()[-1]
+    with pytest.raises(OutputError, match="shard size 0"):
+        convert_llama_checkpoint(llama_dir, tmp_path / "bam", max_shard_size=0)
+    assert capsys.readouterr().out == "" and not (tmp_path / "bam").exists()
+
+
+def test_ctrl_c_during_bam_convert_is_one_line_and_keeps_the_earlier_output(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    write_reference_run(tmp_path / "run")
+    out = tmp_path / "out" / "bam"
+    assert main(["reference", str(tmp_path / "run"), str(out)]) == 0
+    before = snapshot(tmp_path / "out")
+    (tmp_path / "convert.py").write_text(CONVERT_THEN_WAIT)
+    process = subprocess.Popen(
+        [sys.executable, str(tmp_path / "convert.py"), "reference", str(tmp_path / "run"), str(out), "--force",
+         "--dtype", "bfloat16"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=checkout_environment(), preexec_fn=default_sigint,
+    )
+    for line in process.stdout:
+        if line.strip() == "staged":
+            break
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1].startswith("bam-convert: interrupted") and "Traceback" not in stderr
+    assert snapshot(tmp_path / "out") == before

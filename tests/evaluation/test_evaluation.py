@@ -137,6 +137,27 @@ def test_retrieving_model_scores_one_and_wrong_model_zero(tokenizer, monkeypatch
     assert evaluate_passkey(model, tokenizer, [300], num_depths=4, progress=False).accuracy_by_length() == {300: 0.0}
 
 
+@pytest.mark.parametrize(
+    "answer, found",
+    [
+        (" {key}.", True), ("{key}", True), ("\n {key}\n", True), (" {key} is", True), (" {key}7", False),
+        (" 0{key}", False), (" {key_less}", False), ("x{key}", False), (" {key_changed}.", False),
+        ("", False), (" {spaced}", False),
+    ],
+)
+def test_what_counts_as_found(tokenizer, monkeypatch, answer, found):
+    """The answer, past leading whitespace, starts with the key and no other digit follows it: a longer number, a
+    shorter one, one digit off, or the key after something else is not found."""
+
+    def answer_for_key(key):
+        changed = key[:2] + str((int(key[2]) + 1) % 10) + key[3:]
+        return answer.format(key=key, key_less=key[:-1], key_changed=changed, spaced=" ".join(key))
+
+    monkeypatch.setattr(evaluation_bam, "greedy_continuation", fake_continuation(tokenizer, answer_for_key))
+    results = evaluate_passkey(tiny_bam(), tokenizer, [300], num_depths=3, num_digits=5, progress=False)
+    assert results.correct == [[found] * 3]
+
+
 def test_partial_key_is_wrong(tokenizer, monkeypatch):
     monkeypatch.setattr(evaluation_bam, "greedy_continuation", fake_continuation(tokenizer, lambda key: key[:-1]))
     results = evaluate_passkey(tiny_bam(), tokenizer, [300], num_depths=2, progress=False)

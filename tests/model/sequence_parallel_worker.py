@@ -1,32 +1,56 @@
 """torchrun worker for tests/model/test_sequence_parallel.py: every rank holds one chunk of every sequence (Ulysses).
 
 Usage: torchrun --nproc_per_node=N sequence_parallel_worker.py OUTPUT.pt
-Rank 0 writes, per case, the loss (each rank's sum over its tokens / all tokens, summed over ranks), the logits
-(gathered chunks) and every parameter's gradient summed over ranks; and the error of every refused setup.
+Runs the cases for N ranks (2 or 4). Rank 0 writes, per case, the logits (gathered chunks) and, in training, the loss
+(each rank's sum over its tokens / all tokens, summed over ranks) and every parameter's gradient summed over ranks;
+with 2 ranks also the error of every refused setup.
 """
 
 import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: helpers
+from distributed_launch import finish_worker  # noqa: E402
 from helpers import tiny_model  # noqa: E402
 
-LENGTH = 24  # two chunks of 12 on two ranks
-# name: (attention implementation, config overrides, batch kind)
+LENGTH = 24  # chunks of 12 on two ranks, of 6 on four
+
+
+class Case(NamedTuple):
+    attention: str  # attention implementation
+    overrides: dict  # config overrides
+    batch: str  # "rows", "packed" or "right_padded" (build_batch)
+    ranks: int = 2
+    mode: str = "train"  # "train"; "eval": sharded inference; "eval_unsharded": disable_in_eval, whole sequences
+
+
+GROUPED = dict(num_attention_heads=8, num_key_value_heads=2)  # 4 ranks: each KV head copied to 2 ranks
 CASES = {
-    "plain_layer_prior": ("sdpa", dict(prior_scope="layer"), "rows"),
-    "plain_global_prior_eager": ("eager", dict(prior_scope="global"), "rows"),
-    "packed_ssmax_prior_layer": ("sdpa", dict(prior_scope="layer", ssmax=True, ssmax_prior=True), "packed"),
-    "packed_ssmax_prior_global": ("sdpa", dict(prior_scope="global", ssmax=True, ssmax_prior=True), "packed"),
-    "packed_ssmax_eager": ("eager", dict(prior_scope="layer", ssmax=True, ssmax_prior=False), "packed"),
-    "right_padding_ssmax": ("sdpa", dict(prior_scope="global", ssmax=True), "right_padded"),
-    "one_kv_head_replicated": ("sdpa", dict(num_key_value_heads=1, ssmax=True), "packed"),
+    "plain_layer_prior": Case("sdpa", dict(prior_scope="layer"), "rows"),
+    "plain_global_prior_eager": Case("eager", dict(prior_scope="global"), "rows"),
+    "packed_ssmax_prior_layer": Case("sdpa", dict(prior_scope="layer", ssmax=True, ssmax_prior=True), "packed"),
+    "packed_ssmax_prior_global": Case("sdpa", dict(prior_scope="global", ssmax=True, ssmax_prior=True), "packed"),
+    "packed_ssmax_eager": Case("eager", dict(prior_scope="layer", ssmax=True, ssmax_prior=False), "packed"),
+    "right_padding_ssmax": Case("sdpa", dict(prior_scope="global", ssmax=True), "right_padded"),
+    "one_kv_head_replicated": Case("sdpa", dict(num_key_value_heads=1, ssmax=True), "packed"),
+    "eval_packed_ssmax": Case("sdpa", dict(prior_scope="global", ssmax=True), "packed", mode="eval"),
+    "eval_right_padding_eager": Case("eager", dict(prior_scope="layer", ssmax=True), "right_padded", mode="eval"),
+    # right padding: a sharded run on every rank's whole sequences would see the padding of one copy before the
+    # tokens of the next (packed documents would hide it: each copy is a document of its own)
+    "eval_unsharded_when_disabled": Case("sdpa", dict(prior_scope="global", ssmax=True), "right_padded",
+                                         mode="eval_unsharded"),
+    "grouped_kv_4_ranks_packed": Case("sdpa", dict(GROUPED, prior_scope="layer", ssmax=True), "packed", ranks=4),
+    "grouped_kv_4_ranks_padded_eager": Case("eager", dict(GROUPED, prior_scope="global", ssmax=True), "right_padded",
+                                            ranks=4),
+    "grouped_kv_4_ranks_eval": Case("sdpa", dict(GROUPED, prior_scope="global", ssmax=True), "packed", ranks=4,
+                                    mode="eval"),
 }
 
 
@@ -34,8 +58,8 @@ DEEPSPEED_CASE = "packed_ssmax_prior_global"
 
 
 def build_model(name: str):
-    implementation, overrides, _ = CASES[name]
-    model = tiny_model(implementation, seed=3, **overrides).train()
+    case = CASES[name]
+    model = tiny_model(case.attention, seed=3, **case.overrides).train(case.mode == "train")
     model.config.use_cache = False
     model.config.train_theta_mu = True  # mu too: every prior parameter gets a gradient to compare
     model.apply_prior_trainability()
@@ -46,7 +70,7 @@ def build_model(name: str):
 
 def build_batch(name: str) -> dict[str, torch.Tensor]:
     """input_ids, position_ids, labels and, for padded rows, attention_mask: (2, LENGTH) each."""
-    kind = CASES[name][2]
+    kind = CASES[name].batch
     generator = torch.Generator().manual_seed(7)
     input_ids = torch.randint(1, 97, (2, LENGTH), generator=generator)
     position_ids = torch.arange(LENGTH).repeat(2, 1)
@@ -55,7 +79,7 @@ def build_batch(name: str) -> dict[str, torch.Tensor]:
     if kind == "packed":  # documents of 5 + 9 + 10 and 13 + 11 tokens: both cross the split at token 12
         for row, lengths in enumerate([(5, 9, 10), (13, 11)]):
             position_ids[row] = torch.cat([torch.arange(length) for length in lengths])
-    elif kind == "right_padded":  # row 1 holds 17 tokens, then padding (on the second rank's chunk)
+    elif kind == "right_padded":  # row 1 holds 17 tokens, then padding (on the last rank's chunk)
         batch["attention_mask"] = torch.ones(2, LENGTH, dtype=torch.long)
         batch["attention_mask"][1, 17:] = 0
         labels[1, 17:] = -100
@@ -67,6 +91,8 @@ def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def run_case(name: str, rank: int, size: int) -> dict:
+    if CASES[name].mode != "train":
+        return run_eval_case(name, rank, size)
     from bam_llama.model.sequence_parallel_bam import enable_ulysses
 
     model = build_model(name)
@@ -87,6 +113,26 @@ def run_case(name: str, rank: int, size: int) -> dict:
         dist.all_reduce(parameter.grad)
         gradients[parameter_name] = parameter.grad
     return {"loss": loss, "logits": torch.cat(logits, dim=1), "gradients": gradients}
+
+
+@torch.no_grad()
+def run_eval_case(name: str, rank: int, size: int) -> dict:
+    """Logits of a model in eval mode: sharded like training ("eval"), or, with `disable_in_eval` (as Accelerate
+    registers DeepSpeed's wrapper: its evaluation batches are not sharded), of the whole sequences every rank holds."""
+    from bam_llama.model.sequence_parallel_bam import enable_ulysses
+
+    model = build_model(name)
+    unsharded = CASES[name].mode == "eval_unsharded"
+    enable_ulysses(model, disable_in_eval=unsharded)
+    batch = build_batch(name)
+    batch.pop("labels")
+    if unsharded:
+        return {"logits": model(**batch).logits}
+    chunk = slice(rank * LENGTH // size, (rank + 1) * LENGTH // size)
+    logits = model(**{key: value[:, chunk].contiguous() for key, value in batch.items()}).logits
+    gathered = [torch.empty_like(logits) for _ in range(size)]
+    dist.all_gather(gathered, logits.contiguous())
+    return {"logits": torch.cat(gathered, dim=1)}
 
 
 def run_deepspeed_ulysses(name: str, rank: int, size: int) -> dict:
@@ -175,14 +221,12 @@ def main():
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    results = {name: run_case(name, rank, size) for name in CASES}
-    results["refusals"] = refusals(rank, size)
-    if importlib.util.find_spec("deepspeed") is not None:  # last: DeepSpeed's wrapper stays registered
-        results["deepspeed:" + DEEPSPEED_CASE] = run_deepspeed_ulysses(DEEPSPEED_CASE, rank, size)
-    if rank == 0:
-        torch.save(results, sys.argv[1])
-    dist.barrier()
-    dist.destroy_process_group()
+    results = {name: run_case(name, rank, size) for name, case in CASES.items() if case.ranks == size}
+    if size == 2:
+        results["refusals"] = refusals(rank, size)
+        if importlib.util.find_spec("deepspeed") is not None:  # last: DeepSpeed's wrapper stays registered
+            results["deepspeed:" + DEEPSPEED_CASE] = run_deepspeed_ulysses(DEEPSPEED_CASE, rank, size)
+    finish_worker(rank, results, Path(sys.argv[1]))
 
 
 if __name__ == "__main__":

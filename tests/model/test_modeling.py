@@ -92,6 +92,38 @@ def test_prior_init_schemes_and_trainability():
     assert "theta_mu" in dict(prior.named_buffers()) and "theta_mu" not in dict(prior.named_parameters())
 
 
+def paper_alibi_slopes(n: int) -> list[float]:
+    """ALiBi's slopes as Press et al. build them: for a power of two n, the geometric sequence that starts at and
+    has ratio 2^(-8/n); otherwise the slopes of the closest power of two below n, then every other slope of twice
+    that power, as many as are missing."""
+    if n & (n - 1) == 0:
+        start = 2.0 ** (-8.0 / n)
+        return [start * start**i for i in range(n)]
+    closest = 1 << (n.bit_length() - 1)
+    return paper_alibi_slopes(closest) + paper_alibi_slopes(2 * closest)[0::2][: n - closest]
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3, 5, 6, 7, 12, 20, 24, 40])
+def test_alibi_init_gives_the_papers_slopes_for_any_head_count(heads):
+    """The `alibi` baseline and converted priors (theta_alpha_init="alibi") start from log slope per head."""
+    model = BamLlamaForCausalLM(tiny_config(theta_alpha_init="alibi", num_attention_heads=heads, num_key_value_heads=1,
+                                            hidden_size=8 * heads, head_dim=8, num_hidden_layers=1))
+    torch.testing.assert_close(model.model.prior.theta_alpha.exp(), torch.tensor(paper_alibi_slopes(heads)),
+                               rtol=1e-6, atol=0)
+
+
+def test_alibi_slopes_for_6_and_12_heads_written_out():
+    """The paper's construction by hand: 6 heads take 4 heads' slopes 2^-2, 2^-4, 2^-6, 2^-8, then 8 heads'
+    2^-1, 2^-3; 12 heads take 8 heads' 2^-1 .. 2^-8, then 16 heads' 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5."""
+    six = BamLlamaForCausalLM(tiny_config(theta_alpha_init="alibi", num_attention_heads=6, num_key_value_heads=2,
+                                          hidden_size=48, head_dim=8, num_hidden_layers=1)).model.prior
+    torch.testing.assert_close(six.theta_alpha.exp(), 2.0 ** -torch.tensor([2.0, 4, 6, 8, 1, 3]))
+    twelve = BamLlamaForCausalLM(tiny_config(theta_alpha_init="alibi", num_attention_heads=12, num_key_value_heads=4,
+                                             hidden_size=96, head_dim=8, num_hidden_layers=1)).model.prior
+    exponents = torch.tensor([1.0, 2, 3, 4, 5, 6, 7, 8, 0.5, 1.5, 2.5, 3.5])
+    torch.testing.assert_close(twelve.theta_alpha.exp(), 2.0 ** -exponents)
+
+
 # ---------------------------------------------------------------------------------------------- attention paths
 
 

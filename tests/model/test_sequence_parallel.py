@@ -1,6 +1,7 @@
 """Ulysses sequence parallelism: 2 gloo processes, each holding half of every sequence, give the loss, logits and
-gradients of one process holding all of it; and every setup that would see wrong positions or drop the prior is
-refused with one error. The workers run in tests/sequence_parallel_worker.py (one torchrun for all cases)."""
+gradients of one process holding all of it, in training and in eval mode; 4 processes share 2 key/value heads among
+8 query heads alike; and every setup that would see wrong positions or drop the prior is refused with one error.
+The workers run in tests/model/sequence_parallel_worker.py (one torchrun per number of ranks)."""
 
 import subprocess
 import sys
@@ -20,17 +21,30 @@ LOGIT_TOLERANCE = 1e-6  # per element, logits of size ~1 (measured: equal)
 GRADIENT_TOLERANCE = dict(rtol=1e-5, atol=1e-7)  # per element (measured: at most 2.6e-8 apart)
 
 
+def run_workers(tmp_path_factory, processes: int) -> dict:
+    output = tmp_path_factory.mktemp(f"ulysses-{processes}") / "results.pt"
+    torchrun("model/sequence_parallel_worker.py", str(output), processes=processes, timeout=300)
+    return torch.load(output)
+
+
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    output = tmp_path_factory.mktemp("ulysses") / "results.pt"
-    torchrun("model/sequence_parallel_worker.py", str(output), timeout=300)
-    return torch.load(output)
+    return run_workers(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def sharded_4(tmp_path_factory):
+    return run_workers(tmp_path_factory, 4)
 
 
 def one_process(name: str) -> dict:
     """The reference: the same model and global batch, unsharded, in this process."""
     model = build_model(name)
     batch = build_batch(name)
+    if CASES[name].mode != "train":
+        batch.pop("labels")
+        with torch.no_grad():
+            return {"logits": model(**batch).logits}
     output = model(**batch)
     output.loss.backward()
     labels = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
@@ -41,10 +55,13 @@ def one_process(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_two_ranks_give_the_one_process_loss_logits_and_gradients(sharded, name):
-    got, expected = sharded[name], one_process(name)
-    assert abs(got["loss"].item() - expected["loss"].item()) < LOSS_TOLERANCE
+def test_sharded_ranks_give_the_one_process_loss_logits_and_gradients(request, name):
+    got = request.getfixturevalue("sharded_4" if CASES[name].ranks == 4 else "sharded")[name]
+    expected = one_process(name)
     torch.testing.assert_close(got["logits"], expected["logits"], rtol=0, atol=LOGIT_TOLERANCE)
+    if CASES[name].mode != "train":
+        return
+    assert abs(got["loss"].item() - expected["loss"].item()) < LOSS_TOLERANCE
     assert got["gradients"].keys() == expected["gradients"].keys()
     prior_gradients = 0
     for parameter, gradient in expected["gradients"].items():

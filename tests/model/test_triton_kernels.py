@@ -75,9 +75,12 @@ def left_padding(batch, k_len, pad):
 
 
 def packed_documents(batch, k_len, lengths):
+    """Document ids (B, Lk): `lengths` packs the first row (the others hold one document), or is a tuple of one
+    list of lengths per row."""
     document_ids = torch.zeros(batch, k_len, dtype=torch.long)
-    boundaries = torch.tensor(lengths).cumsum(0)
-    document_ids[0] = torch.bucketize(torch.arange(k_len), boundaries, right=True)
+    for row, row_lengths in enumerate(lengths if isinstance(lengths, tuple) else (lengths,)):
+        boundaries = torch.tensor(row_lengths).cumsum(0)
+        document_ids[row] = torch.bucketize(torch.arange(k_len), boundaries, right=True)
     return document_ids
 
 
@@ -142,6 +145,15 @@ PARITY_CASES = {
     "len64-gqa2-d96-docs": (1, 4, 2, 64, 64, 96, "current", True, True, 0, [20, 1, 30, 13], 0),
     "len133-gqa2-d48-legacy-pad-docs": (2, 4, 2, 133, 133, 48, "legacy", True, False, 37, [70, 63], 0),
     "len133-mha-d32-no-ssmax": (1, 2, 2, 133, 133, 32, "current", False, True, 0, None, 0),
+    # Documents that end or start one token off a tile boundary (interpreter tiles: dk/dv 64 keys x 32 queries,
+    # dq 64 queries x 32 keys). Full length: row 0 ends one at 97, one query past the 3rd query tile of a key block
+    # the document covers whole, row 3 at 95, one before it; row 1 starts one at 33, one key past a key tile, and
+    # ends it at 129, one query past dq's 2nd tile; row 2 ends one at 65. The chunk starts at position 30, so query
+    # tiles are 2 positions off the key tiles: row 0 ends a document at 125, one before the end of a query tile.
+    "len133-mqa-d16-docs-end-next-to-tiles": (4, 2, 1, 133, 133, 16, "current", True, True, 0,
+                                              ([97, 36], [33, 96, 4], [65, 1, 67], [95, 38]), 0),
+    "chunk103-of-133-mqa-d16-docs-end-next-to-tiles": (2, 2, 1, 103, 133, 16, "legacy", True, False, 0,
+                                                       ([125, 8], [33, 96, 4]), 0),
     "chunk16-of-133-d80-pad": (2, 4, 2, 16, 133, 80, "current", True, True, 40, None, 0),
     "split-auto-train11-no-ssmax": (2, 4, 2, 11, 11, 32, "current", False, True, 0, None, None),
     "split-auto-chunk7-of-64-legacy": (1, 4, 2, 7, 64, 64, "legacy", True, True, 0, None, None),

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: helpers
+from distributed_launch import finish_worker  # noqa: E402
 from helpers import tiny_model  # noqa: E402
 
 STEPS = 3
@@ -127,10 +128,7 @@ def main():
             results[variant] = train_fsdp2(variant, rank, size, output_dir)
         else:
             results[variant] = train_zero(int(engine[-1]), variant, rank, size)
-    if rank == 0:
-        torch.save(results, output_dir / "results.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(rank, results, output_dir / "results.pt")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import checkout_environment, default_sigint, tiny_model, training_linear_dtypes
-from safetensors.torch import load_file
+from helpers import checkout_environment, default_sigint, one_error_line, tiny_model, training_linear_dtypes
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from bam_llama.cli.finetune import main
@@ -500,8 +500,9 @@ def test_resume_latest_skips_incomplete_checkpoints_and_says_so(tmp_path, caplog
         resolve_checkpoint(args)
 
 
-# Runs bam-finetune with the second checkpoint save stopped half-way (weights written, no trainer_state.json): it
-# prints "saving" and waits there for the test's SIGINT (KeyboardInterrupt from the sleep), at most WAIT_SECONDS.
+# Runs bam-finetune with the second checkpoint save stopped half-way (weights written into its staging folder, no
+# trainer_state.json): it prints "saving" and waits there for the test's SIGINT (KeyboardInterrupt from the sleep),
+# at most WAIT_SECONDS.
 FINETUNE_INTERRUPTED_WHILE_SAVING = """
 import sys, time
 from transformers import Trainer
@@ -569,8 +570,8 @@ class ChildProcess:
 
 def test_ctrl_c_while_saving_a_checkpoint_then_resume_latest(workspace, tmp_path, capsys):
     """The child stops inside its second checkpoint save and waits for SIGINT. Meanwhile a second bam-finetune
-    into the same folder is refused, naming the running one. After the interrupt, `latest` skips the incomplete
-    checkpoint-4 and resumes from checkpoint-2."""
+    into the same folder is refused, naming the running one. The interrupt is one line and status 130, and leaves
+    no checkpoint-4 (it was staged), nor its staging folder; `latest` resumes from checkpoint-2."""
     output_dir = tmp_path / "out"
     (tmp_path / "finetune.py").write_text(FINETUNE_INTERRUPTED_WHILE_SAVING)
     options = [
@@ -590,9 +591,10 @@ def test_ctrl_c_while_saving_a_checkpoint_then_resume_latest(workspace, tmp_path
         assert "\n" not in error
     finally:
         child.process.send_signal(signal.SIGINT)
-    assert child.wait(timeout=120) not in (0, None), child.error_output()
-    assert "KeyboardInterrupt" in child.error_output()  # interrupted by the signal, not by its own deadline
-    assert (output_dir / "checkpoint-4").is_dir() and not (output_dir / "checkpoint-4" / "trainer_state.json").exists()
+    assert child.wait(timeout=120) == 130, child.error_output()  # the signal, not its own deadline (exit 1)
+    last_line = child.error_output().strip().splitlines()[-1]
+    assert last_line.startswith("bam-finetune: interrupted") and "Traceback" not in child.error_output()
+    assert sorted(path.name for path in output_dir.iterdir()) == ["checkpoint-2"]
 
     summary = finetune(arguments(workspace["base"], workspace["data"], output_dir, max_steps=6, save_steps=2,
                                  resume_from_checkpoint="latest"))
@@ -690,4 +692,28 @@ def test_a_binary_file_in_a_data_folder_is_named(workspace, tmp_path, capsys, na
     assert main(argv) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith(f"bam-finetune: error: {binary}:3 is not UTF-8 text") and "\n" not in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_full_fine_tuning_with_merge_is_refused_before_anything_loads(tmp_path, capsys):
+    """--merge merges a LoRA adapter: with --full it would be ignored, so it is refused (the model path does not even
+    exist here)."""
+    argv = ["--model", str(tmp_path / "missing"), "--data", str(tmp_path / "missing.txt"), "--output-dir",
+            str(tmp_path / "out"), "--context-length", "64", "--full", "--merge"]
+    assert main(argv) == 2
+    line = one_error_line(capsys.readouterr().err, "bam-finetune")
+    assert "--merge" in line and "--full" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_base_model_whose_weights_are_not_finite_is_refused(workspace, tmp_path, capsys):
+    base = Path(shutil.copytree(workspace["base"], tmp_path / "base"))
+    weights = load_file(base / "model.safetensors")
+    weights["model.prior.theta_beta"][0] = float("nan")
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    argv = ["--model", str(base), "--data", str(workspace["data"]), "--output-dir", str(tmp_path / "out"),
+            "--context-length", str(TARGET_LENGTH), "--max-steps", "2", "--disable-progress-bars"]
+    assert main(argv) == 2
+    line = one_error_line(capsys.readouterr().err, "bam-finetune")
+    assert f"model.prior.theta_beta in {base}" in line
     assert not (tmp_path / "out").exists()

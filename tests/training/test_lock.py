@@ -131,3 +131,67 @@ def test_only_a_checkpoint_of_the_folder_continues_its_run(tmp_path):
     assert resumes_in(tmp_path, "latest") and resumes_in(tmp_path, str(tmp_path / "checkpoint-4"))
     assert not resumes_in(tmp_path, None) and not resumes_in(tmp_path, "")
     assert not resumes_in(tmp_path / "out", str(tmp_path / "other-run" / "checkpoint-4"))
+
+
+def test_a_lock_file_deleted_under_its_holder_stops_it_before_it_writes_and_is_not_taken_from_the_next(tmp_path):
+    """Someone deletes the holder's lock file: a second run can then lock a new one. The first run finds out before
+    it writes or deletes anything (ensure_held), and its release leaves the second run's lock file in place, so that
+    a third run is still refused."""
+    with hold_output_dir(tmp_path, "first") as first:
+        (tmp_path / LOCK_NAME).unlink()
+        with hold_output_dir(tmp_path, "second") as second:
+            with pytest.raises(OutputDirInUse, match=rf"the lock file {tmp_path / LOCK_NAME} was removed while this run held"):
+                first.ensure_held()
+            with pytest.raises(OutputDirInUse):
+                first.clear_earlier_results()
+            second.ensure_held()
+        assert not (tmp_path / LOCK_NAME).exists()  # the second released its own file
+        (tmp_path / LOCK_NAME).write_text("")  # a third run's file, not locked: the first must leave it alone
+    assert (tmp_path / LOCK_NAME).exists()
+
+
+def test_the_first_run_releasing_after_the_second_took_over_keeps_the_second_runs_lock(tmp_path):
+    first_context = hold_output_dir(tmp_path, "first")
+    first_context.__enter__()
+    (tmp_path / LOCK_NAME).unlink()
+    with hold_output_dir(tmp_path, "second"):
+        first_context.__exit__(None, None, None)  # the first run ends while the second holds the folder
+        assert '"second"' in (tmp_path / LOCK_NAME).read_text()
+        with pytest.raises(OutputDirInUse, match=r"\(second, pid "):
+            with hold_output_dir(tmp_path, "third"):
+                pytest.fail("a third run held the folder while the second did")
+
+
+def test_a_lock_file_replaced_between_open_and_lock_is_retried(tmp_path, monkeypatch):
+    """A releasing holder unlinks its file between this run's open and its lock, and another run locks a new file at
+    the path: the lock this run gets is on the orphaned file, so it must notice and be refused by the new holder."""
+    from bam_llama.training import lock
+
+    real_flock, taken = lock.fcntl.flock, []
+
+    def flock(descriptor, operation):
+        if not taken:  # the first attempt: another run replaces the file just before
+            (tmp_path / LOCK_NAME).unlink()
+            other = os.open(tmp_path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            real_flock(other, operation)
+            os.write(other, b'{"command": "other", "pid": 1, "host": "h", "started": "now"}')
+            taken.append(other)
+        return real_flock(descriptor, operation)
+
+    monkeypatch.setattr(lock.fcntl, "flock", flock)
+    try:
+        with pytest.raises(OutputDirInUse, match=r"\(other, pid 1 on h"):
+            with hold_output_dir(tmp_path, "late"):
+                pytest.fail("two runs held the folder")
+    finally:
+        os.close(taken[0])
+
+
+def test_a_checkpoint_a_killed_run_was_writing_is_removed_by_the_next_holder(tmp_path, capsys):
+    staging = tmp_path / ".checkpoint-8.staging" / "checkpoint-8"
+    staging.mkdir(parents=True)
+    (staging / "model.safetensors").write_bytes(b"half")
+    (tmp_path / "checkpoint-4").mkdir()
+    with hold_output_dir(tmp_path, "bam-pretrain", continuing=True):
+        assert sorted(os.listdir(tmp_path)) == [LOCK_NAME, "checkpoint-4"]
+    assert "removed .checkpoint-8.staging" in capsys.readouterr().err

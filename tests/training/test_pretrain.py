@@ -6,13 +6,22 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model, training_linear_dtypes
+from helpers import (
+    checkout_environment,
+    default_sigint,
+    disk_full_after_half,
+    one_error_line,
+    snapshot,
+    tiny_model,
+    training_linear_dtypes,
+)
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
@@ -369,3 +378,103 @@ def test_help_states_the_default_model_and_every_default():
     for flag, default in [("--context-length CONTEXT_LENGTH", "512"), ("--warmup-steps WARMUP_STEPS", "0"),
                           ("--learning-rate LEARNING_RATE", "0.001"), ("--max-steps MAX_STEPS", "1000")]:
         assert f"(default: {default})" in options[flag], (flag, options.get(flag))
+
+
+# --------------------------------------------------------------------------------------------------------
+# What stops a run: a loss that diverges, broken weights to resume, a full disk, Ctrl-C
+# --------------------------------------------------------------------------------------------------------
+
+
+def cli_arguments(data: Path, output_dir: Path, *extra: str) -> list[str]:
+    return ["--data", str(data), "--output-dir", str(output_dir), "--context-length", str(CONTEXT_LENGTH),
+            "--hidden-size", "32", "--layers", "1", "--heads", "4", "--batch-size", "4", "--eval-rows", "4",
+            "--disable-progress-bars", *extra]
+
+
+def test_a_loss_that_turns_nan_stops_the_run_and_saves_nothing_new(data, tmp_path, capsys):
+    """A learning rate of 1e30 gives a finite loss at step 1 (saved as checkpoint-1), NaN at step 2: one line, status
+    1, and neither checkpoint-2, the model nor a summary (Trainer's own filter would have carried on and reported a
+    train_loss of 0.0)."""
+    output_dir = tmp_path / "out"
+    status = main(cli_arguments(data, output_dir, "--max-steps", "4", "--save-steps", "1", "--learning-rate", "1e30"))
+    line = one_error_line(capsys.readouterr().err, "bam-pretrain")
+    assert status == 1 and "the training loss became nan at step 2" in line
+    assert sorted(path.name for path in output_dir.iterdir()) == ["checkpoint-1"]
+
+
+def test_resuming_from_weights_that_are_not_finite_is_refused(data, tmp_path, capsys):
+    output_dir = tmp_path / "out"
+    assert main(cli_arguments(data, output_dir, "--max-steps", "2", "--save-steps", "2")) == 0
+    weights_path = output_dir / "checkpoint-2" / "model.safetensors"
+    weights = load_file(weights_path)
+    weights["model.layers.0.mlp.down_proj.weight"][0, 1] = float("nan")
+    save_file(weights, weights_path, metadata={"format": "pt"})
+    before = snapshot(output_dir)
+    capsys.readouterr()
+    status = main(cli_arguments(data, output_dir, "--max-steps", "4", "--save-steps", "2", "--resume-from-checkpoint", "latest"))
+    line = one_error_line(capsys.readouterr().err, "bam-pretrain")
+    assert status == 2 and f"model.layers.0.mlp.down_proj.weight in {weights_path}" in line
+    assert snapshot(output_dir) == before
+
+
+def test_a_full_disk_while_saving_a_checkpoint_leaves_no_partial_checkpoint(data, tmp_path, monkeypatch, capsys):
+    """The optimizer state of checkpoint-4 fails half-way (ENOSPC): one line, status 1; checkpoint-2 stays, no
+    checkpoint-4 nor its staging folder is left, and the run resumes from checkpoint-2."""
+    output_dir = tmp_path / "out"
+    real_save = torch.save
+
+    def save(obj, path, *args, **kwargs):
+        if "checkpoint-4" in str(path):
+            return disk_full_after_half(real_save)(obj, path, *args, **kwargs)
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    status = main(cli_arguments(data, output_dir, "--max-steps", "6", "--save-steps", "2"))
+    line = one_error_line(capsys.readouterr().err, "bam-pretrain")
+    assert status == 1 and "No space left on device" in line
+    assert sorted(path.name for path in output_dir.iterdir()) == ["checkpoint-2"]
+    monkeypatch.setattr(torch, "save", real_save)
+    assert main(cli_arguments(data, output_dir, "--max-steps", "6", "--save-steps", "2", "--resume-from-checkpoint", "latest")) == 0
+    assert json.loads((output_dir / "summary.json").read_text())["resumed_from_step"] == 2
+
+
+# Runs bam-pretrain, stopping inside its second checkpoint save (printing "saving") until the test's SIGINT.
+PRETRAIN_INTERRUPTED_WHILE_SAVING = """
+import sys, time
+from transformers import Trainer
+from bam_llama.cli import pretrain as pretrain_cli
+
+save_rng_state, saves = Trainer._save_rng_state, []
+
+def save_rng_state_then_wait(self, output_dir):
+    saves.append(output_dir)
+    if len(saves) == 2:
+        print("saving", flush=True)
+        time.sleep(300)
+        sys.exit("no SIGINT came while saving")
+    return save_rng_state(self, output_dir)
+
+Trainer._save_rng_state = save_rng_state_then_wait
+sys.exit(pretrain_cli.main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_while_saving_a_checkpoint_is_one_line_and_leaves_no_partial_checkpoint(data, tmp_path):
+    output_dir = tmp_path / "out"
+    (tmp_path / "pretrain.py").write_text(PRETRAIN_INTERRUPTED_WHILE_SAVING)
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, str(tmp_path / "pretrain.py"), *cli_arguments(data, output_dir, "--max-steps", "6", "--save-steps", "2")],
+            stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=default_sigint,
+            env=checkout_environment(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"),
+        )
+        try:
+            assert any(line.strip() == "saving" for line in process.stdout), (tmp_path / "stderr.txt").read_text()[-3000:]
+            process.send_signal(signal.SIGINT)
+            process.communicate(timeout=120)
+        finally:
+            process.kill()
+    errors = (tmp_path / "stderr.txt").read_text()
+    assert process.returncode == 130, errors[-3000:]
+    assert errors.strip().splitlines()[-1].startswith("bam-pretrain: interrupted") and "Traceback" not in errors
+    assert sorted(path.name for path in output_dir.iterdir()) == ["checkpoint-2"]
