@@ -12,10 +12,10 @@ from conftest import run_vllm
 TOLERANCE = 1e-4
 
 
-def main_suite_conftest():
-    """tests/conftest.py (its fixture lookup: skip locally, fail under CI=true when ../shared is missing)."""
-    path = Path(__file__).resolve().parents[1] / "tests" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("bam_main_suite_conftest", path)
+def main_suite_helpers():
+    """tests/helpers.py (its fixture lookup: skip locally, fail under CI=true when ../shared is missing)."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "helpers.py"
+    spec = importlib.util.spec_from_file_location("bam_main_suite_helpers", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -24,7 +24,7 @@ def main_suite_conftest():
 def test_converted_reference_checkpoint_served_by_vllm_matches_reference_logits(tmp_path):
     from bam_llama.conversion.reference import convert_reference_checkpoint
 
-    fixtures = main_suite_conftest().require_reference_fixtures()
+    fixtures = main_suite_helpers().require_reference_fixtures()
     folder = convert_reference_checkpoint(
         fixtures / "logs" / "l6" / "bam_ssmax" / "version_00", tmp_path / "converted", verbose=False
     )
