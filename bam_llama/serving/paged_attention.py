@@ -45,7 +45,7 @@ import torch
 
 from ..model.blocked_bam import bam_attention_blocked
 from ..model.prior_bam import ggd_bias
-from ..model.triton_bam import COMBINE_BLOCKS, COMBINE_LAUNCH, MAX_SPLITS
+from ..model.triton_bam import COMBINE_BLOCKS, COMBINE_LAUNCH, MAX_SPLITS, LaunchConfig
 from . import paged_kernels
 
 logger = logging.getLogger(__name__)
@@ -131,15 +131,15 @@ class BamTerms:
         """(H, keys) view: the prior of keys 0..keys-1 for the query at position keys - 1."""
         return self.prior_table[:, self.max_len - keys :]
 
-    def apply(self, scores: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Raw q.k (H, Lq, L) float32 -> BAM's logits, in place; bias (H, Lq, L) or (H, 1, L) for these positions."""
-        scores.mul_(self.scaling)
+    def logits(self, qk: torch.Tensor, bias: torch.Tensor, log_count: torch.Tensor) -> torch.Tensor:
+        """BAM's logits from raw float32 q.k, (H, ...): bias broadcastable to it, log_count ln(n) of each query
+        (broadcastable to qk without its head dimension). A new tensor, in as few passes as the formula allows."""
         if self.ssmax_scale is None:
-            return scores.add_(bias)
-        factor = self.ssmax_scale.float()[:, None, None] * self.log_counts[positions][None, :, None]
+            return torch.add(bias, qk, alpha=self.scaling)
+        factor = self.ssmax_scale.view(-1, *(1,) * (qk.dim() - 1)) * log_count
         if self.ssmax_prior:
-            return scores.add_(bias).mul_(factor)
-        return scores.mul_(factor).add_(bias)
+            return torch.add(bias, qk, alpha=self.scaling).mul_(factor)
+        return torch.addcmul(bias, qk, factor * self.scaling)
 
 
 def prior_table(theta_alpha, theta_beta, theta_mu, formula: str, eps: float, max_len: int) -> torch.Tensor:
@@ -196,7 +196,8 @@ def paged_attention_reference(query, kv_cache, batch: PagedBatch, terms: BamTerm
         positions = torch.arange(keys - rows, keys, device=query.device)
         distance = torch.arange(keys, device=query.device)[None, :] - positions[:, None]  # (Lq, L): j - p
         bias = terms.prior_table[:, terms.max_len - 1 + distance.clamp(max=0)]  # (H, Lq, L)
-        scores = terms.apply(queries @ key.repeat_interleave(group, 0).transpose(1, 2), positions, bias)
+        qk = queries @ key.repeat_interleave(group, 0).transpose(1, 2)
+        scores = terms.logits(qk, bias, terms.log_counts[positions][:, None])
         probs = scores.masked_fill(distance > 0, float("-inf")).softmax(-1)
         attended = probs @ value.repeat_interleave(group, 0)  # (H, Lq, D)
         output[first : first + rows] = attended.transpose(0, 1).reshape(rows, -1).to(output.dtype)
@@ -243,19 +244,21 @@ def _decode_in_place(query: torch.Tensor, tokens: torch.Tensor, runs: list[tuple
                      terms: BamTerms) -> torch.Tensor:
     """One query (H, D) at position keys - 1 against its keys, read run by run from the cache -> (H, D).
 
-    Copying the keys out of their blocks first would cost more than the attention itself."""
+    Copying the keys out of their blocks first would cost more than the attention itself; a handful of operations
+    per request keeps the step's Python cost down."""
     heads, head_dim = query.shape
     kv_heads = tokens.shape[0]
     grouped = query.float().view(kv_heads, heads // kv_heads, head_dim)  # (Hkv, group, D)
     cells = [tokens[:, start : start + length] for start, length in runs]  # (Hkv, run, 2D) views
-    scores = torch.cat([grouped @ cell[..., :head_dim].float().transpose(1, 2) for cell in cells], -1)
-    positions = torch.tensor([keys - 1], device=query.device)
-    scores = terms.apply(scores.view(heads, 1, keys), positions, terms.prior_window(keys)[:, None])
-    probs = scores.softmax(-1).view(kv_heads, -1, keys)
-    output, offset = 0.0, 0
+    parts = [grouped @ cell[..., :head_dim].float().transpose(1, 2) for cell in cells]
+    qk = (parts[0] if len(parts) == 1 else torch.cat(parts, -1)).view(heads, keys)
+    probs = terms.logits(qk, terms.prior_window(keys), terms.log_counts[keys - 1]).softmax(-1)
+    probs = probs.view(kv_heads, -1, keys)
+    output, offset = None, 0
     for cell in cells:
         length = cell.shape[1]
-        output = output + probs[..., offset : offset + length] @ cell[..., head_dim:].float()
+        part = probs[..., offset : offset + length] @ cell[..., head_dim:].float()
+        output = part if output is None else output.add_(part)
         offset += length
     return output.view(heads, head_dim)
 
@@ -326,6 +329,7 @@ def _flex_tables(terms: BamTerms) -> tuple[torch.Tensor, torch.Tensor]:
     return terms.__dict__["flex"]
 
 
+@functools.lru_cache(maxsize=64)  # every layer of a step asks for the same masks
 def _causal_block_mask(rows: int, keys: int, device: torch.device):
     """FlexAttention's BlockMask for Lq queries at the last positions of L keys, without evaluating any mask: per
     block of FLEX_BLOCK queries, the key blocks every row sees whole, then those on its diagonal. At least two
@@ -380,12 +384,34 @@ def warm_up_flex(terms: BamTerms, kv_heads: int, head_dim: int) -> None:
 # step replays one kernel), each compiled ahead of time for sm_90 and sm_80 by benchmarks/gpu_readiness.py.
 INTERPRETER_LAUNCH = {"prefill": (32, 16, 4, 1), "decode": (16, 16, 4, 1)}  # as CUDA_LAUNCH
 INTERPRETER_DECODE_SPLITS = 3
-CUDA_LAUNCH = {  # width -> kernel -> (BLOCK_M or GROUP rows, BLOCK_N, num_warps, num_stages)
+CUDA_LAUNCH = {  # width -> kernel -> (tile rows: BLOCK_Q x GROUP or ROWS, BLOCK_N, num_warps, num_stages)
     "narrow": {"prefill": (128, 64, 8, 2), "decode": (16, 64, 4, 2)},
-    "wide": {"prefill": (64, 32, 4, 2), "decode": (16, 32, 4, 2)},
+    "wide": {"prefill": (64, 32, 8, 2), "decode": (16, 32, 4, 2)},
+    "fp32": {"prefill": (32, 32, 8, 2), "decode": (16, 32, 4, 2)},
 }
-MAX_HEAD_DIM = {torch.float16: 128, torch.bfloat16: 128, torch.float32: 128}
+MAX_HEAD_DIM = {torch.float16: 128, torch.bfloat16: 128, torch.float32: 64}
 DECODE_MAX_SPLITS = MAX_SPLITS
+
+
+KERNEL_NAMES = {"paged_prefill": "_paged_prefill_kernel", "paged_decode": "_paged_decode_kernel",
+                "paged_write": "_write_cache_kernel"}
+READINESS_GROUPS = (1, 2, 4, 8, 16)  # query heads per key/value head whose launches gpu_readiness compiles
+
+
+def cuda_launch_configs(kind: str, head_dim: int, dtype: torch.dtype) -> list[LaunchConfig]:
+    """Every launch of a paged kernel (`KERNEL_NAMES`) on CUDA for this head size and dtype, over the groups of
+    READINESS_GROUPS: what benchmarks/gpu_readiness.py compiles ahead of time."""
+    if kind == "paged_write":
+        return [LaunchConfig((), num_warps=4, num_stages=1)]
+    launch = {"paged_prefill": prefill_launch, "paged_decode": decode_launch}[kind]
+    configs = []
+    for group in READINESS_GROUPS:
+        meta = launch(head_dim, dtype, group)
+        warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
+        config = LaunchConfig(tuple(meta.items()), warps, stages)
+        if config not in configs:
+            configs.append(config)
+    return configs
 
 
 def triton_paged_usable(dtype: torch.dtype, head_dim: int) -> bool:
@@ -397,8 +423,11 @@ def triton_paged_usable(dtype: torch.dtype, head_dim: int) -> bool:
 
 
 def launch_width(block_d: int, dtype: torch.dtype) -> str:
-    """"narrow" tiles for 16-bit inputs up to head size 64, "wide" ones (half the keys per tile) otherwise."""
-    return "narrow" if block_d <= 64 and dtype != torch.float32 else "wide"
+    """"narrow" tiles for 16-bit inputs up to head size 64, "wide" ones (half the rows and keys) above, "fp32" ones
+    (as wide, on half the warps: more registers per thread) for fp32 inputs."""
+    if dtype == torch.float32:
+        return "fp32"
+    return "narrow" if block_d <= 64 else "wide"
 
 
 def block_d(head_dim: int) -> int:
