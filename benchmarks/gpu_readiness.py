@@ -3,7 +3,9 @@
 Every kernel of `bam_llama/model/triton_kernels_bam.py` is compiled with Triton's own compiler (ptxas ships in the
 triton wheel) in every configuration the launcher (`triton_bam.cuda_launch_configs`) can pick: each autotune
 config of the prefill kernels, each decode tile and combine split block, every supported head size and 16/32-bit
-dtype, and the flag sets (padding, documents, prior/SSMax gradients) given by --flags.
+dtype, and the flag sets (padding, documents, prior/SSMax gradients) given by --flags. So are the vLLM plugin's
+paged kernels (`bam_llama/serving/paged_kernels.py`: paged_prefill, paged_decode, paged_write), in the launches
+`paged_attention.cuda_launch_configs` lists for 1 to 16 query heads per key/value head, SSMax on or off.
 
 One JSON object per compiled variant goes to --json (keys: kernel, arch, dtype, head_dim, config, compiled,
 n_regs, n_spills, shared_bytes, shared_limit, loop_instructions) and a markdown table to stdout.
@@ -41,13 +43,14 @@ import torch  # noqa: E402
 
 from bam_llama.model import triton_bam  # noqa: E402
 from bam_llama.model.triton_kernels_bam import _activate_kernels  # noqa: E402
+from bam_llama.serving import paged_attention, paged_kernels  # noqa: E402
 
 ARCHS = (90, 80)
 SHARED_LIMIT = {90: 232448, 80: 166912}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HEAD_DIMS = (32, 48, 64, 80, 96, 128, 256)
-KERNELS = tuple(triton_bam.KERNEL_NAMES)
-FLAG_NAMES = ("HAS_KEY_VALID", "HAS_DOCS", "PRIOR_GRADS", "SSMAX_GRAD", "SSMAX_PRIOR")
+KERNELS = tuple(triton_bam.KERNEL_NAMES) + tuple(paged_attention.KERNEL_NAMES)
+FLAG_NAMES = ("HAS_KEY_VALID", "HAS_DOCS", "PRIOR_GRADS", "SSMAX_GRAD", "SSMAX_PRIOR", "HAS_SSMAX")
 FLAG_SETS = {
     "all": {name: True for name in FLAG_NAMES},
     "none": {name: False for name in FLAG_NAMES},
@@ -58,8 +61,8 @@ KEYS = ("kernel", "arch", "dtype", "head_dim", "config", "compiled", "n_regs", "
 
 # Element type of each pointer argument that is not a query/key/value-like tensor (those take the input dtype).
 POINTER_TYPES = {"Positions": "*i64", "KeyValid": "*u8", "DocIds": "*i32", "DocStart": "*i32", "DocEnd": "*i32",
-                 "PaddingEnd": "*i32"}
-INPUT_LIKE = {"Q", "K", "V", "Out", "GradOut", "GradQ", "GradK", "GradV"}
+                 "PaddingEnd": "*i32", "BlockTable": "*i32", "QueryStart": "*i32", "SeqLens": "*i32", "Slots": "*i64"}
+INPUT_LIKE = {"Q", "K", "V", "Out", "GradOut", "GradQ", "GradK", "GradV", "Cache", "Key", "Value"}
 FLOAT_SCALARS = {"scaling"}
 
 
@@ -139,23 +142,31 @@ def innermost_loop_sizes(sass: str) -> list[int]:
     return [b - a for a, b in sorted(innermost)]
 
 
+def launch_configs(kind: str, head_dim: int, dtype: torch.dtype) -> list:
+    """The launcher's configurations of one kernel (the model's kernels, or the serving plugin's paged ones); none
+    for a head size the launcher does not run on a GPU."""
+    if kind in paged_attention.KERNEL_NAMES:
+        supported = head_dim <= paged_attention.MAX_HEAD_DIM[dtype]
+        return paged_attention.cuda_launch_configs(kind, head_dim, dtype) if supported else []
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    return triton_bam.cuda_launch_configs(kind, block_d, dtype) if triton_bam.head_dim_supported(head_dim, dtype) else []
+
+
 def matrix(args):
-    kernels = _activate_kernels()
+    kernels = {**_activate_kernels(), **paged_kernels.activate_kernels()}
+    names = {**triton_bam.KERNEL_NAMES, **paged_attention.KERNEL_NAMES}
     for kind in args.kernel:
         for dtype_name in args.dtype:
             for head_dim in args.head_dim:
-                block_d = max(16, 1 << (head_dim - 1).bit_length())
-                if not triton_bam.head_dim_supported(head_dim, DTYPES[dtype_name]):
-                    continue
-                for config in triton_bam.cuda_launch_configs(kind, block_d, DTYPES[dtype_name]):
+                for config in launch_configs(kind, head_dim, DTYPES[dtype_name]):
                     for flag_name in args.flags:
-                        kernel = kernels[triton_bam.KERNEL_NAMES[kind]]
+                        kernel = kernels[names[kind]]
                         if flag_name == "baseline" and "HAS_PRIOR" not in kernel.arg_names:
                             continue
                         constants = kernel_constants(kernel, kind, dtype_name, head_dim, FLAG_SETS[flag_name], config)
                         flags = [name for name in FLAG_NAMES if constants.get(name)]
                         flags = "no prior, no mask (baseline)" if flag_name == "baseline" else ",".join(flags) or "none"
-                        label = f"{config}" + (f" flags={flags}" if kind != "decode_combine" else "")
+                        label = f"{config}" + (f" flags={flags}" if kind not in ("decode_combine", "paged_write") else "")
                         for arch in args.arch:
                             yield kind, kernel, dtype_name, head_dim, config, constants, label, arch
 
@@ -183,12 +194,14 @@ def readiness_rows(args):
 
 
 def per_score(loops: list[int], config) -> str:
-    """Loop instructions per score of the (BLOCK_M, BLOCK_N) tile: each thread runs the loop body once per tile."""
+    """Loop instructions per score of the (rows, BLOCK_N) tile: each thread runs the loop body once per tile. Rows:
+    BLOCK_M, or BLOCK_Q x GROUP (paged prefill), or ROWS (paged decode)."""
     meta = dict(config.meta)
     if "BLOCK_N" not in meta or not loops:
         return "-"
+    rows = meta.get("BLOCK_M") or meta.get("ROWS") or meta["BLOCK_Q"] * meta["GROUP"]
     threads = 32 * config.num_warps
-    return "/".join(f"{n * threads / (meta['BLOCK_M'] * meta['BLOCK_N']):.1f}" for n in loops)
+    return "/".join(f"{n * threads / (rows * meta['BLOCK_N']):.1f}" for n in loops)
 
 
 def markdown(rows) -> str:

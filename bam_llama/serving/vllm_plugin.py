@@ -4,25 +4,26 @@ Loaded only by vLLM, through the `vllm.general_plugins` entry point (`register`)
 in the package imports this module, so the package and Hub remote code never need vLLM.
 
 vLLM's attention backends take no positional bias beyond ALiBi slopes, so BAM's attention layer is its own
-(`BamPagedAttention`, an `AttentionLayerBase` with its own backend `BamAttentionBackend`): it writes each token's
-K/V into the paged cache at its slot, then, for every request of the batch, gathers the request's keys and values
-from its blocks and attends with the package's own prior, Scalable Softmax and attention math (`bam_llama/model/`), in
-plain PyTorch. Query positions are the absolute positions vLLM passes (the request's computed tokens, prefix-cache
-hits included, plus the token's place in this step's chunk), so chunked prefill and prefix caching see the same
-distances and the same SSMax counts n_i = position + 1 as a single full forward pass.
+(`BamPagedAttention`, an `AttentionLayerBase` with its own backend `BamAttentionBackend`). Its work is one custom op,
+`vllm::bam_paged_attention` (opaque to torch.compile, and a splitting op wherever vLLM splits its graphs at
+attention): write the step's K/V into the paged cache, then attend with BAM's prior and Scalable Softmax through
+paged_attention.py (a fused CPU path, Triton kernels on CUDA). Query positions are absolute (each request's tokens
+in the cache, prefix-cache hits included), so chunked prefill and prefix caching see the same distances and SSMax
+counts n = position + 1 as one forward pass over the whole sequence. The prior is a per-head table over distances,
+built once the weights are loaded (`BamLlamaForCausalLM.process_weights_after_loading`).
 
 Shapes: T tokens of the step (all requests, flattened), H query heads and Hkv key/value heads on this tensor-parallel
-rank, D head size, K keys of one request.
+rank, D head size.
 """
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
-from vllm.config import VllmConfig
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import CompilationMode, VllmConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
@@ -31,19 +32,21 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVPar
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.utils.torch_utils import LayerNameType, _encode_layer_name, _resolve_layer_name, direct_register_custom_op
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout
 
-from ..model.prior_bam import ggd_bias, relative_distance, ssmax_factor
-from ..model.reference_bam import bam_attention_reference
+from .paged_attention import BamTerms, PagedBatch, paged_attention, prior_table, warm_up_flex, write_cache
 
 ARCHITECTURE = "BamLlamaForCausalLM"
-QUERY_BLOCK = 512  # queries attended at once: bounds the (H, queries, K) score tensors of a long prefill
+ATTENTION_OP = "vllm::bam_paged_attention"
+VLLM_ATTENTION_OP = "vllm::unified_attention_with_output"  # where vLLM splits its graphs for ordinary models
 
 
 def register() -> None:
@@ -59,53 +62,51 @@ def register() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Attention backend: BAM's metadata and KV cache layout
+# Attention backend: the step's metadata (built from device tensors only) and the cache layout
 # --------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class BamAttentionMetadata:
-    """One step's batch, as the attention layers read it. Request r owns query rows
-    query_start_loc[r]:query_start_loc[r + 1] and has seq_lens[r] tokens in the cache after this step."""
+class BamAttentionMetadataBuilder(AttentionMetadataBuilder[PagedBatch]):
+    """Slices of vLLM's common metadata, no host sync and no per-step allocation: a decoding step (every request one
+    query) can be captured whole in a CUDA graph; other steps run the op between captured pieces."""
 
-    num_actual_tokens: int
-    query_start_loc: list[int]  # (R + 1,) on the host: the loop over requests runs there
-    seq_lens: list[int]  # (R,)
-    block_table: torch.Tensor  # (R, max blocks) int
-    slot_mapping: torch.Tensor  # (T,) int: cache slot of every token, block * block_size + offset; < 0 = none
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
-
-class BamAttentionMetadataBuilder(AttentionMetadataBuilder[BamAttentionMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
-    ) -> BamAttentionMetadata:
+    ) -> PagedBatch:
         metadata = common_attn_metadata
         requests = metadata.num_reqs
-        return BamAttentionMetadata(
-            num_actual_tokens=metadata.num_actual_tokens,
-            query_start_loc=metadata.query_start_loc_cpu[: requests + 1].tolist(),
-            seq_lens=metadata.seq_lens[:requests].tolist(),
+        return PagedBatch(
+            query_start_loc=metadata.query_start_loc[: requests + 1],
+            seq_lens=metadata.seq_lens[:requests],
             block_table=metadata.block_table_tensor[:requests],
             slot_mapping=metadata.slot_mapping[: metadata.num_actual_tokens],
+            num_tokens=metadata.num_actual_tokens,
+            max_query_len=metadata.max_query_len,
+            block_size=self.block_size,
+            query_start_loc_cpu=metadata.query_start_loc_cpu[: requests + 1],
         )
 
 
 class BamAttentionImpl(AttentionImpl):
-    """vLLM asks every backend for an implementation class; BAM's attention is computed by the layer itself."""
+    """vLLM asks every backend for an implementation class; BAM's attention is computed by the layer's op."""
 
     def __init__(self, *args, **kwargs) -> None:
         pass
 
     def forward(self, *args, **kwargs):
-        raise NotImplementedError("BamPagedAttention computes attention itself")
+        raise NotImplementedError("BamPagedAttention computes attention in its custom op")
 
 
 class BamAttentionBackend(AttentionBackend):
     """The cache of one layer is vLLM's logical (blocks, Hkv, block_size, 2 * D) view: K in the first D channels of a
-    token's cell, V in the last D. The layer writes and reads it by logical index, whatever the physical layout."""
+    token's cell, V in the last D, stored head-major (every block of a head together: a run of consecutive blocks is
+    one strided matrix per head, which the CPU path reads in place; the Triton kernels take any strides)."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.float16, torch.bfloat16]
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float32", "float16", "bfloat16"]
@@ -127,37 +128,52 @@ class BamAttentionBackend(AttentionBackend):
     def get_supported_head_sizes(cls) -> list[int]:
         return []  # any
 
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LHBNC,)
+
 
 # --------------------------------------------------------------------------------------------------------
-# BAM attention over the paged cache
+# BAM attention over the paged cache: one custom op
 # --------------------------------------------------------------------------------------------------------
+
+
+def bam_paged_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_name: LayerNameType
+) -> None:
+    """query (T, H * D), key / value (T, Hkv * D) -> output (T, H * D), for the layer named `layer_name`."""
+    layer = get_forward_context().no_compile_layers[_resolve_layer_name(layer_name)]
+    layer.attend(query, key, value, output)
+
+
+direct_register_custom_op(op_name=ATTENTION_OP.split("::")[1], op_func=bam_paged_attention, mutates_args=["output"])
 
 
 class BamPagedAttention(nn.Module, AttentionLayerBase):
-    """Writes K/V into vLLM's paged cache and attends with BAM's prior and Scalable Softmax.
+    """Writes K/V into vLLM's paged cache and attends with BAM's prior and Scalable Softmax:
 
-    score_ij = c_i * (q_i.k_j * scaling + b_h(i, j))   (ssmax_prior), or c_i * q_i.k_j * scaling + b_h(i, j),
-    for keys j <= i of the query's own request; i and j are absolute positions in that request.
+    score_pj = c_p * (q_p.k_j * scaling + b_h(j - p))   (ssmax_prior), or c_p * q_p.k_j * scaling + b_h(j - p),
+    for keys j <= p of the query's own request; p and j are absolute positions in that request.
     """
 
-    def __init__(self, config, num_heads: int, num_kv_heads: int, head_dim: int, vllm_config: VllmConfig, prefix: str):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scaling = head_dim**-0.5
-        self.prior_formula = config.prior_formula
-        self.prior_eps = config.prior_eps
-        self.ssmax_prior = config.ssmax_prior
         self.layer_name = prefix
+        self.encoded_name = _encode_layer_name(prefix)
         self.dtype = vllm_config.model_config.dtype
+        self.terms: BamTerms | None = None  # the prior table and SSMax scale, once the weights are loaded (`bind`)
         self.kv_cache = torch.tensor([])  # replaced by vLLM (`bind_kv_cache`) once the cache is allocated
         self.kv_sharing_target_layer_name = None
         self.impl = BamAttentionImpl()
-        forward_context = vllm_config.compilation_config.static_forward_context
-        if prefix in forward_context:
+        compilation = vllm_config.compilation_config
+        if prefix in compilation.static_forward_context:
             raise ValueError(f"Duplicate attention layer name: {prefix}")
-        forward_context[prefix] = self
+        compilation.static_forward_context[prefix] = self
+        split_graphs_at_bam_attention(compilation)
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return BamAttentionBackend
@@ -170,30 +186,28 @@ class BamPagedAttention(nn.Module, AttentionLayerBase):
             dtype=self.dtype,
         )
 
-    def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prior: "BamPriorParameters",
-        ssmax_scale: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def bind(self, table: torch.Tensor, ssmax_scale: torch.Tensor | None, ssmax_prior: bool) -> None:
+        """The loaded prior (as a table over distances) and SSMax scale of this rank's heads."""
+        scale = None if ssmax_scale is None else ssmax_scale.detach().float().contiguous()
+        self.terms = BamTerms(table, scale, ssmax_prior, self.scaling)
+        if table.device.type == "cpu":
+            warm_up_flex(self.terms, self.num_kv_heads, self.head_dim)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query (T, H * D), key / value (T, Hkv * D) -> (T, H * D)."""
-        output = torch.zeros_like(query)
-        metadata = self._metadata()
-        if metadata is None:  # vLLM's profiling and warm-up runs have no batch
-            return output
-        tokens = metadata.num_actual_tokens
-        query = query[:tokens].view(tokens, self.num_heads, self.head_dim)
-        key = key[:tokens].view(tokens, self.num_kv_heads, self.head_dim)
-        value = value[:tokens].view(tokens, self.num_kv_heads, self.head_dim)
-        self._write_cache(key, value, metadata.slot_mapping)
-        starts = metadata.query_start_loc
-        for request, seq_len in enumerate(metadata.seq_lens):
-            rows = slice(starts[request], starts[request + 1])
-            if rows.stop > rows.start:
-                cached_key, cached_value = self._read_cache(metadata.block_table[request], seq_len)
-                attended = self._attend(query[rows], cached_key, cached_value, seq_len, prior, ssmax_scale)
-                output[rows] = attended.reshape(rows.stop - rows.start, -1)
+        output = torch.empty_like(query)
+        torch.ops.vllm.bam_paged_attention(query, key, value, output, self.encoded_name)
         return output
 
-    def _metadata(self) -> BamAttentionMetadata | None:
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor) -> None:
+        batch = self._metadata()
+        if batch is None:  # vLLM's profiling and warm-up runs have no batch
+            output.zero_()
+            return
+        write_cache(key, value, self.kv_cache, batch)
+        paged_attention(query, self.kv_cache, batch, self.terms, output)
+
+    def _metadata(self) -> PagedBatch | None:
         metadata = get_forward_context().attn_metadata
         if isinstance(metadata, list):  # speculative decoding: [0] is the target model's
             metadata = metadata[0]
@@ -201,45 +215,14 @@ class BamPagedAttention(nn.Module, AttentionLayerBase):
             metadata = metadata.get(self.layer_name)
         return metadata
 
-    def _write_cache(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Token t's K and V go to cache[slot // block_size, :, slot % block_size]."""
-        block_size = self.kv_cache.shape[2]
-        valid = slot_mapping >= 0
-        slots = slot_mapping[valid].long()
-        blocks, offsets = slots // block_size, slots % block_size
-        self.kv_cache[blocks, :, offsets, : self.head_dim] = key[valid].to(self.kv_cache.dtype)
-        self.kv_cache[blocks, :, offsets, self.head_dim :] = value[valid].to(self.kv_cache.dtype)
 
-    def _read_cache(self, block_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The request's first seq_len tokens from its blocks: key, value (1, Hkv, K, D)."""
-        block_size = self.kv_cache.shape[2]
-        blocks = self.kv_cache[block_ids[: -(-seq_len // block_size)].long()]  # (n, Hkv, block_size, 2D)
-        cells = blocks.transpose(0, 1).reshape(self.num_kv_heads, -1, 2 * self.head_dim)[:, :seq_len]
-        return cells[None, ..., : self.head_dim], cells[None, ..., self.head_dim :]
-
-    def _attend(self, query, key, value, seq_len, prior, ssmax_scale) -> torch.Tensor:
-        """One request's queries (Lq, H, D), the last Lq of its seq_len positions -> (Lq, H, D).
-
-        Query blocks see only the keys up to their last position (the rest are causally hidden)."""
-        query_length = query.shape[0]
-        outputs = []
-        for start in range(0, query_length, QUERY_BLOCK):
-            block = query[start : start + QUERY_BLOCK]
-            first = seq_len - query_length + start
-            positions = torch.arange(first, first + block.shape[0], device=query.device)
-            keys = first + block.shape[0]
-            distance = relative_distance(positions, keys)  # (Lq, keys): j - i
-            bias = ggd_bias(distance, *prior.tensors(), self.prior_formula, self.prior_eps)[None]
-            visible = (distance <= 0)[None, None]
-            row_factor = None if ssmax_scale is None else ssmax_factor(positions[None] + 1, ssmax_scale)
-            # The materialized reference, as Transformers' eager: bam_attention_sdpa (SSMax folded into the
-            # queries and the mask) drifts up to 3e-4 in log-probability from eager at 777-1,500 tokens.
-            output, _ = bam_attention_reference(
-                block.transpose(0, 1)[None], key[:, :, :keys], value[:, :, :keys], visible, bias, self.scaling,
-                row_factor, self.ssmax_prior,
-            )
-            outputs.append(output[0].transpose(0, 1))
-        return torch.cat(outputs)
+def split_graphs_at_bam_attention(compilation) -> None:
+    """Where vLLM compiles piecewise (splitting its graphs at attention, to capture the rest in CUDA graphs), split
+    at BAM's attention op too. Read when the model is compiled, after it is built."""
+    splitting_ops = compilation.splitting_ops
+    if compilation.mode == CompilationMode.VLLM_COMPILE and splitting_ops and VLLM_ATTENTION_OP in splitting_ops:
+        if ATTENTION_OP not in splitting_ops:
+            splitting_ops.append(ATTENTION_OP)
 
 
 class BamPriorParameters(nn.Module):
@@ -254,6 +237,10 @@ class BamPriorParameters(nn.Module):
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.theta_alpha[self.heads], self.theta_beta[self.heads], self.theta_mu[self.heads]
+
+    def table(self, config, max_len: int) -> torch.Tensor:
+        """(this rank's H, max_len) prior at distances -(max_len-1)..0 (paged_attention.prior_table)."""
+        return prior_table(*self.tensors(), config.prior_formula, config.prior_eps, max_len)
 
 
 class BamScalableSoftmaxScale(nn.Module):
@@ -303,15 +290,18 @@ class BamAttention(nn.Module):
         self.prior = BamPriorParameters(total_heads, heads) if config.prior_scope == "layer" else None
         self.ssmax = BamScalableSoftmaxScale(total_heads, heads) if config.ssmax else None
         self.attn = BamPagedAttention(
-            config, self.num_heads, self.num_kv_heads, self.head_dim, vllm_config, prefix=f"{prefix}.attn"
+            self.num_heads, self.num_kv_heads, self.head_dim, vllm_config, prefix=f"{prefix}.attn"
         )
 
-    def forward(self, hidden_states: torch.Tensor, shared_prior: BamPriorParameters | None) -> torch.Tensor:
+    def bind_prior(self, config, shared_table: torch.Tensor | None, max_len: int) -> None:
+        """Give the attention its prior table (its own, or the model's global one) and SSMax scale."""
+        table = shared_table if self.prior is None else self.prior.table(config, max_len)
+        self.attn.bind(table, None if self.ssmax is None else self.ssmax.local(), config.ssmax_prior)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        prior = self.prior if self.prior is not None else shared_prior
-        ssmax_scale = self.ssmax.local() if self.ssmax is not None else None
-        output, _ = self.o_proj(self.attn(query, key, value, prior, ssmax_scale))
+        output, _ = self.o_proj(self.attn(query, key, value))
         return output
 
 
@@ -341,11 +331,14 @@ class BamDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, shared_prior: BamPriorParameters | None) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), shared_prior)
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states))
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+@support_torch_compile(
+    dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0}
+)
 class BamLlamaModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -361,11 +354,24 @@ class BamLlamaModel(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`positions` are not needed: the attention reads every request's absolute positions from its metadata
+        (a request's queries are the last query_length of its seq_len positions)."""
         hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, self.prior)
+            hidden_states = layer(hidden_states)
         return self.norm(hidden_states)
+
+    def bind_priors(self, config, max_len: int) -> None:
+        shared_table = None if self.prior is None else self.prior.table(config, max_len)
+        for layer in self.layers:
+            layer.self_attn.bind_prior(config, shared_table, max_len)
 
 
 class BamLlamaForCausalLM(nn.Module):
@@ -383,6 +389,7 @@ class BamLlamaForCausalLM(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
+        self.max_len = vllm_config.model_config.max_model_len
         self.model = BamLlamaModel(vllm_config=vllm_config, prefix=f"{prefix}.model" if prefix else "model")
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
@@ -399,9 +406,11 @@ class BamLlamaForCausalLM(nn.Module):
         intermediate_tensors=None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`positions` are not needed: every layer reads the requests' absolute positions from the attention
-        metadata (they are the last query_length of seq_len positions of each request)."""
-        return self.model(input_ids, inputs_embeds)
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def process_weights_after_loading(self) -> None:
+        """vLLM's hook once every weight is in place: the prior tables over distances up to max_model_len."""
+        self.model.bind_priors(self.config, self.max_len)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)

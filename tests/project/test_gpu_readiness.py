@@ -2,9 +2,9 @@
 Triton's own compiler (no GPU needed): each must compile, spill no register and fit the shared memory of the GPU.
 
 It runs in its own process with TRITON_INTERPRET unset: the conftest imports triton in interpreter mode, and the
-ahead-of-time compiler needs it imported without. bf16 at head sizes 64 and 128 on both targets: 56 compiles,
-measured at 1.5-2.7 s each on the 2 shared CPU cores of CI (about 1.5-2.5 min); benchmarks/results/gpu-readiness.md
-holds the full matrix.
+ahead-of-time compiler needs it imported without. bf16 at head sizes 64 and 128 on both targets: 56 compiles of
+the model's kernels and 28 of the serving plugin's paged ones, measured at 1.5-3 s each on the 2 shared CPU cores of
+CI (about 2.5-4 min); benchmarks/results/gpu-readiness.md holds the full matrix.
 """
 
 import json
@@ -40,8 +40,10 @@ def test_every_bf16_config_compiles_without_spills_and_fits_shared_memory(tmp_pa
     assert {(row["arch"], row["head_dim"]) for row in rows} == {(arch, d) for arch in ("sm_90", "sm_80")
                                                                 for d in (64, 128)}
     configs = Counter((row["kernel"], row["arch"], row["head_dim"]) for row in rows)
-    assert {kernel for kernel, _, _ in configs} == {"forward", "dkdv", "dq", "decode_split", "decode_combine"}
-    assert min(configs.values()) >= 2, configs
+    assert {kernel for kernel, _, _ in configs} == {"forward", "dkdv", "dq", "decode_split", "decode_combine",
+                                                    "paged_prefill", "paged_decode", "paged_write"}
+    one_launch = ("paged_decode", "paged_write")  # the serving plugin's fixed launches (no autotuning)
+    assert min(count for (kernel, _, _), count in configs.items() if kernel not in one_launch) >= 2, configs
     failures = [row for row in rows
                 if not row["compiled"] or row["n_spills"] != 0 or row["shared_bytes"] > row["shared_limit"]]
     assert not failures, "\n".join(json.dumps(row) for row in failures)

@@ -1,0 +1,277 @@
+"""BAM attention over a paged KV cache (bam_llama/serving/paged_attention.py) against the suite's float64 reference
+(tests/reference.py), without vLLM: every path (plain PyTorch, the CPU path with its in-place decode, blocked SDPA
+and FlexAttention, the Triton kernels through Triton's interpreter) on steps that mix decoding requests, chunks of
+prompts after cached tokens (chunk boundaries, prefix-cache hits) and whole prompts, over shuffled block tables in
+runs of one to four consecutive blocks, several block sizes and both cache layouts.
+
+Every request's keys are written into the cache here (independently of `write_cache`, tested apart) and the
+reference attends over them in order; output rows are pre-filled with NaN, so a row a path forgets fails.
+"""
+
+import os
+
+import pytest
+import reference
+import torch
+
+from bam_llama.serving import paged_attention
+from bam_llama.serving.paged_attention import BamTerms, PagedBatch, prior_table
+
+HEADS, HEAD_DIM, MAX_LEN = 4, 32, 1024
+PATHS = {
+    "reference": paged_attention.paged_attention_reference,
+    "cpu": paged_attention.paged_attention_cpu,
+    "triton": paged_attention.paged_attention_triton,
+}
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    """The Triton path runs in Triton's interpreter (tests/conftest.py imported triton for it)."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU tests: tests/model/test_triton_gpu.py's place on a GPU")
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+# ------------------------------------------------------------------------------------------------- a step
+
+
+def make_terms(heads=HEADS, formula="current", ssmax=None, max_len=MAX_LEN, seed=0):
+    """Prior parameters with a negative beta, mu != 0; ssmax None, "prior" (SSMax scales the prior) or "logits"."""
+    generator = torch.Generator().manual_seed(seed)
+    theta_alpha = torch.rand(heads, generator=generator) * 1.5 - 2.0
+    theta_beta = torch.cat([torch.tensor([-0.4]), torch.rand(heads - 1, generator=generator)])
+    theta_mu = (torch.rand(heads, generator=generator) - 0.5) * 1.2
+    scale = torch.rand(heads, generator=generator) + 0.5 if ssmax else None
+    table = prior_table(theta_alpha, theta_beta, theta_mu, formula, 1e-5, max_len)
+    terms = BamTerms(table, scale, ssmax == "prior", HEAD_DIM**-0.5)
+    witness = dict(theta_alpha=theta_alpha, theta_beta=theta_beta, theta_mu=theta_mu, formula=formula,
+                   ssmax_scale=scale, ssmax_prior=ssmax == "prior")
+    return terms, witness
+
+
+class Step:
+    """Requests (queries this step, keys after it) with random keys, values and queries, their keys written into a
+    cache of `block_size` tokens per block, blocks handed out shuffled in runs of 1-4 consecutive ones.
+
+    head_major: the cache is the head-major layout the plugin asks vLLM for (else vLLM's default, blocks outermost).
+    padding: rows past the last request (a captured batch's padding)."""
+
+    def __init__(self, requests, kv_heads, block_size, head_major=True, padding=0, seed=0, dtype=torch.float32):
+        generator = torch.Generator().manual_seed(seed)
+        self.requests, self.kv_heads, self.block_size = requests, kv_heads, block_size
+        needed = [-(-keys // block_size) for _, keys in requests]  # a padding request: no query, no key
+        free = _shuffled_runs(sum(needed) + 3, generator)
+        blocks = len(free) + 1  # block 0 stays unused (vLLM's null block)
+        storage_shape = (kv_heads, blocks, block_size, 2 * HEAD_DIM) if head_major else (
+            blocks, kv_heads, block_size, 2 * HEAD_DIM)
+        storage = torch.randn(storage_shape, generator=generator).to(dtype)  # unwritten cells hold noise
+        self.kv_cache = storage.transpose(0, 1) if head_major else storage
+        self.block_table = torch.zeros(len(requests), max(needed) + 2, dtype=torch.int32)  # + unused entries
+        self.keys, self.values = [], []
+        for r, ((rows, keys), count) in enumerate(zip(requests, needed)):
+            self.block_table[r, :count] = torch.tensor(free[:count], dtype=torch.int32)
+            free = free[count:]
+            key, value = (torch.randn(keys, kv_heads, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
+            slots = self.slots(r, torch.arange(keys))
+            self.kv_cache[slots // block_size, :, slots % block_size, :HEAD_DIM] = key
+            self.kv_cache[slots // block_size, :, slots % block_size, HEAD_DIM:] = value
+            self.keys.append(key)
+            self.values.append(value)
+        self.num_tokens = sum(rows for rows, _ in requests)
+        self.query = torch.randn(self.num_tokens + padding, HEADS * HEAD_DIM, generator=generator).to(dtype)
+        starts = torch.tensor([0] + [rows for rows, _ in requests]).cumsum(0).to(torch.int32)
+        self.batch = PagedBatch(
+            query_start_loc=starts, seq_lens=torch.tensor([keys for _, keys in requests], dtype=torch.int32),
+            block_table=self.block_table, slot_mapping=self.step_slots(padding), num_tokens=self.num_tokens,
+            max_query_len=max(rows for rows, _ in requests), block_size=block_size, query_start_loc_cpu=starts,
+        )
+        self.dtype = dtype
+
+    def slots(self, request: int, positions: torch.Tensor) -> torch.Tensor:
+        blocks = self.block_table[request, positions // self.block_size].long()
+        return blocks * self.block_size + positions % self.block_size
+
+    def step_slots(self, padding: int) -> torch.Tensor:
+        """The slots of this step's tokens (each request's last positions), -1 for padding rows."""
+        slots = [self.slots(r, torch.arange(keys - rows, keys)) for r, (rows, keys) in enumerate(self.requests)]
+        return torch.cat(slots + [torch.full((padding,), -1)])
+
+    def expected(self, witness: dict) -> list[torch.Tensor]:
+        """float64 (rows, H, D) of every request, from tests/reference.py over its keys in order."""
+        outputs, first = [], 0
+        for (rows, keys), key, value in zip(self.requests, self.keys, self.values):
+            if rows == 0:
+                outputs.append(None)
+                continue
+            query = self.query[first : first + rows].view(1, rows, HEADS, HEAD_DIM).transpose(1, 2).float()
+            output = reference.bam_attention(
+                query, key.transpose(0, 1)[None].float(), value.transpose(0, 1)[None].float(),
+                torch.arange(keys - rows, keys),
+                scaling=HEAD_DIM**-0.5, **witness,
+            )
+            outputs.append(output[0].transpose(0, 1))
+            first += rows
+        return outputs
+
+
+def _shuffled_runs(count: int, generator: torch.Generator) -> list[int]:
+    """Block ids 1..count as runs of 1-4 consecutive ids, the runs in random order."""
+    runs, start = [], 1
+    while start <= count:
+        length = int(torch.randint(1, 5, (1,), generator=generator))
+        runs.append(list(range(start, min(start + length, count + 1))))
+        start += length
+    order = torch.randperm(len(runs), generator=generator).tolist()
+    return [block for index in order for block in runs[index]]
+
+
+def run_path(path, step: Step, terms: BamTerms) -> torch.Tensor:
+    output = torch.full_like(step.query, float("nan"))
+    PATHS[path](step.query, step.kv_cache, step.batch, terms, output)
+    return output
+
+
+def assert_rows_match(output: torch.Tensor, step: Step, witness: dict, tolerance: float = 2e-5) -> None:
+    """Every request's rows within `tolerance` of the reference, element by element."""
+    first = 0
+    for (rows, keys), expected in zip(step.requests, step.expected(witness)):
+        if rows == 0:
+            continue
+        actual = output[first : first + rows].view(rows, HEADS, HEAD_DIM).double()
+        error = (actual - expected).abs().max().item()
+        assert error <= tolerance, f"request with {rows} queries and {keys} keys: max |error| {error:.2e}"
+        first += rows
+
+
+# A mixed step: decoding requests (1 query), a chunk after cached keys (a chunk boundary or a prefix-cache hit), a
+# whole prompt, a decode of a single key, and a chunk of more than FLEX_BLOCK queries after more cached keys.
+MIXED = [(1, 45), (20, 77), (33, 33), (1, 1), (150, 300), (1, 130)]
+
+CONFIGS = {
+    # name: (kv heads, block size, formula, ssmax)
+    "gqa2-block16-scaled-prior": (2, 16, "current", "prior"),
+    "gqa4-block32-legacy-ssmax-logits": (1, 32, "legacy", "logits"),
+    "mha-block16-no-ssmax": (4, 16, "current", None),
+    "gqa2-block32-legacy-scaled-prior": (2, 32, "legacy", "prior"),
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_every_path_matches_the_reference_on_a_mixed_step(path, config):
+    kv_heads, block_size, formula, ssmax = CONFIGS[config]
+    terms, witness = make_terms(formula=formula, ssmax=ssmax)
+    step = Step(MIXED, kv_heads, block_size)
+    assert_rows_match(run_path(path, step, terms), step, witness)
+
+
+# Decoding steps: split-KV on the Triton path (several splits, some empty), keys in place on the CPU path. Rows
+# past the last request and a request without a query are what vLLM adds to a step it replays from a CUDA graph.
+DECODES = [(1, 45), (1, 1), (1, 130), (1, 77), (1, 16), (0, 0)]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("config", ["gqa2-block16-scaled-prior", "gqa4-block32-legacy-ssmax-logits",
+                                    "mha-block16-no-ssmax"])
+def test_every_path_matches_the_reference_on_a_decoding_step(path, config):
+    kv_heads, block_size, formula, ssmax = CONFIGS[config]
+    terms, witness = make_terms(formula=formula, ssmax=ssmax)
+    step = Step(DECODES, kv_heads, block_size, padding=3)
+    output = run_path(path, step, terms)
+    assert_rows_match(output, step, witness)
+    if path == "triton":  # the padding rows were combined from empty splits: zeros, not garbage
+        assert torch.equal(output[step.num_tokens :], torch.zeros_like(output[step.num_tokens :]))
+
+
+def test_triton_decode_kernel_runs_for_single_query_steps(monkeypatch):
+    calls = []
+    monkeypatch.setattr(paged_attention, "_launch_prefill", lambda *args: calls.append("prefill"))
+    terms, _ = make_terms(ssmax="prior")
+    run_path("triton", Step(DECODES, 2, 16), terms)
+    assert calls == []
+
+
+@pytest.mark.parametrize("ssmax", ["prior", None])
+def test_cpu_path_reads_decoding_keys_in_place_and_gathers_prompts(monkeypatch, ssmax):
+    """On the head-major cache a decoding request copies none of its keys; prompts run FlexAttention where SSMax
+    scales the prior, blocked SDPA otherwise."""
+    gathered, flex, blocked = [], [], []
+    spy = lambda calls, function: lambda *args, **kwargs: calls.append(1) or function(*args, **kwargs)  # noqa: E731
+    monkeypatch.setattr(paged_attention, "_gather_keys", spy(gathered, paged_attention._gather_keys))
+    monkeypatch.setattr(paged_attention, "_flex_prefill", spy(flex, paged_attention._flex_prefill))
+    monkeypatch.setattr(paged_attention, "bam_attention_blocked", spy(blocked, paged_attention.bam_attention_blocked))
+    terms, witness = make_terms(ssmax=ssmax)
+    step = Step(MIXED, 2, 16)
+    assert_rows_match(run_path("cpu", step, terms), step, witness)
+    prompts = sum(rows > 1 for rows, _ in MIXED)
+    assert len(gathered) == prompts
+    assert (len(flex), len(blocked)) == ((prompts, 0) if ssmax else (0, prompts))
+
+
+def test_cpu_path_on_the_blocks_outermost_layout():
+    """vLLM's default layout (no strided view of a run of blocks per head): decoding requests gather instead."""
+    terms, witness = make_terms(ssmax="logits")
+    step = Step(MIXED, 2, 32, head_major=False)
+    assert paged_attention._head_major_tokens(step.kv_cache) is None
+    assert_rows_match(run_path("cpu", step, terms), step, witness)
+
+
+def test_flex_failure_falls_back_to_blocked_sdpa(monkeypatch, caplog):
+    """An Inductor that cannot compile FlexAttention costs speed, not correctness: one warning, blocked SDPA."""
+    monkeypatch.setitem(paged_attention._FLEX, "failed", False)
+    monkeypatch.setitem(paged_attention._FLEX, "compiled", lambda *args, **kwargs: 1 / 0)
+    terms, witness = make_terms(ssmax="prior")
+    with caplog.at_level("WARNING"):
+        paged_attention.warm_up_flex(terms, 2, HEAD_DIM)
+    assert "FlexAttention does not compile here" in caplog.text and not paged_attention.flex_prefill_usable()
+    step = Step(MIXED, 2, 16)
+    assert_rows_match(run_path("cpu", step, terms), step, witness)
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+def test_bfloat16_cache_and_queries(path):
+    """16-bit loads, casts and stores (the interpreter computes in fp32; its bf16 arithmetic is not the GPU's). The
+    outputs are rounded to bf16 (up to 0.008 at |x| < 4) and the Triton dots of 16-bit inputs run at tf32, which the
+    interpreter emulates: 3e-2 still fails a wrong head, key or position (errors of order 1)."""
+    terms, witness = make_terms(ssmax="prior")
+    step = Step(MIXED, 2, 16, dtype=torch.bfloat16)
+    output = run_path(path, step, terms)
+    assert output.dtype == torch.bfloat16
+    assert_rows_match(output, step, witness, tolerance=3e-2)
+
+
+@pytest.mark.parametrize("formula", ["current", "legacy"])
+def test_prior_table_is_the_prior_at_each_distance(formula):
+    terms, witness = make_terms(formula=formula, max_len=300)
+    distance = torch.arange(-299, 1)
+    expected = reference.prior(distance, witness["theta_alpha"], witness["theta_beta"], witness["theta_mu"], formula)
+    torch.testing.assert_close(terms.prior_table.double(), expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_write_cache_puts_each_token_in_its_slot(path, monkeypatch):
+    """Keys and values as vLLM's fused qkv projection hands them over (rows strided), padding slots skipped,
+    every other cell untouched."""
+    if path == "torch":
+        monkeypatch.setattr(paged_attention.paged_kernels, "TRITON_AVAILABLE", False)
+    else:  # the launcher the plugin calls on CUDA
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda tensor: True))
+    kv_heads, block_size, blocks = 2, 16, 6
+    generator = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, (HEADS + 2 * kv_heads) * HEAD_DIM, generator=generator)
+    key = qkv[:, HEADS * HEAD_DIM : (HEADS + kv_heads) * HEAD_DIM]
+    value = qkv[:, (HEADS + kv_heads) * HEAD_DIM :]
+    cache = torch.randn(kv_heads, blocks, block_size, 2 * HEAD_DIM, generator=generator).transpose(0, 1)
+    before = cache.clone()
+    slots = torch.tensor([3 * 16 + 5, -1, 1 * 16 + 15, 5 * 16 + 0, -1])
+    batch = PagedBatch(torch.tensor([0, 5]), torch.tensor([5]), torch.zeros(1, 1, dtype=torch.int32), slots, 5, 5,
+                       block_size, torch.tensor([0, 5]))
+    paged_attention.write_cache(key, value, cache, batch)
+    expected = before.clone()
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[slot // block_size, :, slot % block_size] = torch.cat(
+                [key[token].view(kv_heads, HEAD_DIM), value[token].view(kv_heads, HEAD_DIM)], -1)
+    assert torch.equal(cache, expected)
