@@ -1,7 +1,9 @@
 """Helpers the tests share: tiny BamLlama models with a non-trivial prior, the environment of a subprocess that
-imports this checkout, and the reference implementation's fixtures."""
+imports this checkout, the reference implementation's fixtures, and a reading of needle prompts (the values their
+question asks for, found in their text)."""
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -75,3 +77,30 @@ def tiny_model(attn_implementation: str = "eager", seed: int = 0, **overrides):
     model.set_attn_implementation(attn_implementation)
     randomize_prior(model, seed)
     return model.eval()
+
+
+# ---------------------------------------------------------------------------------- needle prompts, read back
+
+NEEDLE_PATTERN = re.compile(r" The special magic number for (\w+) is (\d+)\.")
+ASSIGNMENT_PATTERN = re.compile(r" VAR (\w+) = (?:VAR (\w+)|(\d+))\.")
+
+
+def asked_values(text: str) -> list[str]:
+    """The values the prompt's question asks for, read from the prompt's text alone."""
+    question = text[text.rindex(" The "):]
+    variable = re.fullmatch(r" The value of VAR (\w+) is", question)
+    if variable:
+        assignments = {label: (source, value) for label, source, value in ASSIGNMENT_PATTERN.findall(text)}
+        label = variable.group(1)
+        while assignments[label][0]:  # follow VAR x = VAR y to the number
+            label = assignments[label][0]
+        return [assignments[label][1]]
+    needles = NEEDLE_PATTERN.findall(text)
+    one = re.fullmatch(r" The special magic number for (\w+) is", question)
+    if one:
+        return [value for label, value in needles if label == one.group(1)]
+    labels = re.fullmatch(r" The special magic numbers for (.+) are", question).group(1)
+    labels = re.split(r", | and ", labels)
+    if len(labels) == 1:  # one key, all its values in the order they appear
+        return [value for label, value in needles if label == labels[0]]
+    return [next(value for label, value in needles if label == asked) for asked in labels]

@@ -94,8 +94,12 @@ class NeedleTask:
             "multikey": f"{self.keys} keys, one asked",
             "multivalue": f"one key with {self.values} values, all asked",
             "multiquery": f"{self.queries} keys, all asked at once",
-            "vartrack": f"{self.chains} chains of {self.hops} hops, the end of one asked",
+            "vartrack": f"{plural(self.chains, 'chain')} of {plural(self.hops, 'hop')}, the end of one asked",
         }[self.kind]
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 @dataclass

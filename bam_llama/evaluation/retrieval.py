@@ -231,6 +231,15 @@ class RetrievalResults:
         names = {field.name for field in fields(cls)}
         return cls(**{name: value for name, value in values.items() if name in names})
 
+    @classmethod
+    def concatenate(cls, parts: list):
+        """One result of the lengths of several (in order): every per-length list joined, the rest from the first."""
+        joined = {}
+        for name in (field.name for field in fields(cls)):
+            values = [getattr(part, name) for part in parts]
+            joined[name] = [item for value in values for item in value] if isinstance(values[0], list) else values[0]
+        return cls(**joined)
+
 
 def _depth_ticks(num_depths: int) -> tuple[list[float], list[str]]:
     """Heatmap rows are depths i / (num_depths - 1): ticks at 0, 25, 50, 75 and 100% sit at row (num_depths - 1) * d."""

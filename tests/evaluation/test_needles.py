@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import randomize_prior
+from helpers import ASSIGNMENT_PATTERN, NEEDLE_PATTERN, asked_values, randomize_prior
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
 from bam_llama.cli.eval import main
@@ -65,31 +65,6 @@ def encode(tokenizer, text):
 
 
 # ------------------------------------------------------------------------------------ a reference reading
-
-
-NEEDLE_PATTERN = re.compile(r" The special magic number for (\w+) is (\d+)\.")
-ASSIGNMENT_PATTERN = re.compile(r" VAR (\w+) = (?:VAR (\w+)|(\d+))\.")
-
-
-def asked_values(text: str) -> list[str]:
-    """The values the prompt's question asks for, read from the prompt's text alone."""
-    question = text[text.rindex(" The "):]
-    variable = re.fullmatch(r" The value of VAR (\w+) is", question)
-    if variable:
-        assignments = {label: (source, value) for label, source, value in ASSIGNMENT_PATTERN.findall(text)}
-        label = variable.group(1)
-        while assignments[label][0]:  # follow VAR x = VAR y to the number
-            label = assignments[label][0]
-        return [assignments[label][1]]
-    needles = NEEDLE_PATTERN.findall(text)
-    one = re.fullmatch(r" The special magic number for (\w+) is", question)
-    if one:
-        return [value for label, value in needles if label == one.group(1)]
-    labels = re.fullmatch(r" The special magic numbers for (.+) are", question).group(1)
-    labels = re.split(r", | and ", labels)
-    if len(labels) == 1:  # one key, all its values in the order they appear
-        return [value for label, value in needles if label == labels[0]]
-    return [next(value for label, value in needles if label == asked) for asked in labels]
 
 
 def needle_texts(text: str) -> list[str]:
