@@ -30,15 +30,6 @@ from bam_llama.evaluation.retrieval import DepthPlan
 TEMPLATE = PasskeyTemplate()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny models are latency bound; several threads on a shared 2-core machine are 10-50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_byte_tokenizer()

@@ -32,14 +32,6 @@ LIBRARY = Path(sysconfig.get_paths()["stdlib"])
 HAYSTACK_FILES = ("textwrap.py", "bisect.py", "colorsys.py", "fnmatch.py")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def documents():
     return [(LIBRARY / name).read_text(encoding="utf-8") for name in HAYSTACK_FILES]
