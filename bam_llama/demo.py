@@ -206,8 +206,10 @@ def train_model(
     seed: int,
     device: str = "cpu",
     desc: str = "train",
+    progress_position: int | None = None,
 ) -> list[float]:
-    """Train in place on freshly generated batches (the same batches for every model given the same seed)."""
+    """Train in place on freshly generated batches (the same batches for every model given the same seed).
+    `progress_position`: the line of the progress bar where several models train at once."""
     import torch
     from tqdm.auto import tqdm
 
@@ -218,7 +220,7 @@ def train_model(
     )
     rng = random.Random(seed)
     losses = []
-    progress = tqdm(range(train.steps), desc=desc)
+    progress = tqdm(range(train.steps), desc=desc, position=progress_position, mininterval=1.0 if progress_position is not None else 0.1)
     for _ in progress:
         batch = {key: value.to(device) for key, value in training_batch(rng, tokenizer, template, data, train.batch_size).items()}
         loss = model(**batch, use_cache=False).loss
@@ -313,38 +315,94 @@ def run(args: argparse.Namespace) -> dict[str, PasskeyResults]:
 
 
 def train_evaluate_and_save(args: argparse.Namespace, folder: Path, start: float):
-    """Every model trained and evaluated, its outputs written to `folder`: (results, summary line, table)."""
+    """Every model trained and evaluated, its outputs written to `folder`: (results, summary line, table). With
+    `args.jobs` > 1 the models train at once, each in a process of its own (`train_in_processes`)."""
+    settings = settings_from_args(args)
+    names = args.models.split(",")
+    jobs = min(args.jobs, len(names))
+    if jobs > 1:
+        results = train_in_processes(names, args, settings, folder, jobs)
+    else:
+        results = {name: train_and_evaluate(name, args, settings, folder) for name in names}
+    minutes = (time.perf_counter() - start) / 60
+
+    train_length = settings.data.train_length
+    table = accuracy_table(results, train_length)
+    summary = (f"Passkey retrieval accuracy, trained at {train_length} tokens ({minutes:.1f} min on {args.device}, "
+               f"{thread_description(args.threads, jobs)}):")
+    (folder / "results.md").write_text(f"{summary}\n\n{table}\n")
+    run = {"minutes": minutes, "device": args.device, "threads": args.threads, "jobs": jobs, "argv": args.argv,
+           "settings": asdict(settings)}
+    outputs = {"run": run, **{name: result.to_dict() for name, result in results.items()}}
+    (folder / "results.json").write_text(json.dumps(outputs, indent=2))
+    return results, summary, table
+
+
+def thread_description(threads: int, jobs: int) -> str:
+    models = f"{jobs} models at once" if jobs > 1 else "one model at a time"
+    return f"{models}, {threads} thread{'s' if threads > 1 else ''} each"
+
+
+def train_and_evaluate(
+    name: str, args: argparse.Namespace, settings: DemoSettings, folder: Path, progress_position: int | None = None
+) -> PasskeyResults:
+    """One model: seeded, trained, evaluated on `args.threads` torch threads; its heatmap (and for BAM the model and
+    its prior plot) written to `folder`."""
+    import torch
     from transformers import set_seed
 
     from .data.tokenizers import build_byte_tokenizer
 
-    settings = settings_from_args(args)
+    torch.set_num_threads(args.threads)
     tokenizer = build_byte_tokenizer()
-    bam_overrides = dict(prior_scope=args.prior_scope, ssmax=args.ssmax)
     train_length = settings.data.train_length
-    results = {}
-    for name in args.models.split(","):
-        set_seed(args.seed)  # identical initialization stream and identical batches for every model
-        model = build_model(name, settings.size, train_length, **(bam_overrides if name == "bam" else {}))
-        train_model(model, tokenizer, DEMO_TEMPLATE, settings.data, settings.train, args.seed, args.device, f"train {name}")
-        results[name] = evaluate_passkey(
-            model, tokenizer, settings.lengths, num_depths=settings.num_depths, seed=args.seed,
-            template=DEMO_TEMPLATE, add_bos=settings.data.add_bos,
-        )
-        title = f"{MODEL_LABELS[name]}, trained at {train_length} tokens"
-        results[name].save_heatmap(folder / f"passkey-{name}.png", title=title)
-        if name == "bam":
-            save_passkey_template(model, DEMO_TEMPLATE, settings.data.add_bos)  # bam-eval passkey's default prompt
-            save_bam(model, tokenizer, folder)
-    minutes = (time.perf_counter() - start) / 60
+    set_seed(args.seed)  # identical initialization stream and identical batches for every model
+    bam_overrides = dict(prior_scope=args.prior_scope, ssmax=args.ssmax)
+    model = build_model(name, settings.size, train_length, **(bam_overrides if name == "bam" else {}))
+    train_model(model, tokenizer, DEMO_TEMPLATE, settings.data, settings.train, args.seed, args.device, f"train {name}",
+                progress_position)
+    result = evaluate_passkey(
+        model, tokenizer, settings.lengths, num_depths=settings.num_depths, seed=args.seed,
+        template=DEMO_TEMPLATE, add_bos=settings.data.add_bos, progress=progress_position is None,
+    )
+    result.save_heatmap(folder / f"passkey-{name}.png", title=f"{MODEL_LABELS[name]}, trained at {train_length} tokens")
+    if name == "bam":
+        save_passkey_template(model, DEMO_TEMPLATE, settings.data.add_bos)  # bam-eval passkey's default prompt
+        save_bam(model, tokenizer, folder)
+    return result
 
-    table = accuracy_table(results, train_length)
-    summary = f"Passkey retrieval accuracy, trained at {train_length} tokens ({minutes:.1f} min on {args.device}):"
-    (folder / "results.md").write_text(f"{summary}\n\n{table}\n")
-    run = {"minutes": minutes, "device": args.device, "argv": args.argv, "settings": asdict(settings)}
-    outputs = {"run": run, **{name: result.to_dict() for name, result in results.items()}}
-    (folder / "results.json").write_text(json.dumps(outputs, indent=2))
-    return results, summary, table
+
+def train_in_processes(names, args, settings, folder: Path, jobs: int) -> dict[str, PasskeyResults]:
+    """`train_and_evaluate` of every model in a pool of `jobs` processes (spawned: a fresh PyTorch each), in the
+    order given. The workers ignore Ctrl-C; this process stops them (terminate) on Ctrl-C, SIGTERM or an error, so
+    nothing outlives the run."""
+    import multiprocessing
+
+    pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_ignore_ctrl_c)
+    try:
+        pending = {
+            name: pool.apply_async(_model_job, (name, args, settings, folder, position))
+            for position, name in enumerate(names)
+        }
+        results = {name: PasskeyResults.from_dict(job.get()) for name, job in pending.items()}
+        pool.close()
+        return results
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def _model_job(name, args, settings, folder, position) -> dict:
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return train_and_evaluate(name, args, settings, folder, progress_position=position).to_dict()
+
+
+def _ignore_ctrl_c() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 DEMO_RESULT_MARKER = "results.json"

@@ -1,55 +1,112 @@
-"""Train short, test long on real text: the paper's Figure 2 (perplexity) and Figure 3 (passkey) on 2 CPU cores.
+"""Train short, test long on real text: the paper's Figure 2 (perplexity) and Figure 3 (passkey) on 2 CPU cores, to
+512x the training length, with RULER-style needle variants and the Scalable Softmax study of issue 36.
 
-Six models trained by `bam-pretrain` (its Python API) with one recipe at a short length (128 tokens) on the same
-data: BAM, BAM + SSMax, ALiBi, NoPE, RoPE and RoPE local (RoPE with a sliding window of the training length). The
-data is the no-download Python corpus (`bam_llama.data.corpus`: language reference + standard library sources, split
-by file) with a share of synthetic passkey documents (the prompt `bam-demo` trains on, answer included) mixed into
-the training split, so the same models answer both questions. Then, for every model:
+Models trained by `bam-pretrain` (its Python API) with one recipe at a short length (128 tokens) on the same data:
+by default BAM, BAM + SSMax, ALiBi, NoPE, RoPE and RoPE local (RoPE with a sliding window of the training length);
+`--models` runs any subset of `MODELS`, which also holds the SSMax study's variants (`bam-ssmax-qk`,
+`bam-ssmax-init`, `bam-ssmax-lr10x`, `bam-ssmax-lr50x`, `bam-ssmax-long`, `bam-long`). The data is the no-download
+Python corpus (`bam_llama.data.corpus`: language reference + standard library sources, split by file) with synthetic
+passkey documents (the prompt `bam-demo` trains on, answer included) and needle documents (the four tasks of
+`bam_llama.evaluation.needles`, their haystack from the training split) mixed into the training split, so the same
+models answer every question. Then, for every model:
 
 * perplexity of whole held-out sequences of 1x, 2x, ..., 64x the training length, always of the same tokens: the
   first 64x tokens of each of the first 8 held-out files that long, cut into non-overlapping sequences of each
-  length (so a sequence never spans two files), each behind BOS; log axes; and the same over the positions past the
+  length (so a sequence never spans two files), each behind BOS; and the same over the positions past the
   training length only;
 * passkey retrieval at the same lengths, 20 depths each (`bam_llama.evaluation.passkey.evaluate_passkey`);
-* RoPE also with Transformers' dynamic-NTK and YaRN `rope_parameters` set for each evaluation length (no
-  retraining), the context extension a RoPE user would reach for.
+* RoPE also with Transformers' dynamic-NTK and YaRN `rope_parameters` set to each evaluation length;
+
+and for the BamLlama priors (the BAM variants and ALiBi; NoPE and RoPE fail by 4x):
+
+* the four needle tasks at every length (`evaluate_needles`, held-out haystack, exact answers);
+* 128x, 256x and 512x too (16K, 32K, 64K tokens): passkey and needles at fewer depths there (`Recipe.long_depths`,
+  `long_needle_depths`), and perplexity on one stream of held-out documents (the first 512x tokens, each document
+  ending with EOS) cut into whole sequences of every length, 1x to 512x: the same tokens at every length.
+
+Every length's seconds and peak RSS are recorded; the learned SSMax scales (and priors) of every BamLlama model
+are read back after training.
 
     python benchmarks/text_extrapolation.py              # the full run -> benchmarks/results/text-extrapolation/
     python benchmarks/text_extrapolation.py --quick      # the same pipeline in seconds (numbers mean nothing)
+    python benchmarks/text_extrapolation.py --models bam-ssmax,bam-ssmax-qk --scales 1,2,4,8,16,32,64 --no-needles
 
-Results (results.md, results.json, perplexity.png, passkey-*.png) are written to a temporary folder beside the
-output folder and renamed into place when everything succeeded.
+Results (results.md, results.json, perplexity*.png, passkey-*.png, needles.png) are written to a temporary folder
+beside the output folder and renamed into place when everything succeeded.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import random
 import resource
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPOSITORY))
 
 from bam_llama.data.corpus import Document, corpus_statistics, python_documents, split_documents  # noqa: E402
+from bam_llama.evaluation.needles import NEEDLE_KINDS, NeedleTask  # noqa: E402
 from bam_llama.evaluation.passkey import PasskeyTemplate, random_passkey  # noqa: E402
 from bam_llama.outputs import staged_output_dir  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 
-MODELS = {  # name: (bam-pretrain --positional, --ssmax)
-    "bam": ("bam", False),
-    "bam-ssmax": ("bam", True),
-    "alibi": ("alibi", False),
-    "nope": ("nope", False),
-    "rope": ("rope", False),
-    "rope-local": ("rope-local", False),
+
+@dataclass(frozen=True)
+class Variant:
+    """One trained model: bam-pretrain's --positional and Scalable Softmax settings, and what it changes."""
+
+    positional: str
+    ssmax: bool = False
+    ssmax_prior: bool | None = None  # None: bam-pretrain's default (the factor scales the prior)
+    ssmax_scale_init: float | str | None = None  # "neutral": 1 / ln(training length), the factor 1 there
+    ssmax_learning_rate_factor: float | None = None  # the scales' rate, times the recipe's learning rate
+    steps_factor: int = 1
+    what: str = ""
+
+    def pretrain_overrides(self, recipe: Recipe) -> dict:
+        """PretrainArguments fields besides the recipe's."""
+        values = {"positional": self.positional, "ssmax": self.ssmax, "max_steps": recipe.steps * self.steps_factor}
+        if self.ssmax_prior is not None:
+            values["ssmax_prior"] = self.ssmax_prior
+        if self.ssmax_scale_init is not None:
+            neutral = 1 / math.log(recipe.train_length)
+            values["ssmax_scale_init"] = neutral if self.ssmax_scale_init == "neutral" else self.ssmax_scale_init
+        if self.ssmax_learning_rate_factor is not None:
+            values["ssmax_learning_rate"] = self.ssmax_learning_rate_factor * recipe.learning_rate
+        return values
+
+    @property
+    def has_prior(self) -> bool:
+        """A BamLlama whose prior carries position (BAM, ALiBi): evaluated to 512x and on the needles."""
+        return self.positional in ("bam", "alibi")
+
+
+MODELS = {
+    "bam": Variant("bam", what="learned GGD prior"),
+    "bam-ssmax": Variant("bam", ssmax=True, what="+ Scalable Softmax on q.k and the prior (the reference's order)"),
+    "alibi": Variant("alibi", what="the prior fixed to ALiBi's slopes"),
+    "nope": Variant("nope", what="a flat prior, fixed"),
+    "rope": Variant("rope", what="Transformers' Llama, RoPE base 500,000"),
+    "rope-local": Variant("rope-local", what="RoPE with a sliding window of the training length"),
+    # The SSMax study (issue 36): each changes one thing of bam-ssmax; not in the default run (--models)
+    "bam-ssmax-qk": Variant("bam", ssmax=True, ssmax_prior=False, what="SSMax on q.k only: c*q.k/sqrt(d) + b"),
+    "bam-ssmax-init": Variant("bam", ssmax=True, ssmax_scale_init="neutral",
+                              what="scales initialised at 1/ln(training length): c = 1 at the training length"),
+    "bam-ssmax-lr10x": Variant("bam", ssmax=True, ssmax_learning_rate_factor=10, what="the scales' learning rate 10x"),
+    "bam-ssmax-lr50x": Variant("bam", ssmax=True, ssmax_learning_rate_factor=50,
+                               what="the scales' learning rate 50x (bam-demo's prior rate)"),
+    "bam-ssmax-long": Variant("bam", ssmax=True, steps_factor=2, what="twice the steps"),
+    "bam-long": Variant("bam", steps_factor=2, what="bam with twice the steps (bam-ssmax-long's control)"),
 }
+DEFAULT_MODELS = ("bam", "bam-ssmax", "alibi", "nope", "rope", "rope-local")
 ROPE_EXTENSIONS = ("dynamic", "yarn")
 
 # bam-demo's prompt with each piece opening on a space: a byte-level BPE splits words with their leading space, so
@@ -64,6 +121,7 @@ TEXT_TEMPLATE = PasskeyTemplate(
 class Recipe:
     train_length: int = 128
     scales: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    long_scales: tuple[int, ...] = (128, 256, 512)  # BAM variants and ALiBi only
     hidden_size: int = 128
     layers: int = 4
     heads: int = 4
@@ -72,25 +130,47 @@ class Recipe:
     learning_rate: float = 1e-3
     warmup_steps: int = 100
     vocab_size: int = 4096
-    passkey_share: float = 0.5  # passkey documents' share of the training characters
+    passkey_share: float = 0.35  # passkey documents' share of the training characters
+    needle_share: float = 0.15  # needle documents' share (the four tasks in turn); the corpus has the rest
+    needle_sizes: dict = field(default_factory=lambda: dict(keys=4, values=3, queries=3, chains=2, hops=2))
     prior_scope: str = "layer"  # BamLlama models: one prior per layer and head
     heldout_fraction: float = 0.05
     max_train_characters: int | None = None  # None: the whole training split
-    perplexity_documents: int = 8  # at most: held-out files with at least the longest length of tokens
-    num_depths: int = 20
+    perplexity_documents: int = 8  # at most: held-out files with at least the longest short length of tokens
+    num_depths: int = 20  # passkey depths up to the longest short scale
+    long_depths: dict = field(default_factory=lambda: {128: 10, 256: 6, 512: 5})  # passkey depths by long scale
+    needle_depths: int = 10
+    long_needle_depths: dict = field(default_factory=lambda: {128: 4, 256: 3, 512: 2})
+    needles: bool = True
     seed: int = 0
     threads: int | None = None  # torch threads; None: PyTorch's default (one per core)
-    models: tuple[str, ...] = tuple(MODELS)  # which of MODELS to train (rope brings its two extensions)
+    models: tuple[str, ...] = DEFAULT_MODELS  # which of MODELS to train (rope brings its two extensions)
 
     @property
     def lengths(self) -> list[int]:
+        """The lengths every model is evaluated at."""
         return [self.train_length * scale for scale in self.scales]
+
+    @property
+    def long_lengths(self) -> list[int]:
+        """The lengths only the models with a prior are evaluated at."""
+        return [self.train_length * scale for scale in self.long_scales]
+
+    def passkey_depths(self, length: int) -> int:
+        return self.long_depths.get(length // self.train_length, self.num_depths)
+
+    def needle_depth_count(self, length: int) -> int:
+        return self.long_needle_depths.get(length // self.train_length, self.needle_depths)
+
+    def needle_task(self, kind: str) -> NeedleTask:
+        return NeedleTask(kind, **self.needle_sizes)
 
 
 QUICK = Recipe(
-    train_length=32, scales=(1, 2, 4), hidden_size=32, layers=2, heads=4, steps=15, batch_size=4, learning_rate=3e-3,
-    warmup_steps=0, vocab_size=1000, max_train_characters=20_000, perplexity_documents=2,
-    num_depths=2, threads=1,
+    train_length=128, scales=(1, 2), long_scales=(4,), hidden_size=32, layers=2, heads=4, steps=15, batch_size=4,
+    learning_rate=3e-3, warmup_steps=0, vocab_size=1000, max_train_characters=20_000, perplexity_documents=2,
+    num_depths=2, long_depths={4: 1}, needle_depths=2, long_needle_depths={4: 1}, threads=1,
+    needle_sizes=dict(keys=2, values=2, queries=2, chains=1, hops=1),
 )
 
 
@@ -147,14 +227,18 @@ def first_documents(documents: list[Document], max_characters: int | None) -> li
     return kept
 
 
+def corpus_share(recipe: Recipe) -> float:
+    return 1.0 - recipe.passkey_share - (recipe.needle_share if recipe.needles else 0.0)
+
+
 def training_texts(train: list[Document], recipe: Recipe) -> list[str]:
     """The training split (cut to `max_train_characters`) with passkey documents mixed in at random places, so that
-    they make `passkey_share` of the characters."""
+    they make `passkey_share` of the characters once the needle documents are in (`with_needle_documents`)."""
     rng = random.Random(recipe.seed)
     texts = [document.text for document in first_documents(train, recipe.max_train_characters)]
     characters = sum(map(len, texts))
     max_fillers = max_passkey_fillers(recipe.train_length)
-    passkey_characters = recipe.passkey_share / (1 - recipe.passkey_share) * characters
+    passkey_characters = recipe.passkey_share / corpus_share(recipe) * characters
     while passkey_characters > 0:
         document = passkey_document(rng, max_fillers)
         texts.insert(rng.randint(0, len(texts)), document)
@@ -162,9 +246,60 @@ def training_texts(train: list[Document], recipe: Recipe) -> list[str]:
     return texts
 
 
+def needle_documents(haystack, tokenizer, recipe: Recipe, characters: float) -> list[str]:
+    """Needle prompts and their answers of the four tasks in turn, `characters` of them, each at most the training
+    length with BOS and EOS; a uniformly drawn prompt length and depth, the haystack from the training split. Each
+    must tokenize whole to its prompt's ids and its answer's (else the models would be asked in a form they never
+    saw): a ValueError otherwise."""
+    from bam_llama.evaluation.needles import build_needle_prompt
+
+    rng = random.Random(recipe.seed + 1)  # not the passkey documents' stream: their places stay those of before
+    documents, kinds = [], [recipe.needle_task(kind) for kind in NEEDLE_KINDS]
+    while characters > 0:
+        task = kinds[len(documents) % len(kinds)]
+        prompt = build_needle_prompt(tokenizer, haystack, task, rng.randint(0, recipe.train_length), rng.random(), rng)
+        answer = tokenizer(prompt.question.answer, add_special_tokens=False)["input_ids"]
+        if len(prompt.ids) + len(answer) + 2 > recipe.train_length:
+            if not prompt.texts[:-1] or all(text.startswith((" The special", " VAR ")) for text in prompt.texts[:-1]):
+                raise ValueError(f"{task.kind}'s needles and question alone do not fit in {recipe.train_length} tokens")
+            continue  # too long for a row with its answer: drawn again
+        text = prompt.text + prompt.question.answer
+        if tokenizer(text, add_special_tokens=False)["input_ids"] != prompt.ids + answer:
+            raise ValueError(f"a {task.kind} document does not tokenize whole to its pieces: {text!r}")
+        documents.append(text)
+        characters -= len(text)
+    return documents
+
+
+def with_needle_documents(texts: list[str], needles: list[str], seed: int) -> list[str]:
+    """`texts` with the needle documents inserted at random places (a stream of their own)."""
+    rng, texts = random.Random(seed + 2), list(texts)
+    for document in needles:
+        texts.insert(rng.randint(0, len(texts)), document)
+    return texts
+
+
+def training_data(train: list[Document], recipe: Recipe):
+    """(training texts, tokenizer, needle documents): the training split with passkey documents, a BPE trained on
+    them (as before needles existed, so that the tokenizer is the one of earlier runs), then needle documents whose
+    haystack is the same training text, at their share."""
+    from bam_llama.data.tokenizers import train_bpe_tokenizer
+    from bam_llama.evaluation.needles import Haystack
+
+    texts = training_texts(train, recipe)
+    tokenizer = train_bpe_tokenizer(texts, recipe.vocab_size)
+    check_passkey_documents(tokenizer, recipe.train_length)
+    if not recipe.needles:
+        return texts, tokenizer, []
+    corpus = [document.text for document in first_documents(train, recipe.max_train_characters)]
+    characters = recipe.needle_share / corpus_share(recipe) * sum(map(len, corpus))
+    needles = needle_documents(Haystack(corpus), tokenizer, recipe, characters)
+    return with_needle_documents(texts, needles, recipe.seed), tokenizer, needles
+
+
 def perplexity_documents(heldout: list[Document], tokenizer, recipe: Recipe) -> dict[str, list[int]]:
     """The first `perplexity_documents` held-out files (name order) with at least the longest evaluation length of
-    tokens, each cut to that many tokens: every length is measured on these same tokens."""
+    tokens (of `recipe.scales`), each cut to that many tokens: every length is measured on these same tokens."""
     longest = max(recipe.lengths)
     documents = {}
     for document in heldout:
@@ -178,25 +313,56 @@ def perplexity_documents(heldout: list[Document], tokenizer, recipe: Recipe) -> 
     return documents
 
 
+def perplexity_stream(heldout: list[Document], tokenizer, tokens: int) -> list[int]:
+    """The first `tokens` tokens of the held-out documents in name order, each ending with EOS: for the long
+    lengths, which no single held-out file reaches."""
+    stream = []
+    for document in heldout:
+        stream += tokenizer(document.text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        if len(stream) >= tokens:
+            return stream[:tokens]
+    raise ValueError(f"the held-out documents have {len(stream)} tokens, fewer than the {tokens} of the longest length")
+
+
 # ------------------------------------------------------------------------------------------------- models
 
 
-def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe, **overrides):
+def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe):
+    """(saved folder, training summary with the learned prior and SSMax scales)."""
     from bam_llama.training.pretrain import ROTARY_POSITIONALS, PretrainArguments, run_pretraining
 
-    positional, ssmax = MODELS[name]
+    variant = MODELS[name]
     args = PretrainArguments(
-        data=str(data), output_dir=str(work / name), context_length=recipe.train_length, positional=positional,
-        ssmax=ssmax, hidden_size=recipe.hidden_size, num_hidden_layers=recipe.layers,
+        data=str(data), output_dir=str(work / name), context_length=recipe.train_length,
+        hidden_size=recipe.hidden_size, num_hidden_layers=recipe.layers,
         num_attention_heads=recipe.heads, tokenizer=str(tokenizer_dir), learning_rate=recipe.learning_rate,
-        warmup_steps=recipe.warmup_steps, max_steps=recipe.steps, per_device_train_batch_size=recipe.batch_size,
-        save_steps=max(recipe.steps, 1), save_total_limit=1, logging_steps=max(recipe.steps // 10, 1),
-        seed=recipe.seed, disable_progress_bars=True, eval_rows=8,
-        **({} if positional in ROTARY_POSITIONALS else {"prior_scope": recipe.prior_scope}), **overrides,
+        warmup_steps=recipe.warmup_steps, per_device_train_batch_size=recipe.batch_size,
+        save_steps=max(recipe.steps * variant.steps_factor, 1), save_total_limit=1,
+        logging_steps=max(recipe.steps // 10, 1), seed=recipe.seed, disable_progress_bars=True, eval_rows=8,
+        **({} if variant.positional in ROTARY_POSITIONALS else {"prior_scope": recipe.prior_scope}),
+        **variant.pretrain_overrides(recipe),
     )
     started = time.perf_counter()
-    summary, _, _ = run_pretraining(args)
-    return Path(summary.final_dir), {**asdict(summary), "train_seconds": time.perf_counter() - started}
+    summary, model, _ = run_pretraining(args)
+    return Path(summary.final_dir), {
+        **asdict(summary), "train_seconds": time.perf_counter() - started, "learned": learned_parameters(model),
+    }
+
+
+def learned_parameters(model) -> dict:
+    """Each BamLlama layer's learned SSMax scales and prior (per head), as lists [layer][head]; {} for others."""
+    layers = getattr(getattr(model, "model", None), "layers", [])
+    shared = getattr(model.model, "prior", None) if layers else None
+    learned = {}
+    for name, module_name in (("ssmax_scale", "ssmax"), ("theta_alpha", "prior"), ("theta_beta", "prior")):
+        rows = []
+        for layer in layers:
+            module = getattr(layer.self_attn, module_name, None) or (shared if module_name == "prior" else None)
+            if module is not None:
+                rows.append(getattr(module, name.removeprefix("ssmax_")).detach().float().tolist())
+        if rows:
+            learned[name] = rows
+    return learned
 
 
 def load(folder: Path, extension: str | None, length: int, train_length: int):
@@ -221,8 +387,6 @@ def sequence_perplexity(model, tokenizer, documents: dict[str, list[int]], lengt
     training) and run in one chunked forward. `perplexity`: exp of the mean loss over all their tokens (the paper's
     measure); `past_training_length`: the same over the positions past `train_length` only (None at 1x), where a
     positional encoding meets distances it never trained on."""
-    import math
-
     from bam_llama.evaluation.perplexity import evaluate_perplexity
 
     whole, past = [], []
@@ -241,140 +405,350 @@ def sequence_perplexity(model, tokenizer, documents: dict[str, list[int]], lengt
     return {"perplexity": mean_exp(whole), "past_training_length": None if None in past else mean_exp(past)}
 
 
-def evaluate(folder: Path, extension: str | None, documents: dict[str, list[int]], tokenizer, recipe: Recipe) -> dict:
-    """Whole-sequence perplexity and passkey accuracy per length (a RoPE extension is set per length)."""
+def stream_perplexity(model, tokenizer, stream: list[int], length: int) -> dict:
+    """The stream cut into whole sequences of `length` tokens, each behind BOS; exp of the mean loss of all."""
+    from bam_llama.evaluation.perplexity import evaluate_perplexity
+
+    result = evaluate_perplexity(
+        model, tokenizer, stream, [length], window=length, chunk_size=1024, max_sequences=None, add_bos=True,
+        progress=False,
+    )
+    return {"perplexity": result.perplexity[0], "sequences": result.num_sequences[0]}
+
+
+@dataclass
+class EvaluationData:
+    """What every model is evaluated on."""
+
+    documents: dict[str, list[int]]  # held-out files for perplexity up to the longest short length
+    stream: list[int] | None  # held-out stream for perplexity at every length, with the long lengths
+    haystack: object | None  # the held-out needle haystack (`needles.Haystack`)
+
+
+def evaluate(folder: Path, extension: str | None, data: EvaluationData, tokenizer, recipe: Recipe, variant: Variant) -> dict:
+    """Perplexity, passkey and (models with a prior) needles per length, each length's seconds and peak RSS; the
+    long lengths and the stream perplexity for models with a prior. A RoPE extension is set per length."""
+    from bam_llama.evaluation.costs import measured
+    from bam_llama.evaluation.needles import evaluate_needles
     from bam_llama.evaluation.passkey import evaluate_passkey
 
-    perplexity, passkey = {}, {}
+    result = {"perplexity": {}, "stream_perplexity": {}, "passkey": {}, "needles": {kind: {} for kind in NEEDLE_KINDS},
+              "seconds": {}, "peak_rss_mib": {}}
+    long = variant.has_prior and extension is None
     model = None
-    for length in recipe.lengths:
+    for length in recipe.lengths + (recipe.long_lengths if long else []):
         if model is None or extension is not None:
             model = load(folder, extension, length, recipe.train_length)
-        perplexity[length] = {
-            **sequence_perplexity(model, tokenizer, documents, length, recipe.train_length),
-            "sequences": len(documents) * (max(recipe.lengths) // length),
-        }
-        keys = evaluate_passkey(
-            model, tokenizer, [length], num_depths=recipe.num_depths, seed=recipe.seed, template=TEXT_TEMPLATE,
-            add_bos=True, progress=False,
-        )
-        passkey[length] = keys.to_dict()
-    return {"perplexity": perplexity, "passkey": passkey}
+        with measured() as cost:
+            if length in recipe.lengths:
+                result["perplexity"][length] = {
+                    **sequence_perplexity(model, tokenizer, data.documents, length, recipe.train_length),
+                    "sequences": len(data.documents) * (max(recipe.lengths) // length),
+                }
+            if long and data.stream is not None:
+                result["stream_perplexity"][length] = stream_perplexity(model, tokenizer, data.stream, length)
+            keys = evaluate_passkey(
+                model, tokenizer, [length], num_depths=recipe.passkey_depths(length), seed=recipe.seed,
+                template=TEXT_TEMPLATE, add_bos=True, progress=False,
+            )
+            result["passkey"][length] = keys.to_dict()
+            if long and data.haystack is not None:
+                for kind in NEEDLE_KINDS:
+                    needles = evaluate_needles(
+                        model, tokenizer, recipe.needle_task(kind), [length], num_depths=recipe.needle_depth_count(length),
+                        seed=recipe.seed, haystack=data.haystack, add_bos=True, progress=False,
+                    )
+                    result["needles"][kind][length] = needles.to_dict()
+        result["seconds"][length], result["peak_rss_mib"][length] = cost.seconds, cost.peak_rss_mib
+    if not any(result["needles"].values()):
+        del result["needles"]
+    if not result["stream_perplexity"]:
+        del result["stream_perplexity"]
+    return result
 
 
 # ------------------------------------------------------------------------------------------------- report
 
 
-def accuracy(passkey_result: dict) -> float:
-    correct = [flag for row in passkey_result["correct"] for flag in row]
+def accuracy(retrieval_result: dict) -> float:
+    correct = [flag for row in retrieval_result["correct"] for flag in row]
     return sum(correct) / len(correct)
+
+
+def needle_accuracy(result: dict, length: int) -> float | None:
+    """The mean exact-answer accuracy of the four needle tasks at `length` (None where not evaluated)."""
+    needles = result.get("needles", {})
+    values = [accuracy(needles[kind][length]) for kind in NEEDLE_KINDS if length in needles.get(kind, {})]
+    return sum(values) / len(values) if values else None
 
 
 def progress_line(name: str, result: dict, recipe: Recipe, started: float) -> str:
     """One model's perplexity and passkey rows as soon as it is evaluated (a long run shows where it stands)."""
     perplexity = " ".join(f"{result['perplexity'][length]['perplexity']:.2f}" for length in recipe.lengths)
-    passkey = " ".join(f"{accuracy(result['passkey'][length]):.0%}" for length in recipe.lengths)
-    return f"[{(time.perf_counter() - started) / 60:.1f} min] {name}: perplexity {perplexity} | passkey {passkey}"
+    passkey = " ".join(f"{accuracy(result['passkey'][length]):.0%}" for length in result["passkey"])
+    needles = " ".join(f"{value:.0%}" for value in (needle_accuracy(result, length) for length in result["passkey"]) if value is not None)
+    return (f"[{(time.perf_counter() - started) / 60:.1f} min] {name}: perplexity {perplexity} | passkey {passkey}"
+            + (f" | needles {needles}" if needles else ""))
+
+
+def markdown_table(results: dict, lengths: list[int], train_length: int, cell) -> str:
+    """A row per model, a column per length, `cell(result, length)` in each ("—" where it gives None)."""
+    header = "| model | " + " | ".join(f"{length} ({length // train_length}x)" for length in lengths) + " |"
+    rows = []
+    for name, result in results.items():
+        cells = [cell(result, length) for length in lengths]
+        rows.append(f"| {name} | " + " | ".join("—" if value is None else value for value in cells) + " |")
+    return "\n".join([header, "|---|" + "---:|" * len(lengths), *rows])
+
+
+def percent(value: float | None) -> str | None:
+    return None if value is None else f"{value:.0%}"
 
 
 def tables(results: dict, recipe: Recipe) -> str:
-    def table(lengths: list[int], cell) -> str:
-        """A Markdown table: a row per model, a column per length, `cell(result, length)` in each."""
-        header = "| model | " + " | ".join(f"{length} ({length // recipe.train_length}x)" for length in lengths) + " |"
-        rows = [f"| {name} | " + " | ".join(cell(result, length) for length in lengths) + " |" for name, result in results.items()]
-        return "\n".join([header, "|---|" + "---:|" * len(lengths), *rows])
+    every_length = recipe.lengths + recipe.long_lengths
+    with_prior = {name: result for name, result in results.items() if "stream_perplexity" in result}
+    table = lambda chosen, lengths, cell: markdown_table(chosen, lengths, recipe.train_length, cell)  # noqa: E731
+    sections = [
+        ("Held-out perplexity (whole sequences)",
+         table(results, recipe.lengths, lambda result, length: f"{result['perplexity'][length]['perplexity']:.2f}")),
+        (f"Held-out perplexity of the positions past the training length ({recipe.train_length}) only",
+         table(results, recipe.lengths[1:], lambda result, length: f"{result['perplexity'][length]['past_training_length']:.2f}")),
+    ]
+    if with_prior:
+        stream = lambda result, length: (  # noqa: E731
+            f"{result['stream_perplexity'][length]['perplexity']:.2f}" if length in result["stream_perplexity"] else None)
+        tokens = recipe.train_length * max(recipe.scales + recipe.long_scales)
+        sections.append((f"Held-out perplexity at every length on one stream of {tokens} held-out tokens", table(with_prior, every_length, stream)))
+    passkey = lambda result, length: percent(accuracy(result["passkey"][length])) if length in result["passkey"] else None  # noqa: E731
+    sections.append((f"Passkey retrieval ({depths_line(recipe, recipe.passkey_depths)})", table(results, every_length, passkey)))
+    with_needles = {name: result for name, result in results.items() if "needles" in result}
+    if with_needles:
+        depths = depths_line(recipe, recipe.needle_depth_count)
+        for kind in NEEDLE_KINDS:
+            task = recipe.needle_task(kind)
+            cell = lambda result, length, kind=kind: (  # noqa: E731
+                percent(accuracy(result["needles"][kind][length])) if length in result["needles"][kind] else None)
+            sections.append((f"Needles, {kind} ({task.describe()}; {depths}; exact answers)", table(with_needles, every_length, cell)))
+        mean = lambda result, length: percent(needle_accuracy(result, length))  # noqa: E731
+        sections.append(("Needles, mean of the four tasks", table(with_needles, every_length, mean)))
+    seconds = lambda result, length: f"{result['seconds'][length]:.0f}" if length in result["seconds"] else None  # noqa: E731
+    sections.append(("Seconds per length (perplexity, passkey and needles of the length)", table(results, every_length, seconds)))
+    rss = lambda result, length: f"{result['peak_rss_mib'][length]:.0f}" if result["peak_rss_mib"].get(length) else None  # noqa: E731
+    sections.append(("Peak RSS per length (MiB)", table(results, every_length, rss)))
+    return "".join(f"{title}\n\n{body}\n\n" for title, body in sections)
 
-    perplexity = table(recipe.lengths, lambda result, length: f"{result['perplexity'][length]['perplexity']:.2f}")
-    past = table(recipe.lengths[1:], lambda result, length: f"{result['perplexity'][length]['past_training_length']:.2f}")
-    passkey = table(recipe.lengths, lambda result, length: f"{accuracy(result['passkey'][length]):.0%}")
-    return (
-        f"Held-out perplexity (whole sequences)\n\n{perplexity}\n\n"
-        f"Held-out perplexity of the positions past the training length ({recipe.train_length}) only\n\n{past}\n\n"
-        f"Passkey retrieval\n\n{passkey}\n"
-    )
+
+def depths_line(recipe: Recipe, count) -> str:
+    """"20 depths per length, 10 at 128x, ..."."""
+    usual = count(recipe.lengths[0])
+    others = [f"{count(length)} at {length // recipe.train_length}x" for length in recipe.lengths + recipe.long_lengths
+              if count(length) != usual]
+    return f"{usual} depths per length" + (", " + ", ".join(others) if others else "")
+
+
+def ssmax_study(results: dict, training: dict, recipe: Recipe) -> str:
+    """What each SSMax variant changes, against bam and bam-ssmax: passkey and needles by length, perplexity at 1x
+    and its ratio at the longest length, the learned scales (mean per layer)."""
+    names = [name for name in results if MODELS.get(name, Variant("")).ssmax or name in ("bam", "bam-long")]
+    if not any(name not in DEFAULT_MODELS for name in names):
+        return ""
+    lengths = recipe.lengths
+    longest = max(lengths)
+    header = ("| model | what | passkey " + " / ".join(f"{length // recipe.train_length}x" for length in lengths)
+              + f" | needles at {longest // recipe.train_length}x | perplexity 1x | {longest // recipe.train_length}x / 1x | learned s, mean per layer |")
+    rows = [header, "|---|---|---|---:|---:|---:|---|"]
+    for name in names:
+        result, learned = results[name], training[name].get("learned", {})
+        passkey = " / ".join(f"{100 * accuracy(result['passkey'][length]):.0f}" for length in lengths)
+        first, last = (result["perplexity"][length]["perplexity"] for length in (lengths[0], longest))
+        scales = ", ".join(f"{sum(layer) / len(layer):.2f}" for layer in learned.get("ssmax_scale", [])) or "—"
+        rows.append(f"| {name} | {MODELS[name].what} | {passkey} | {percent(needle_accuracy(result, longest)) or '—'} "
+                    f"| {first:.2f} | {last / first:.3f} | {scales} |")
+    return "SSMax study (passkey in %)\n\n" + "\n".join(rows) + "\n\n"
+
+
+def learned_scales(training: dict) -> str:
+    """Every SSMax model's learned scale per layer and head."""
+    lines = []
+    for name, summary in training.items():
+        for layer, heads in enumerate(summary.get("learned", {}).get("ssmax_scale", [])):
+            lines.append(f"| {name} | {layer} | " + " | ".join(f"{value:.3f}" for value in heads) + " |")
+    if not lines:
+        return ""
+    heads = lines[0].count("|") - 3
+    header = "| model | layer | " + " | ".join(f"head {head}" for head in range(heads)) + " |"
+    return "Learned SSMax scales s (c = s ln n)\n\n" + "\n".join([header, "|---|---:|" + "---:|" * heads, *lines]) + "\n\n"
 
 
 def target_lines(results: dict, recipe: Recipe) -> list[str]:
-    """The issue's targets, each met or missed with its numbers (only those whose lengths were evaluated)."""
-    length = {scale: recipe.train_length * scale for scale in recipe.scales}
+    """The issues' targets, each met or missed with its numbers (only those whose lengths and models were run)."""
+    length = {scale: recipe.train_length * scale for scale in recipe.scales + recipe.long_scales}
 
     def perplexity(name: str, scale: int) -> float:
         return results[name]["perplexity"][length[scale]]["perplexity"]
 
-    def passkey(name: str, scale: int) -> float:
-        return accuracy(results[name]["passkey"][length[scale]])
+    def passkey(name: str, scale: int) -> float | None:
+        found = results[name]["passkey"].get(length.get(scale))
+        return None if found is None else accuracy(found)
 
     lines = []
-    if {1, 64} <= set(length) and "bam" in results:
+    if {1, 64} <= set(recipe.scales) and "bam" in results:
         ratio = perplexity("bam", 64) / perplexity("bam", 1)
         lines.append(f"BAM perplexity 64x / 1x = {ratio:.3f} (target <= 1.10): {'met' if ratio <= 1.10 else 'MISSED'}")
-    if {1, 8} <= set(length):
+    if {1, 8} <= set(recipe.scales):
         for name in [name for name in ("rope", "nope") if name in results]:
             ratio = perplexity(name, 8) / perplexity(name, 1)
             lines.append(f"{name} perplexity 8x / 1x = {ratio:.2f} (target >= 3): {'met' if ratio >= 3 else 'MISSED'}")
     for scale in (32, 64):
-        if scale in length and {"bam", "alibi"} <= set(results):
+        if scale in recipe.scales and {"bam", "alibi"} <= set(results):
             bam, alibi = passkey("bam", scale), passkey("alibi", scale)
             met = bam >= 0.9 and bam - alibi >= 0.3
             lines.append(f"passkey at {scale}x: BAM {bam:.0%}, ALiBi {alibi:.0%} (target BAM >= 90% and >= 30 points "
                          f"above ALiBi): {'met' if met else 'MISSED'}")
+    return lines + best_variant_lines(results, recipe, passkey)
+
+
+def best_variant_lines(results: dict, recipe: Recipe, passkey) -> list[str]:
+    """Issue 36's targets for BAM's best variant (the BAM model finding the most keys at the longest lengths)."""
+    bams = [name for name in results if name.startswith("bam")]
+    if not bams:
+        return []
+    scales = sorted(recipe.scales + recipe.long_scales, reverse=True)
+    best = max(bams, key=lambda name: [passkey(name, scale) or 0.0 for scale in scales])
+    lines = [f"BAM's best variant: {best}"]
+    for scale, target in ((64, 0.95), (512, 0.80)):
+        found = passkey(best, scale)
+        if found is not None:
+            lines.append(f"{best} passkey at {scale}x {found:.0%} (target >= {target:.0%}): {'met' if found >= target else 'MISSED'}")
+    stream = results[best].get("stream_perplexity", {})
+    first, last = stream.get(recipe.train_length), stream.get(recipe.train_length * 512)
+    if first and last:
+        ratio = last["perplexity"] / first["perplexity"]
+        lines.append(f"{best} perplexity 512x / 1x on the stream = {ratio:.3f} (target <= 1.10): {'met' if ratio <= 1.10 else 'MISSED'}")
+    length = recipe.train_length * 32
+    bam_needles = needle_accuracy(results[best], length)
+    alibi_needles = needle_accuracy(results["alibi"], length) if "alibi" in results else None
+    if bam_needles is not None and alibi_needles is not None:
+        met = bam_needles - alibi_needles >= 0.3
+        lines.append(f"needles at 32x (mean of the four tasks): {best} {bam_needles:.0%}, ALiBi {alibi_needles:.0%} "
+                     f"(target >= 30 points above ALiBi): {'met' if met else 'MISSED'}")
     return lines
 
 
-def plot_perplexity(results: dict, recipe: Recipe, path: Path) -> None:
+def plot_perplexity(results: dict, lengths: list[int], recipe: Recipe, path: Path, key: str, title: str) -> None:
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(7, 4.5))
     axes = figure.subplots()
     for name, result in results.items():
-        axes.plot(recipe.lengths, [result["perplexity"][length]["perplexity"] for length in recipe.lengths], marker="o", label=name)
+        points = [(length, result[key][length]["perplexity"]) for length in lengths if length in result.get(key, {})]
+        if points:
+            axes.plot(*zip(*points), marker="o", label=name)
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.axvline(recipe.train_length, color="gray", linestyle="--", label=f"training length {recipe.train_length}")
     axes.set_xlabel("sequence length (tokens)")
     axes.set_ylabel("held-out perplexity")
-    axes.set_title("Perplexity of whole held-out sequences, trained at %d tokens" % recipe.train_length)
+    axes.set_title(title)
     axes.grid(True, which="both", alpha=0.3)
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
+def plot_needles(results: dict, recipe: Recipe, path: Path) -> None:
+    """Exact-answer accuracy against length, one panel per task, one line per model."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 7))
+    for axes, kind in zip(figure.subplots(2, 2).flat, NEEDLE_KINDS):
+        for name, result in results.items():
+            found = result.get("needles", {}).get(kind, {})
+            if found:
+                axes.plot(list(found), [100 * accuracy(value) for value in found.values()], marker="o", label=name)
+        axes.set_xscale("log", base=2)
+        axes.set_ylim(-5, 105)
+        axes.axvline(recipe.train_length, color="gray", linestyle="--")
+        axes.set_title(f"{kind}: {recipe.needle_task(kind).describe()}", fontsize=10)
+        axes.set_xlabel("prompt length (tokens)")
+        axes.set_ylabel("exact answers (%)")
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def write_report(staging: Path, report: dict, results: dict, recipe: Recipe, data: EvaluationData) -> str:
+    from bam_llama.evaluation.passkey import PasskeyResults
+
+    (staging / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    machine = report["machine"]
+    summary = (
+        f"Trained at {recipe.train_length} tokens for {recipe.steps} steps of {recipe.batch_size} rows; "
+        f"each perplexity point of the first table averages the same {len(data.documents) * max(recipe.lengths)} "
+        f"tokens: the first {max(recipe.lengths)} of each of {len(data.documents)} held-out files "
+        f"({', '.join(data.documents)}), cut into whole sequences of the length. "
+        f"{report['minutes']:.1f} min, peak RSS {report['peak_rss_mib']:.0f} MiB, {machine['threads']} threads on "
+        f"{machine['processor']}, torch {machine['torch']}, transformers {machine['transformers']}.\n\n"
+    )
+    targets = "\n".join(f"- {line}" for line in target_lines(results, recipe))
+    text = (summary + tables(results, recipe) + ssmax_study(results, report["training"], recipe)
+            + learned_scales(report["training"]) + ("Targets\n\n" + targets + "\n" if targets else ""))
+    (staging / "results.md").write_text(text)
+    plot_perplexity(results, recipe.lengths, recipe, staging / "perplexity.png", "perplexity",
+                    f"Perplexity of whole held-out sequences, trained at {recipe.train_length} tokens")
+    if data.stream is not None:
+        plot_perplexity(results, recipe.lengths + recipe.long_lengths, recipe, staging / "perplexity-long.png",
+                        "stream_perplexity", f"Perplexity on {len(data.stream)} held-out tokens, trained at {recipe.train_length}")
+    if any("needles" in result for result in results.values()):
+        plot_needles(results, recipe, staging / "needles.png")
+    for name, result in results.items():
+        merged = PasskeyResults.concatenate([PasskeyResults.from_dict(value) for value in result["passkey"].values()])
+        merged.save_heatmap(staging / f"passkey-{name}.png", title=f"{name}, trained at {recipe.train_length} tokens")
+    return text
+
+
 def run(recipe: Recipe, output_dir: Path) -> dict:
     import torch
     import transformers
 
-    from bam_llama.data.tokenizers import train_bpe_tokenizer
-    from bam_llama.evaluation.passkey import PasskeyResults
+    from bam_llama.evaluation.needles import Haystack
 
     if recipe.threads is not None:
         torch.set_num_threads(recipe.threads)
     started = time.perf_counter()
     train_documents, heldout_documents = split_documents(python_documents(), recipe.heldout_fraction)
-    texts = training_texts(train_documents, recipe)
+    with_prior = any(MODELS[name].has_prior for name in recipe.models)
     with tempfile.TemporaryDirectory(prefix="text-extrapolation-") as scratch:
         work = Path(scratch)
+        texts, tokenizer, needles = training_data(train_documents, recipe)
+        tokenizer.save_pretrained(work / "tokenizer")
         data = work / "train.jsonl"
         data.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
-        tokenizer = train_bpe_tokenizer(texts, recipe.vocab_size)
-        tokenizer.save_pretrained(work / "tokenizer")
-        check_passkey_documents(tokenizer, recipe.train_length)
-        documents = perplexity_documents(heldout_documents, tokenizer, recipe)
+        long_tokens = recipe.train_length * max(recipe.scales + recipe.long_scales)
+        evaluation = EvaluationData(
+            documents=perplexity_documents(heldout_documents, tokenizer, recipe),
+            stream=perplexity_stream(heldout_documents, tokenizer, long_tokens) if with_prior else None,
+            haystack=Haystack([document.text for document in heldout_documents]) if with_prior and recipe.needles else None,
+        )
         corpus = corpus_statistics(train_documents, heldout_documents, recipe.heldout_fraction)
-        corpus["train_used"] = {"texts": len(texts), "characters": sum(map(len, texts))}
-        corpus["perplexity_documents"] = {name: len(tokens) for name, tokens in documents.items()}
+        corpus["train_used"] = {"texts": len(texts), "characters": sum(map(len, texts)), "needle_documents": len(needles),
+                                "needle_characters": sum(map(len, needles))}
+        corpus["perplexity_documents"] = {name: len(tokens) for name, tokens in evaluation.documents.items()}
         training, results = {}, {}
         for name in recipe.models:
             folder, training[name] = train(name, data, work / "tokenizer", work, recipe)
-            results[name] = evaluate(folder, None, documents, tokenizer, recipe)
+            results[name] = evaluate(folder, None, evaluation, tokenizer, recipe, MODELS[name])
             print(progress_line(name, results[name], recipe, started), flush=True)
             if name == "rope":
                 for extension in ROPE_EXTENSIONS:
-                    results[f"rope-{extension}"] = evaluate(folder, extension, documents, tokenizer, recipe)
+                    results[f"rope-{extension}"] = evaluate(folder, extension, evaluation, tokenizer, recipe, MODELS[name])
                     print(progress_line(f"rope-{extension}", results[f"rope-{extension}"], recipe, started), flush=True)
         training = json.loads(json.dumps(training).replace(str(work), "<scratch>"))  # no local paths in results
         report = {
             "recipe": asdict(recipe),
+            "models": {name: asdict(MODELS[name]) for name in recipe.models},
             "corpus": corpus,
             "minutes": (time.perf_counter() - started) / 60,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -384,25 +758,16 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
             "results": results,
         }
         with staged_output_dir(output_dir, force=True) as staging:
-            (staging / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-            summary = (
-                f"Trained at {recipe.train_length} tokens for {recipe.steps} steps of {recipe.batch_size} rows; "
-                f"each perplexity point averages the same {len(documents) * max(recipe.lengths)} tokens: the first "
-                f"{max(recipe.lengths)} of each of {len(documents)} held-out files ({', '.join(documents)}), cut into "
-                f"whole sequences of the length; passkey at {recipe.num_depths} depths per length. "
-                f"{report['minutes']:.1f} min, peak RSS {report['peak_rss_mib']:.0f} MiB, "
-                f"{report['machine']['threads']} threads, torch {torch.__version__}, transformers {transformers.__version__}.\n\n"
-            )
-            targets = "\n".join(f"- {line}" for line in target_lines(results, recipe))
-            (staging / "results.md").write_text(summary + tables(results, recipe) + ("\nTargets\n\n" + targets + "\n" if targets else ""))
-            plot_perplexity(results, recipe, staging / "perplexity.png")
-            for name, result in results.items():
-                rows = [result["passkey"][length] for length in recipe.lengths]
-                merged = PasskeyResults.from_dict({**rows[0], **{key: [row[key][0] for row in rows] for key in
-                                                   ("lengths", "correct", "prompt_lengths", "passkeys", "predictions")}})
-                merged.save_heatmap(staging / f"passkey-{name}.png", title=f"{name}, trained at {recipe.train_length} tokens")
-    print(summary + tables(results, recipe))
+            text = write_report(staging, report, results, recipe, evaluation)
+    print(text)
     return report
+
+
+def scale_list(text: str) -> tuple[int, ...]:
+    scales = tuple(int(part) for part in text.split(",") if part.strip())
+    if not scales or min(scales) <= 0 or list(scales) != sorted(set(scales)):
+        raise ValueError(f"scales are increasing positive integers, got {text!r}")
+    return scales
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -413,26 +778,57 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="override the recipe's training steps")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's; --quick: 1)")
     parser.add_argument("--models", default=None,
-                        help=f"comma-separated subset of {','.join(MODELS)} (default: all; rope brings its extensions)")
+                        help=f"comma-separated names among {','.join(MODELS)} (default: {','.join(DEFAULT_MODELS)}; "
+                        "rope brings its extensions)")
+    parser.add_argument("--scales", default=None, help="evaluation lengths for every model, in training lengths "
+                        "(default 1,2,4,8,16,32,64)")
+    parser.add_argument("--long-scales", default=None, help="longer lengths for the models with a prior (BAM "
+                        "variants, ALiBi; default 128,256,512); 'none' for none")
+    parser.add_argument("--no-needles", action="store_true", help="no needle documents in training, no needle evaluation")
+    parser.add_argument("--passkey-share", type=float, default=None, help="passkey documents' share of the training characters (default 0.35)")
+    parser.add_argument("--needle-share", type=float, default=None, help="needle documents' share of the training characters (default 0.15)")
     args = parser.parse_args(argv)
     recipe = QUICK if args.quick else Recipe()
+    try:
+        recipe = recipe_from_args(recipe, args)
+    except ValueError as error:
+        parser.error(str(error))
+    output_dir = args.output_dir or REPOSITORY / "benchmarks" / "results" / ("text-extrapolation-quick" if args.quick else "text-extrapolation")
+    run(recipe, output_dir)
+    return 0
+
+
+def recipe_from_args(recipe: Recipe, args: argparse.Namespace) -> Recipe:
+    """The recipe with the command line's overrides; a ValueError naming the first bad one."""
     if args.steps is not None:
         if args.steps <= 0:
-            parser.error(f"--steps must be positive, got {args.steps}")
+            raise ValueError(f"--steps must be positive, got {args.steps}")
         recipe = replace(recipe, steps=args.steps)
     if args.threads is not None:
         if args.threads <= 0:
-            parser.error(f"--threads must be positive, got {args.threads}")
+            raise ValueError(f"--threads must be positive, got {args.threads}")
         recipe = replace(recipe, threads=args.threads)
     if args.models is not None:
         models = tuple(name.strip() for name in args.models.split(","))
         unknown = [name for name in models if name not in MODELS]
         if unknown or len(set(models)) != len(models):
-            parser.error(f"--models takes distinct names from {', '.join(MODELS)}, got {args.models!r}")
+            raise ValueError(f"--models takes distinct names from {', '.join(MODELS)}, got {args.models!r}")
         recipe = replace(recipe, models=models)
-    output_dir = args.output_dir or REPOSITORY / "benchmarks" / "results" / ("text-extrapolation-quick" if args.quick else "text-extrapolation")
-    run(recipe, output_dir)
-    return 0
+    if args.scales is not None:
+        recipe = replace(recipe, scales=scale_list(args.scales))
+    if args.long_scales is not None:
+        recipe = replace(recipe, long_scales=() if args.long_scales == "none" else scale_list(args.long_scales))
+    if recipe.long_scales and min(recipe.long_scales) <= max(recipe.scales):
+        raise ValueError(f"--long-scales must lie past --scales (up to {max(recipe.scales)})")
+    if args.no_needles:
+        recipe = replace(recipe, needles=False, needle_share=0.0)
+    for name in ("passkey_share", "needle_share"):
+        value = getattr(args, name)
+        if value is not None:
+            recipe = replace(recipe, **{name: value})
+    if not (0 <= recipe.passkey_share and 0 <= recipe.needle_share and corpus_share(recipe) > 0):
+        raise ValueError("--passkey-share and --needle-share must be >= 0 and leave the corpus a share")
+    return recipe
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Helpers the tests share: tiny BamLlama models with a non-trivial prior, the environment of a subprocess that
-imports this checkout, the reference implementation's fixtures, and what the tests of failing commands share (the
-one error line, a full disk, an unwritable folder)."""
+imports this checkout, the reference implementation's fixtures, what the tests of failing commands share (the one
+error line, a full disk, an unwritable folder), and a reading of needle prompts (the values their question asks for,
+found in their text)."""
 
 import contextlib
 import errno
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -171,3 +173,30 @@ def unwritable(folder: Path, monkeypatch):
         patch.setattr(outputs.tempfile, "mkdtemp", mkdtemp)
         patch.setattr(Path, "mkdir", mkdir)
         yield
+
+
+# ---------------------------------------------------------------------------------- needle prompts, read back
+
+NEEDLE_PATTERN = re.compile(r" The special magic number for (\w+) is (\d+)\.")
+ASSIGNMENT_PATTERN = re.compile(r" VAR (\w+) = (?:VAR (\w+)|(\d+))\.")
+
+
+def asked_values(text: str) -> list[str]:
+    """The values the prompt's question asks for, read from the prompt's text alone."""
+    question = text[text.rindex(" The "):]
+    variable = re.fullmatch(r" The value of VAR (\w+) is", question)
+    if variable:
+        assignments = {label: (source, value) for label, source, value in ASSIGNMENT_PATTERN.findall(text)}
+        label = variable.group(1)
+        while assignments[label][0]:  # follow VAR x = VAR y to the number
+            label = assignments[label][0]
+        return [assignments[label][1]]
+    needles = NEEDLE_PATTERN.findall(text)
+    one = re.fullmatch(r" The special magic number for (\w+) is", question)
+    if one:
+        return [value for label, value in needles if label == one.group(1)]
+    labels = re.fullmatch(r" The special magic numbers for (.+) are", question).group(1)
+    labels = re.split(r", | and ", labels)
+    if len(labels) == 1:  # one key, all its values in the order they appear
+        return [value for label, value in needles if label == labels[0]]
+    return [next(value for label, value in needles if label == asked) for asked in labels]

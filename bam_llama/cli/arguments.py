@@ -62,6 +62,24 @@ def length_list(text: str) -> list[int]:
     return lengths
 
 
+def depth_plan(text: str):
+    """`"20"` -> 20 depths at every length; `"20,32k=10,64k=4"` -> 20, but 10 at 32768 tokens and 4 at 65536 (a
+    `DepthPlan`; `k` means 1024)."""
+    from ..evaluation.retrieval import DepthPlan
+
+    default, *overrides = [part.strip() for part in text.split(",")]
+    by_length = {}
+    for item in overrides:
+        length, equals, count = item.partition("=")
+        if not equals:
+            raise argparse.ArgumentTypeError(f"{item!r}: name a length's depths as LENGTH=N, e.g. 64k=4")
+        lengths = length_list(length)
+        if len(lengths) != 1:
+            raise argparse.ArgumentTypeError(f"{item!r}: one length per LENGTH=N")
+        by_length[lengths[0]] = positive_int(count)
+    return DepthPlan(positive_int(default), by_length)
+
+
 def device_name(text: str) -> str:
     """A torch device this PyTorch build can use: cpu, cuda, cuda:N, mps, ..."""
     import torch

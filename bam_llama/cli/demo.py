@@ -1,6 +1,7 @@
 """`bam-demo`: train tiny models at a short context, then measure passkey retrieval far beyond it (`demo.py`)."""
 
 import argparse
+import os
 import sys
 
 from ..demo import DEFAULT_MODELS, MODEL_NAMES, default_settings, run
@@ -24,6 +25,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated subset of bam,rope,alibi (default: %(default)s)")
     parser.add_argument("--device", type=device_name, default="cpu", help="e.g. cpu, cuda (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    parser.add_argument(
+        "--threads", type=positive_int, default=1,
+        help="torch threads of each model (default: %(default)s). One thread cannot oversubscribe: with several, "
+        "every operation waits for its slowest thread, and where other processes share the cores a step took 3-14 s "
+        "instead of 0.3 s. Results depend on the thread count (sums split differently), not on the load",
+    )
+    parser.add_argument(
+        "--jobs", type=positive_int, default=None,
+        help="models trained at once, each in its own process (default on a CPU: as many as there are models and "
+        f"cores, here {usable_cores()} core(s); on a GPU: 1); the results are those of --jobs 1",
+    )
     parser.add_argument("--steps", type=positive_int, help=default(full.train.steps, quick.train.steps))
     parser.add_argument("--batch-size", type=positive_int, help=default(full.train.batch_size, quick.train.batch_size))
     parser.add_argument("--lr", type=positive_float, help=default(full.train.lr, quick.train.lr))
@@ -56,7 +68,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown model(s) {sorted(unknown)}; choose from {','.join(MODEL_NAMES)}")
     args.argv = sys.argv[1:] if argv is None else list(argv)
+    if args.jobs is None:
+        args.jobs = usable_cores() if args.device == "cpu" else 1
     return args
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the system tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def run_demo(argv: list[str] | None = None) -> dict[str, PasskeyResults]:

@@ -1,6 +1,7 @@
 """`bam-eval`: long-context evaluation of BamLlama or any causal LM.
 
     bam-eval passkey MODEL           passkey retrieval by prompt length and depth (evaluation/passkey.py)
+    bam-eval needles MODEL           needle variants: several keys, values, queries; variable tracking (needles.py)
     bam-eval perplexity MODEL ...    perplexity by position (evaluation/perplexity.py)
     bam-eval prior MODEL             the learned GGD prior per head (evaluation/plots.py)
 """
@@ -15,14 +16,25 @@ from ..evaluation.passkey import choose_passkey_template, evaluate_passkey
 from ..evaluation.perplexity import evaluate_perplexity
 from ..evaluation.plots import plot_prior
 from ..evaluation.results import write_outputs
+from ..evaluation.needles import NEEDLE_KINDS, Haystack, NeedleTask, corpus_haystack, evaluate_needles
+from ..evaluation.retrieval import DepthPlan
 from ..outputs import exit_on_sigterm, staged_files
-from .arguments import device_name, length_list, non_negative_int, positive_int
+from .arguments import depth_plan, device_name, length_list, non_negative_int, positive_int
 from .reporting import run_reported
 
 PASSKEY_LENGTHS = "256,512,1024,2048,4096"
+DEPTHS = 20
 
 
 PERPLEXITY_LENGTHS = "1024,4096"
+
+
+def needle_kinds(text: str) -> list[str]:
+    kinds = [kind.strip() for kind in text.split(",") if kind.strip()]
+    unknown = [kind for kind in kinds if kind not in NEEDLE_KINDS]
+    if not kinds or unknown or len(set(kinds)) != len(kinds):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct tasks among {', '.join(NEEDLE_KINDS)}")
+    return kinds
 
 
 def parse_lengths(values: list[str] | list[list[int]]) -> list[int]:
@@ -45,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(passkey)
     passkey.add_argument("--lengths", nargs="+", type=length_list, default=[length_list(PASSKEY_LENGTHS)],
                          help=f"requested prompt lengths in tokens, e.g. 512,1k,2k (default: {PASSKEY_LENGTHS})")
-    passkey.add_argument("--depths", type=positive_int, default=20, help="depths per length (default: %(default)s)")
+    passkey.add_argument("--depths", type=depth_plan, default=DepthPlan(DEPTHS), metavar="N[,LENGTH=N...]",
+                         help=f"depths per length, and fewer (or more) at named lengths: 20,32k=10,64k=4 (default: {DEPTHS})")
     passkey.add_argument("--digits", type=positive_int, default=5, help="digits of the passkey (default: %(default)s)")
     passkey.add_argument("--seed", type=int, default=0, help="seed of the random passkeys (default: %(default)s)")
     passkey.add_argument("--per-depth", action="store_true", help="print one column per depth")
@@ -56,6 +69,34 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     passkey.set_defaults(run=run_passkey)
+
+    needles = commands.add_parser(
+        "needles", help="needle variants (RULER-style) by prompt length and depth, scored exactly",
+        description="Needles in a haystack of real text (default: the held-out Python corpus, no download): multikey "
+        "(several keys, one asked), multivalue (one key, all its values asked), multiquery (several keys asked at "
+        "once), vartrack (follow a chain of VAR assignments to its value). Correct only when the answer is exactly "
+        "the asked values, in the asked order, comma separated: a wrong digit, a missing, an extra or a swapped value "
+        "is a miss.",
+    )
+    _add_model_arguments(needles)
+    needles.add_argument("--tasks", type=needle_kinds, default=list(NEEDLE_KINDS), metavar="KIND[,KIND...]",
+                         help=f"comma-separated subset of {','.join(NEEDLE_KINDS)} (default: all)")
+    needles.add_argument("--lengths", nargs="+", type=length_list, default=[length_list(PASSKEY_LENGTHS)],
+                         help=f"requested prompt lengths in tokens, e.g. 512,1k,2k (default: {PASSKEY_LENGTHS})")
+    needles.add_argument("--depths", type=depth_plan, default=DepthPlan(DEPTHS), metavar="N[,LENGTH=N...]",
+                         help=f"depths of the asked needle per length, and fewer at named lengths: 20,64k=4 (default: {DEPTHS})")
+    task = NeedleTask("multikey")
+    needles.add_argument("--keys", type=positive_int, default=task.keys, help="multikey: keys in the haystack (default: %(default)s)")
+    needles.add_argument("--values", type=positive_int, default=task.values, help="multivalue: values of the key (default: %(default)s)")
+    needles.add_argument("--queries", type=positive_int, default=task.queries, help="multiquery: keys asked at once (default: %(default)s)")
+    needles.add_argument("--chains", type=positive_int, default=task.chains, help="vartrack: chains of assignments (default: %(default)s)")
+    needles.add_argument("--hops", type=positive_int, default=task.hops, help="vartrack: assignments after the value (default: %(default)s)")
+    needles.add_argument("--digits", type=positive_int, default=task.digits, help="digits of every value (default: %(default)s)")
+    needles.add_argument("--seed", type=int, default=0, help="seed of labels, values, depths of the other needles and haystack (default: %(default)s)")
+    needles.add_argument("--haystack", help="text for the haystack, read as --data of perplexity (default: the held-out "
+                         "part of the Python corpus: the language reference and standard library of this Python)")
+    needles.add_argument("--per-depth", action="store_true", help="print one column per depth")
+    needles.set_defaults(run=run_needles)
 
     perplexity = commands.add_parser(
         "perplexity", help="perplexity by position for several context lengths",
@@ -111,6 +152,7 @@ def _load_for_cli(args):
 
 
 def run_passkey(args) -> None:
+    check_depth_lengths(args.depths, parse_lengths(args.lengths))
     model, tokenizer = _load_for_cli(args)
     template, template_bos, description = choose_passkey_template(args.template, model.config)
     print(f"Passkey prompts use {description}.", file=sys.stderr)
@@ -124,6 +166,37 @@ def run_passkey(args) -> None:
     print(f"Overall accuracy: {100 * results.mean_accuracy():.1f}%")
     if args.out:
         write_outputs(args.out, "passkey", table, results.to_dict(), results.save_heatmap)
+
+
+def run_needles(args) -> None:
+    tasks = [
+        NeedleTask(kind, keys=args.keys, values=args.values, queries=args.queries, chains=args.chains, hops=args.hops,
+                   digits=args.digits)
+        for kind in args.tasks
+    ]
+    lengths = parse_lengths(args.lengths)
+    check_depth_lengths(args.depths, lengths)
+    haystack = Haystack(load_documents(args.haystack, purpose="haystack")) if args.haystack else corpus_haystack()
+    model, tokenizer = _load_for_cli(args)
+    for task in tasks:
+        results = evaluate_needles(
+            model, tokenizer, task, lengths, num_depths=args.depths, seed=args.seed, chunk_size=args.chunk_size,
+            haystack=haystack, add_bos=args.add_bos, progress=not args.quiet,
+        )
+        table = results.to_markdown(per_depth=args.per_depth)
+        print(f"{task.kind} ({task.describe()}):\n\n{table}")
+        print(f"{task.kind} overall accuracy: {100 * results.mean_accuracy():.1f}%\n")
+        if args.out:
+            title = f"{task.kind}: {task.describe()}"
+            write_outputs(args.out, f"needles-{task.kind}", table, results.to_dict(),
+                          lambda path, results=results: results.save_heatmap(path, title=title))
+
+
+def check_depth_lengths(plan: DepthPlan, lengths: list[int]) -> None:
+    """Every length --depths names must be evaluated (64k=4 without 64k in --lengths is a slip)."""
+    stray = sorted(set(plan.by_length) - set(lengths))
+    if stray:
+        raise ValueError(f"--depths names {', '.join(map(str, stray))}, which --lengths does not evaluate")
 
 
 def run_perplexity(args) -> None:

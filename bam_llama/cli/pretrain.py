@@ -45,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bam: learned GGD prior (paper init); alibi / nope: the prior fixed to ALiBi / flat; rope: Llama; "
                         "rope-local: RoPE with a sliding window of the training length (Mistral)")
     parser.add_argument("--ssmax", action="store_true", help="Scalable Softmax (BamLlama models only)")
+    parser.add_argument("--ssmax-prior", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --ssmax: the factor s*ln(n) scales the prior too, c*(q.k/sqrt(d) + b), the reference's "
+                        "order (default); --no-ssmax-prior gives c*q.k/sqrt(d) + b")
+    parser.add_argument("--ssmax-scale-init", type=float, default=None,
+                        help="with --ssmax: the initial scale s of every head (default 1.0; 1/ln(context length) makes "
+                        "the factor 1 at the training length)")
+    parser.add_argument("--ssmax-learning-rate", type=positive_float, default=None,
+                        help="with --ssmax: the scales' learning rate (default: --prior-learning-rate)")
     parser.add_argument("--prior-scope", choices=PRIOR_SCOPES, default=defaults.prior_scope,
                         help="global: one prior per head shared by all layers (the reference's default); layer: one per "
                         "layer and head (the paper's parameter count). BamLlama models only")

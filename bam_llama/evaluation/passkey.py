@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..data.tokenizers import encode
-from . import plots
-from .decoding import check_positive, greedy_continuation
+from .decoding import check_positive
+from .retrieval import DepthPlan, RetrievalCase, RetrievalResults, run_retrieval, uniform_depths  # noqa: F401
 
 
 @dataclass
@@ -119,85 +119,12 @@ def random_passkey(rng: random.Random, num_digits: int) -> str:
     return str(rng.randint(10 ** (num_digits - 1), 10**num_digits - 1))
 
 
-def uniform_depths(num_depths: int) -> list[float]:
-    if num_depths < 1:
-        raise ValueError(f"num_depths must be >= 1, got {num_depths}")
-    if num_depths == 1:
-        return [0.0]
-    return [index / (num_depths - 1) for index in range(num_depths)]
-
-
 @dataclass
-class PasskeyResults:
-    lengths: list[int]
-    depths: list[float]
-    correct: list[list[bool]]  # [length][depth]
-    prompt_lengths: list[int]
+class PasskeyResults(RetrievalResults):
     passkeys: list[list[str]] = field(default_factory=list)  # [length][depth]
-    predictions: list[list[str]] = field(default_factory=list)  # decoded continuations, [length][depth]
 
-    def accuracy_by_length(self) -> dict[int, float]:
-        return {length: sum(row) / len(row) for length, row in zip(self.lengths, self.correct)}
-
-    def mean_accuracy(self) -> float:
-        cells = [cell for row in self.correct for cell in row]
-        return sum(cells) / len(cells)
-
-    def to_markdown(self, per_depth: bool = False) -> str:
-        """A table `length | prompt tokens | accuracy (%)`; with `per_depth`, one ✓/✗ column per depth."""
-        header = ["Length", "Prompt tokens", "Accuracy (%)"]
-        if per_depth:
-            header += [f"{depth:.2f}" for depth in self.depths]
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        accuracy = self.accuracy_by_length()
-        for length, prompt_length, row in zip(self.lengths, self.prompt_lengths, self.correct):
-            cells = [str(length), str(prompt_length), f"{100 * accuracy[length]:.1f}"]
-            if per_depth:
-                cells += ["✓" if hit else "✗" for hit in row]
-            lines.append("| " + " | ".join(cells) + " |")
-        return "\n".join(lines) + "\n"
-
-    def save_heatmap(self, path, title: str = "Passkey retrieval") -> None:
-        """Length (x, the table's lengths) by depth (y, 0% = key at the start of the filler) PNG, green where the
-        key was retrieved, with a colour legend."""
-        import torch
-        from matplotlib.colors import ListedColormap
-        from matplotlib.figure import Figure
-
-        grid = torch.tensor(self.correct, dtype=torch.float32).T.numpy()  # (depth, length)
-        figure = Figure(figsize=(max(4.5, 0.6 * len(self.lengths) + 3), 4.5))
-        axes = figure.subplots()
-        image = axes.imshow(
-            grid, cmap=ListedColormap(["#d7301f", "#1a9850"]), vmin=0, vmax=1, aspect="auto", origin="upper"
-        )
-        axes.set_xticks(range(len(self.lengths)), [str(length) for length in self.lengths], rotation=45)
-        axes.set_yticks(*_depth_ticks(len(self.depths)))
-        axes.set_xlabel("prompt length (tokens)")
-        axes.set_ylabel("depth of the key")
-        axes.set_title(f"{title}\n{100 * self.mean_accuracy():.1f}% retrieved overall", fontsize=10)
-        legend = figure.colorbar(image, ax=axes, ticks=[0.25, 0.75], fraction=0.08, pad=0.03)
-        legend.ax.set_yticklabels(["missed", "retrieved"])
-        plots.save_figure(figure, path)
-
-    def to_dict(self) -> dict:
-        return {
-            "kind": "passkey",
-            **asdict(self),
-            "accuracy_by_length": {str(length): value for length, value in self.accuracy_by_length().items()},
-        }
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "PasskeyResults":
-        names = {"lengths", "depths", "correct", "prompt_lengths", "passkeys", "predictions"}
-        return cls(**{name: value for name, value in values.items() if name in names})
-
-
-def _depth_ticks(num_depths: int) -> tuple[list[float], list[str]]:
-    """Heatmap rows are depths i / (num_depths - 1): ticks at 0, 25, 50, 75 and 100% sit at row (num_depths - 1) * d."""
-    if num_depths == 1:
-        return [0.0], ["0%"]
-    fractions = (0.0, 0.25, 0.5, 0.75, 1.0)
-    return [fraction * (num_depths - 1) for fraction in fractions], [f"{fraction:.0%}" for fraction in fractions]
+    KIND = "passkey"
+    DEPTH_LABEL = "depth of the key"
 
 
 def is_correct(continuation: str, passkey: str) -> bool:
@@ -211,7 +138,7 @@ def evaluate_passkey(
     model,
     tokenizer,
     lengths,
-    num_depths: int = 20,
+    num_depths: int | DepthPlan = 20,
     num_digits: int = 5,
     seed: int = 0,
     chunk_size: int = 1024,
@@ -220,40 +147,29 @@ def evaluate_passkey(
     add_bos: bool = False,
 ) -> PasskeyResults:
     """Passkey retrieval accuracy for each requested prompt length, at `num_depths` depths uniformly spaced in
-    [0, 1]. One seeded random key per (length, depth); correct iff the greedy continuation (num_digits + 2 new
-    tokens), stripped of leading whitespace, starts with the key and goes on with something else than a digit."""
-    import torch
-    from tqdm.auto import tqdm
-
+    [0, 1] (a number for every length, or a `DepthPlan` with fewer at some). One seeded random key per (length,
+    depth), drawn in that order; correct iff the greedy continuation (num_digits + 2 new tokens), stripped of leading
+    whitespace, starts with the key and goes on with something else than a digit. Each length's seconds and peak
+    memory are recorded."""
     lengths = [int(length) for length in lengths]
-    check_positive(lengths=min(lengths, default=0), num_digits=num_digits, chunk_size=chunk_size)
-    depths = uniform_depths(num_depths)
+    check_positive(num_digits=num_digits)
     rng = random.Random(seed)
-    model.eval()
-    results = PasskeyResults(lengths=lengths, depths=depths, correct=[], prompt_lengths=[])
-    bar = tqdm(total=len(lengths) * len(depths), desc="passkey", disable=not progress)
-    with torch.inference_mode():
-        for length in lengths:
-            row_correct, row_keys, row_predictions = [], [], []
-            for depth in depths:
-                passkey = random_passkey(rng, num_digits)
-                prompt = build_passkey_prompt(tokenizer, length, depth, passkey, template, add_bos=add_bos)
-                new_tokens = greedy_continuation(model, prompt, num_digits + 2, chunk_size)
-                prediction = tokenizer.decode(new_tokens, skip_special_tokens=True)
-                row_correct.append(is_correct(prediction, passkey))
-                row_keys.append(passkey)
-                row_predictions.append(prediction)
-                bar.update()
-            results.correct.append(row_correct)
-            results.passkeys.append(row_keys)
-            results.predictions.append(row_predictions)
-            results.prompt_lengths.append(len(prompt))
-            if len(prompt) - int(add_bos and tokenizer.bos_token_id is not None) > length:  # BOS is not counted
-                print(
-                    f"Warning: length {length} is below the passkey template's minimum; its prompts have "
-                    f"{len(prompt)} tokens (see the 'Prompt tokens' column).",
-                    file=sys.stderr,
-                )
-            bar.set_postfix(length=length, accuracy=f"{sum(row_correct) / len(row_correct):.2f}")
-    bar.close()
-    return results
+
+    def make_case(length: int, depth: float) -> RetrievalCase:
+        passkey = random_passkey(rng, num_digits)
+        prompt = build_passkey_prompt(tokenizer, length, depth, passkey, template, add_bos=add_bos)
+        return RetrievalCase(prompt, passkey, num_digits + 2)
+
+    rows = run_retrieval(
+        model, tokenizer, lengths, DepthPlan.of(num_depths), make_case,
+        lambda prediction, case: is_correct(prediction, case.expected), chunk_size, progress, "passkey",
+    )
+    bos = int(add_bos and tokenizer.bos_token_id is not None)  # BOS is not counted in a length
+    for length, prompt_length in zip(lengths, rows.prompt_lengths):
+        if prompt_length - bos > length:
+            print(
+                f"Warning: length {length} is below the passkey template's minimum; its prompts have "
+                f"{prompt_length} tokens (see the 'Prompt tokens' column).",
+                file=sys.stderr,
+            )
+    return PasskeyResults(lengths=lengths, passkeys=rows.expected, **rows.measures())

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..outputs import staged_files
+from .needles import NeedleResults
 from .passkey import PasskeyResults
 from .perplexity import PerplexityResults
 
@@ -21,10 +22,11 @@ def write_outputs(folder, name: str, table: str, results: dict, save_png) -> Non
     print(f"Wrote {folder / name}.md, .json and .png")
 
 
-RESULT_KINDS = {"passkey": PasskeyResults, "perplexity": PerplexityResults}
+RESULT_KINDS = {cls.KIND: cls for cls in (PasskeyResults, NeedleResults)} | {"perplexity": PerplexityResults}
+Results = PasskeyResults | NeedleResults | PerplexityResults
 
 
-def results_from_dict(values: dict, source: str = "evaluation results") -> PasskeyResults | PerplexityResults:
+def results_from_dict(values: dict, source: str = "evaluation results") -> Results:
     """The results a `to_dict()` (or its JSON) holds, by its `kind`; a ValueError naming `source` otherwise."""
     if not isinstance(values, dict) or values.get("kind") not in RESULT_KINDS:
         kind = values.get("kind") if isinstance(values, dict) else None
@@ -32,6 +34,6 @@ def results_from_dict(values: dict, source: str = "evaluation results") -> Passk
     return RESULT_KINDS[values["kind"]].from_dict(values)
 
 
-def load_results(path) -> PasskeyResults | PerplexityResults:
+def load_results(path) -> Results:
     """Results saved by `bam-eval ... --out` (their `kind` says which)."""
     return results_from_dict(json.loads(Path(path).read_text(encoding="utf-8")), str(path))

@@ -140,27 +140,37 @@ def training_text(config: dict, datasets: list[str], base_model: str | None) -> 
 
 
 def as_results(results):
-    """PasskeyResults / PerplexityResults from an object, its `to_dict()`, or a `bam-eval --out` .json file."""
-    from ..evaluation.passkey import PasskeyResults
+    """PasskeyResults / NeedleResults / PerplexityResults from an object, its `to_dict()`, or a `bam-eval --out`
+    .json file."""
     from ..evaluation.perplexity import PerplexityResults
     from ..evaluation.results import load_results, results_from_dict
+    from ..evaluation.retrieval import RetrievalResults
 
     if isinstance(results, (str, Path)):
         return load_results(results)
     if isinstance(results, dict):
         return results_from_dict(results)
-    if not isinstance(results, (PasskeyResults, PerplexityResults)):
-        raise TypeError(f"expected PasskeyResults or PerplexityResults, got {type(results).__name__}")
+    if not isinstance(results, (RetrievalResults, PerplexityResults)):
+        raise TypeError(f"expected PasskeyResults, NeedleResults or PerplexityResults, got {type(results).__name__}")
     return results
 
 
 def evaluation_section(results) -> dict:
+    from ..evaluation.needles import NeedleResults
     from ..evaluation.passkey import PasskeyResults
 
+    if isinstance(results, NeedleResults):
+        task = results.needle_task
+        description = (
+            f"Needles ({task.kind}: {task.describe()}, {task.digits}-digit values) in real text, the asked one at "
+            f"{results.describe_depths()}; greedy decoding, correct only when the answer is exactly the asked values "
+            f"in order. Mean accuracy {100 * results.mean_accuracy():.1f}%."
+        )
+        return {"title": f"Needles: {task.kind}", "description": description, "table": results.to_markdown().strip()}
     if isinstance(results, PasskeyResults):
         digits = len(results.passkeys[0][0]) if results.passkeys else "random"
         description = (
-            f"Passkey retrieval: a {digits}-digit key hidden at {len(results.depths)} depths uniformly spaced through "
+            f"Passkey retrieval: a {digits}-digit key hidden at {results.describe_depths()} uniformly spaced through "
             "filler text; greedy decoding, correct when the answer starts with the key (and no other digit follows). "
             f"Mean accuracy {100 * results.mean_accuracy():.1f}%."
         )

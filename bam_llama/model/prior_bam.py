@@ -21,7 +21,15 @@ def is_prior_parameter(name: str) -> bool:
     `model.layers.0.self_attn.ssmax.scale`, and PEFT's `...prior.modules_to_save.default.theta_beta`)."""
     parts = name.split(".")
     module = next((part for part in reversed(parts[:-1]) if part in PRIOR_MODULES), None)
-    return (module == "prior" and parts[-1] in PRIOR_PARAMETERS) or (module == "ssmax" and parts[-1] == SSMAX_PARAMETER)
+    return (module == "prior" and parts[-1] in PRIOR_PARAMETERS) or is_ssmax_parameter(name)
+
+
+def is_ssmax_parameter(name: str) -> bool:
+    """True for the qualified name of a Scalable-Softmax scale (`model.layers.0.self_attn.ssmax.scale`, and PEFT's
+    `...ssmax.modules_to_save.default.scale`)."""
+    parts = name.split(".")
+    module = next((part for part in reversed(parts[:-1]) if part in PRIOR_MODULES), None)
+    return module == "ssmax" and parts[-1] == SSMAX_PARAMETER
 
 
 def prior_offset(theta_mu: torch.Tensor) -> torch.Tensor:

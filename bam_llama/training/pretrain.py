@@ -5,7 +5,8 @@ same data sources as `bam-finetune` (`data.documents`), packed with per-document
 same Trainer set-up (`training.trainer`), with one recipe for every positional encoding so that baselines compare:
 
 * `bam`: BamLlama with the paper's init (uniform prior: theta_alpha = theta_beta = 0), alpha and beta trained,
-  mu frozen; `--ssmax` adds Scalable Softmax;
+  mu frozen; `--ssmax` adds Scalable Softmax (its order, scale's init and learning rate: `--ssmax-prior` /
+  `--no-ssmax-prior`, `--ssmax-scale-init`, `--ssmax-learning-rate`);
 * `alibi`: BamLlama with the prior fixed to ALiBi's slopes (theta_alpha = log slope, theta_beta = 1, frozen);
 * `nope`: BamLlama with a flat prior, fixed (theta_beta = 0: the same bias at every distance, so no position);
 * `rope`: Transformers' `LlamaForCausalLM` of the same sizes (RoPE base 500,000 as in the reference's baselines);
@@ -88,6 +89,9 @@ class PretrainArguments(TrainingRunArguments):
     context_length: int = 512
     positional: str = "bam"
     ssmax: bool = False
+    ssmax_prior: bool | None = None  # --ssmax only; None: the config's default (True: the factor scales the prior)
+    ssmax_scale_init: float | None = None  # --ssmax only; None: the config's default (1.0)
+    ssmax_learning_rate: float | None = None  # --ssmax only; None: the prior's learning rate
     prior_scope: str = "global"
     rope_theta: float | None = None  # RoPE only; None: REFERENCE_ROPE_THETA
     preset: str | None = None
@@ -139,6 +143,14 @@ def check_arguments(args: PretrainArguments) -> None:
     rotary = args.positional in ROTARY_POSITIONALS
     if args.ssmax and rotary:
         raise ValueError(f"--ssmax is a BamLlama option; --positional {args.positional} trains a Transformers model")
+    for flag, value in (("--ssmax-prior", args.ssmax_prior), ("--ssmax-scale-init", args.ssmax_scale_init),
+                        ("--ssmax-learning-rate", args.ssmax_learning_rate)):
+        if value is not None and not args.ssmax:
+            raise ValueError(f"{flag} is a Scalable Softmax setting: add --ssmax")
+    if args.ssmax_learning_rate is not None and not args.ssmax_learning_rate > 0:
+        raise ValueError(f"--ssmax-learning-rate must be positive, got {args.ssmax_learning_rate}")
+    if args.ssmax_scale_init is not None and not math.isfinite(args.ssmax_scale_init):
+        raise ValueError(f"--ssmax-scale-init must be a finite number, got {args.ssmax_scale_init}")
     if args.prior_scope not in PRIOR_SCOPES:
         raise ValueError(f"--prior-scope must be one of {', '.join(PRIOR_SCOPES)}, got {args.prior_scope!r}")
     if args.prior_scope != "global" and rotary:
@@ -283,9 +295,11 @@ def build_config(args: PretrainArguments, vocab_size: int, token_ids: dict[str, 
         "alibi": dict(theta_alpha_init="alibi", theta_beta_init=1.0, train_theta_alpha=False, train_theta_beta=False),
         "nope": dict(theta_alpha_init=0.0, theta_beta_init=0.0, train_theta_alpha=False, train_theta_beta=False),
     }[args.positional]
+    ssmax = {name: value for name, value in (("ssmax_prior", args.ssmax_prior), ("ssmax_scale_init", args.ssmax_scale_init))
+             if value is not None}
     return BamLlamaConfig(
         train_context_length=args.context_length, theta_mu_init=0.0, train_theta_mu=False, ssmax=args.ssmax,
-        prior_scope=args.prior_scope, **prior, **common
+        prior_scope=args.prior_scope, **prior, **ssmax, **common
     )
 
 
@@ -387,6 +401,7 @@ def _run_pretraining(args: PretrainArguments, hold: OutputDirHold, started: floa
         processing_class=tokenizer,
         before_saving=hold.ensure_held,
         prior_learning_rate=args.resolved_prior_learning_rate,
+        ssmax_learning_rate=args.ssmax_learning_rate,
     )
     evaluate = lambda: mean_token_loss(  # noqa: E731
         model, eval_rows, args.per_device_train_batch_size, training_args.device, training_args.bf16, show_progress

@@ -16,20 +16,26 @@ from transformers.utils import is_torch_bf16_gpu_available
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..data.packing import IGNORE_INDEX, collate_packed_rows
-from ..model.prior_bam import is_prior_parameter
+from ..model.prior_bam import is_prior_parameter, is_ssmax_parameter
 from ..model_folders import check_finite_loss
 from ..outputs import move_into_place, signals_deferred
 from .distributed import parallel_training_arguments
 from .lock import STAGED_CHECKPOINT
 
 
-def optimizer_parameter_groups(model: torch.nn.Module, decay_names, weight_decay: float, prior_learning_rate: float):
-    """Decayed weights, undecayed weights, and the prior / SSMax parameters at their own rate without decay."""
-    decayed, undecayed, prior = [], [], []
+def optimizer_parameter_groups(
+    model: torch.nn.Module, decay_names, weight_decay: float, prior_learning_rate: float,
+    ssmax_learning_rate: float | None = None,
+):
+    """Decayed weights, undecayed weights, and the prior / SSMax parameters at their own rate without decay; the
+    SSMax scales in a group of their own at `ssmax_learning_rate` when it is given."""
+    decayed, undecayed, prior, ssmax = [], [], [], []
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
             continue
-        if is_prior_parameter(name):
+        if ssmax_learning_rate is not None and is_ssmax_parameter(name):
+            ssmax.append(parameter)
+        elif is_prior_parameter(name):
             prior.append(parameter)
         elif name in decay_names:
             decayed.append(parameter)
@@ -39,20 +45,24 @@ def optimizer_parameter_groups(model: torch.nn.Module, decay_names, weight_decay
         {"params": decayed, "weight_decay": weight_decay},
         {"params": undecayed, "weight_decay": 0.0},
         {"params": prior, "weight_decay": 0.0, "lr": prior_learning_rate},
+        {"params": ssmax, "weight_decay": 0.0, "lr": ssmax_learning_rate},
     ]
     return [group for group in groups if group["params"]]
 
 
 class BamTrainer(Trainer):
-    """`Trainer` whose optimizer gives the prior and SSMax parameters their own learning rate (and no decay), that
-    stops on a loss that is not finite, and writes each checkpoint whole or not at all.
+    """`Trainer` whose optimizer gives the prior and SSMax parameters their own learning rate (and no decay; the
+    SSMax scales may have one of their own, `ssmax_learning_rate`; None: the prior's), that stops on a loss that is
+    not finite, and writes each checkpoint whole or not at all.
 
     before_saving: called before each checkpoint is written (e.g. `OutputDirHold.ensure_held`).
     """
 
-    def __init__(self, *args, prior_learning_rate: float, before_saving=None, **kwargs):
+    def __init__(self, *args, prior_learning_rate: float, ssmax_learning_rate: float | None = None,
+                 before_saving=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.prior_learning_rate = prior_learning_rate
+        self.ssmax_learning_rate = ssmax_learning_rate
         self.before_saving = before_saving
         self._checkpoint_staging = None
 
@@ -98,7 +108,8 @@ class BamTrainer(Trainer):
             model = self.model if model is None else model
             optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
             groups = optimizer_parameter_groups(
-                model, set(self.get_decay_parameter_names(model)), self.args.weight_decay, self.prior_learning_rate
+                model, set(self.get_decay_parameter_names(model)), self.args.weight_decay, self.prior_learning_rate,
+                self.ssmax_learning_rate,
             )
             self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer

@@ -82,6 +82,36 @@ def test_quick_run_writes_table_plots_and_a_loadable_model(tmp_path, tokenizer, 
     assert torch.isfinite(model(input_ids).logits).all()
 
 
+def test_models_trained_at_once_give_the_results_of_one_at_a_time(tmp_path):
+    """--jobs 2 trains BAM and RoPE in two processes of one thread each: the same numbers as one after the other."""
+    one_at_a_time = run_demo(["--quick", "--jobs", "1", "--output-dir", str(tmp_path / "one")])
+    at_once = run_demo(["--quick", "--jobs", "2", "--output-dir", str(tmp_path / "two")])
+    for name in ("bam", "rope"):
+        assert at_once[name].predictions == one_at_a_time[name].predictions and at_once[name].passkeys
+    weights = [(tmp_path / run / "bam-model" / "model.safetensors").read_bytes() for run in ("one", "two")]
+    assert weights[0] == weights[1]  # bit for bit: the same thread count, the same sums
+    run = json.loads((tmp_path / "two" / "results.json").read_text())["run"]
+    assert run["jobs"] == 2 and run["threads"] == 1
+    assert "2 models at once, 1 thread each" in (tmp_path / "two" / "results.md").read_text()
+    assert (tmp_path / "two" / "bam-model" / "config.json").is_file() and (tmp_path / "two" / "passkey-rope.png").is_file()
+
+
+def test_each_model_runs_on_the_threads_asked(tmp_path, monkeypatch):
+    from bam_llama import demo
+    from bam_llama.cli.demo import parse_args
+
+    seen = []
+    monkeypatch.setattr(demo, "train_model", lambda *args, **kwargs: seen.append(torch.get_num_threads()))
+    monkeypatch.setattr(demo, "save_bam", lambda *args: None)
+    threads = torch.get_num_threads()
+    try:
+        args = parse_args(["--quick", "--models", "rope", "--threads", "3", "--output-dir", str(tmp_path)])
+        demo.train_and_evaluate("rope", args, demo.settings_from_args(args), tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [3]
+
+
 def test_console_script_help():
     completed = subprocess.run(["bam-demo", "--help"], capture_output=True, text=True, timeout=60)
     assert completed.returncode == 0 and "--quick" in completed.stdout
@@ -210,6 +240,40 @@ def test_ctrl_c_leaves_no_partial_result_and_keeps_an_earlier_one(tmp_path, earl
     assert sorted(path.name for path in output.parent.iterdir()) == (["bam-demo-output"] if earlier_result else [])
     if earlier_result:
         assert folder_contents(output) == before
+
+
+def test_ctrl_c_stops_the_model_processes_and_leaves_nothing(tmp_path):
+    """Ctrl-C while two models train in their own processes: exit 130, the processes gone, no output."""
+    import signal
+
+    from helpers import checkout_environment, default_sigint
+
+    output = tmp_path / "bam-demo-output"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bam_llama.cli.demo", "--quick", "--steps", "100000", "--jobs", "2",
+         "--output-dir", str(output)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=checkout_environment(),
+        preexec_fn=default_sigint,
+    )
+    children = []
+    deadline = time.monotonic() + 300
+    while len(children) < 2 and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.5)
+        children = [int(pid) for task in os.listdir(f"/proc/{process.pid}/task")
+                    for pid in open(f"/proc/{process.pid}/task/{task}/children").read().split()]
+    time.sleep(5)  # the workers import PyTorch and start training
+    process.send_signal(signal.SIGINT)
+    try:
+        stderr = process.communicate(timeout=120)[1]
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail("the demo did not stop after SIGINT")
+    assert len(children) >= 2, stderr[-3000:]
+    assert process.returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("bam-demo: interrupted")
+    time.sleep(1)
+    assert not [pid for pid in children if os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read()]
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
 
 
 def test_a_folder_of_other_files_is_not_replaced(tmp_path, capsys):

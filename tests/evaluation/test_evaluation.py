@@ -1,6 +1,7 @@
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import reference
@@ -12,8 +13,8 @@ from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
 from bam_llama.cli.eval import main, parse_lengths
 from bam_llama.data.documents import load_documents
 from bam_llama.data.tokenizers import build_byte_tokenizer
-from bam_llama.evaluation import passkey as evaluation_bam
-from bam_llama.evaluation.decoding import load_model_and_tokenizer, prefill
+from bam_llama.evaluation import retrieval
+from bam_llama.evaluation.decoding import greedy_continuation, load_model_and_tokenizer, prefill
 from bam_llama.evaluation.passkey import (
     PasskeyResults,
     PasskeyTemplate,
@@ -22,18 +23,11 @@ from bam_llama.evaluation.passkey import (
 )
 from bam_llama.evaluation.perplexity import PerplexityResults, evaluate_perplexity
 from bam_llama.evaluation.plots import find_priors, plot_prior, prior_curves
+from bam_llama.evaluation.costs import measured
 from bam_llama.evaluation.results import load_results
+from bam_llama.evaluation.retrieval import DepthPlan
 
 TEMPLATE = PasskeyTemplate()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny models are latency bound; several threads on a shared 2-core machine are 10-50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +122,12 @@ def fake_continuation(tokenizer, answer_for_key):
 
 def test_retrieving_model_scores_one_and_wrong_model_zero(tokenizer, monkeypatch):
     model = tiny_bam()
-    monkeypatch.setattr(evaluation_bam, "greedy_continuation", fake_continuation(tokenizer, lambda key: f" {key}."))
+    monkeypatch.setattr(retrieval, "greedy_continuation", fake_continuation(tokenizer, lambda key: f" {key}."))
     perfect = evaluate_passkey(model, tokenizer, [300, 600], num_depths=4, progress=False)
     assert perfect.accuracy_by_length() == {300: 1.0, 600: 1.0}
 
     wrong = fake_continuation(tokenizer, lambda key: f" {int(key) + 1}.")
-    monkeypatch.setattr(evaluation_bam, "greedy_continuation", wrong)
+    monkeypatch.setattr(retrieval, "greedy_continuation", wrong)
     assert evaluate_passkey(model, tokenizer, [300], num_depths=4, progress=False).accuracy_by_length() == {300: 0.0}
 
 
@@ -153,19 +147,19 @@ def test_what_counts_as_found(tokenizer, monkeypatch, answer, found):
         changed = key[:2] + str((int(key[2]) + 1) % 10) + key[3:]
         return answer.format(key=key, key_less=key[:-1], key_changed=changed, spaced=" ".join(key))
 
-    monkeypatch.setattr(evaluation_bam, "greedy_continuation", fake_continuation(tokenizer, answer_for_key))
+    monkeypatch.setattr(retrieval, "greedy_continuation", fake_continuation(tokenizer, answer_for_key))
     results = evaluate_passkey(tiny_bam(), tokenizer, [300], num_depths=3, num_digits=5, progress=False)
     assert results.correct == [[found] * 3]
 
 
 def test_partial_key_is_wrong(tokenizer, monkeypatch):
-    monkeypatch.setattr(evaluation_bam, "greedy_continuation", fake_continuation(tokenizer, lambda key: key[:-1]))
+    monkeypatch.setattr(retrieval, "greedy_continuation", fake_continuation(tokenizer, lambda key: key[:-1]))
     results = evaluate_passkey(tiny_bam(), tokenizer, [300], num_depths=2, progress=False)
     assert results.correct == [[False, False]]
 
 
 def test_passkeys_are_seeded_and_have_the_requested_digits(tokenizer, monkeypatch):
-    monkeypatch.setattr(evaluation_bam, "greedy_continuation", fake_continuation(tokenizer, lambda key: key))
+    monkeypatch.setattr(retrieval, "greedy_continuation", fake_continuation(tokenizer, lambda key: key))
     model = tiny_bam()
     first = evaluate_passkey(model, tokenizer, [300, 400], num_depths=5, num_digits=6, seed=3, progress=False)
     again = evaluate_passkey(model, tokenizer, [300, 400], num_depths=5, num_digits=6, seed=3, progress=False)
@@ -174,7 +168,7 @@ def test_passkeys_are_seeded_and_have_the_requested_digits(tokenizer, monkeypatc
     assert first.passkeys == again.passkeys != other.passkeys
     assert all(len(key) == 6 and key[0] != "0" for key in keys)
     assert len(set(keys)) > 1
-    assert first.depths == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert first.depths == [[0.0, 0.25, 0.5, 0.75, 1.0]] * 2
 
 
 @pytest.mark.parametrize("make_model", [tiny_bam, tiny_llama], ids=["bam", "llama"])
@@ -197,7 +191,7 @@ def test_greedy_continuation_matches_generate(tokenizer):
     model = tiny_bam()
     prompt = build_passkey_prompt(tokenizer, 300, 0.5, "13579")
     with torch.inference_mode():
-        ours = evaluation_bam.greedy_continuation(model, prompt, max_new_tokens=7, chunk_size=50)
+        ours = greedy_continuation(model, prompt, max_new_tokens=7, chunk_size=50)
         reference = model.generate(torch.tensor([prompt]), max_new_tokens=7, min_new_tokens=7, do_sample=False)
     assert ours == reference[0, len(prompt) :].tolist()
 
@@ -400,7 +394,7 @@ def test_passkey_command_writes_table_results_and_heatmap(saved_model, tmp_path,
     printed = capsys.readouterr().out
     assert "| Length | Prompt tokens | Accuracy (%) |" in printed
     results = load_results(out / "passkey.json")
-    assert isinstance(results, PasskeyResults) and results.lengths == [300, 400] and len(results.depths) == 3
+    assert isinstance(results, PasskeyResults) and results.lengths == [300, 400] and results.depth_counts() == [3, 3]
     assert (out / "passkey.md").read_text() in printed
     assert_png(out / "passkey.png")
 
@@ -533,3 +527,49 @@ def test_a_binary_evaluation_text_is_named(tmp_path):
     binary.write_bytes(b"first line\n\x89PNG\r\n")
     with pytest.raises(ValueError, match=re.escape(f"{binary}:2 is not UTF-8 text (byte 0x89 at offset 11)")):
         load_documents(str(binary))
+
+
+def test_a_depth_plan_gives_some_lengths_fewer_depths_and_the_same_keys(tokenizer, monkeypatch):
+    monkeypatch.setattr(retrieval, "greedy_continuation", fake_continuation(tokenizer, lambda key: key))
+    model = tiny_bam()
+    uniform = evaluate_passkey(model, tokenizer, [300, 400, 500], num_depths=5, seed=2, progress=False)
+    again = evaluate_passkey(model, tokenizer, [300, 400, 500], num_depths=DepthPlan(5), seed=2, progress=False)
+    assert (again.depths, again.passkeys) == (uniform.depths, uniform.passkeys)
+    planned = evaluate_passkey(model, tokenizer, [300, 400, 500], num_depths=DepthPlan(5, {400: 2}), seed=2, progress=False)
+    assert planned.depths == [[0.0, 0.25, 0.5, 0.75, 1.0], [0.0, 1.0], [0.0, 0.25, 0.5, 0.75, 1.0]]
+    keys = [key for row in uniform.passkeys for key in row]
+    assert planned.passkeys == [keys[:5], keys[5:7], keys[7:12]]  # drawn in order, one per (length, depth)
+    assert planned.describe_depths() == "5 depths (2 at 400 tokens)"
+    table = planned.to_markdown(per_depth=True)
+    assert "| Length | Prompt tokens | Depths | Accuracy (%) | Seconds | Peak RSS (MiB) | Found by depth |" in table
+    assert f"| 400 | {uniform.prompt_lengths[1]} | 2 | 100.0 |" in table and table.count("✓✓✓✓✓") == 2
+    assert PasskeyResults.from_dict(json.loads(json.dumps(planned.to_dict()))) == planned
+
+
+def test_a_flat_list_of_depths_is_every_length_s():
+    results = PasskeyResults(lengths=[8, 16], depths=[0.0, 1.0], correct=[[True, False]] * 2, prompt_lengths=[8, 16])
+    assert results.depths == [[0.0, 1.0], [0.0, 1.0]] and results.describe_depths() == "2 depths"
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="the peak RSS can be reset on Linux only")
+def test_each_measured_block_reports_its_own_peak_memory():
+    with measured() as large:
+        block = torch.ones(300 * 2**20 // 4)  # 300 MiB, touched
+        del block
+    with measured() as small:
+        torch.ones(1).add_(1)
+    assert large.peak_rss_mib - small.peak_rss_mib > 250
+    assert large.seconds > 0 and large.peak_gpu_mib is None
+
+
+def test_the_uneven_heatmap_draws_every_length_s_depths(tmp_path, monkeypatch):
+    from bam_llama.evaluation import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "save_figure", lambda figure, path: figures.append(figure))
+    correct = [[True, False, True, True], [False, True]]
+    PasskeyResults(lengths=[64, 128], depths=[[0, 1 / 3, 2 / 3, 1], [0, 1]], correct=correct, prompt_lengths=[60, 120]).save_heatmap("x")
+    axes = figures[0].axes[0]
+    meshes = axes.collections
+    assert [mesh.get_array().ravel().tolist() for mesh in meshes] == [[1, 0, 1, 1], [0, 1]]
+    assert [label.get_text() for label in axes.get_xticklabels()] == ["64", "128"]

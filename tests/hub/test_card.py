@@ -12,6 +12,7 @@ from huggingface_hub import HfApi, ModelCard
 from bam_llama.cli.card import main
 from bam_llama.data.tokenizers import build_byte_tokenizer
 from bam_llama.evaluation.passkey import evaluate_passkey
+from bam_llama.evaluation.retrieval import DepthPlan
 from bam_llama.evaluation.perplexity import PerplexityResults
 from bam_llama.evaluation.plots import plot_prior
 from bam_llama.hub.card import card_template, write_model_card
@@ -126,8 +127,8 @@ def test_card_follows_the_config(tmp_path):
 
 
 def test_evaluation_tables_and_plots(model_dir, byte_model, tmp_path):
-    passkey = evaluate_passkey(byte_model, build_byte_tokenizer(), lengths=[40, 64], num_depths=2, num_digits=2,
-                               progress=False, chunk_size=32)
+    passkey = evaluate_passkey(byte_model, build_byte_tokenizer(), lengths=[40, 64], num_depths=DepthPlan(3, {64: 2}),
+                               num_digits=2, progress=False, chunk_size=32)
     perplexity = PerplexityResults(context_lengths=[16, 32], window=16, perplexity=[90.5, 120.25],
                                    window_perplexity=[[90.5], [95.0, 150.0]], num_sequences=[4, 2])
     heatmap = tmp_path / "passkey_heatmap.png"
@@ -141,6 +142,7 @@ def test_evaluation_tables_and_plots(model_dir, byte_model, tmp_path):
     assert passkey.to_markdown().strip() in text
     assert perplexity.to_markdown().strip() in text
     assert f"Mean accuracy {100 * passkey.mean_accuracy():.1f}%" in text
+    assert "2-digit key hidden at 3 depths (2 at 64 tokens) uniformly spaced" in text
     assert "![passkey heatmap](plots/passkey_heatmap.png)" in text
     assert "![prior](prior.png)" in text
     assert (model_dir / "plots" / "passkey_heatmap.png").read_bytes() == heatmap.read_bytes()

@@ -18,7 +18,7 @@ from helpers import tiny_model
 
 from bam_llama.cli.demo import run_demo
 from bam_llama.cli.eval import main
-from bam_llama.evaluation import passkey as evaluation_bam
+from bam_llama.evaluation import retrieval
 from bam_llama.evaluation import plots
 from bam_llama.evaluation.passkey import PasskeyResults, uniform_depths
 from bam_llama.evaluation.plots import plot_prior
@@ -87,7 +87,7 @@ def recorded_prompts(monkeypatch):
         prompts.append(list(prompt_ids))
         return [ord("0") + 3] * max_new_tokens  # the byte tokenizer's id of "0"
 
-    monkeypatch.setattr(evaluation_bam, "greedy_continuation", fake_continuation)
+    monkeypatch.setattr(retrieval, "greedy_continuation", fake_continuation)
     return prompts
 
 

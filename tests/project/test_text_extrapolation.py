@@ -2,46 +2,76 @@
 two extensions, perplexity and passkey at every length, results renamed into place."""
 
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import checkout_environment
+
+from bam_llama.evaluation.needles import NEEDLE_KINDS
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "text_extrapolation.py"
 MODELS = ("bam", "bam-ssmax", "alibi", "nope", "rope", "rope-dynamic", "rope-yarn", "rope-local")
+PRIOR_MODELS = ("bam", "bam-ssmax", "alibi")  # evaluated to the long lengths and on the needles
 
 
 def test_quick_run_writes_every_model_at_every_length(tmp_path):
     output = tmp_path / "results"
     completed = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--output-dir", str(output)],
-        capture_output=True, text=True, timeout=600, env=checkout_environment(),
+        capture_output=True, text=True, timeout=900, env=checkout_environment(),
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads((output / "results.json").read_text())
-    lengths = [str(report["recipe"]["train_length"] * scale) for scale in report["recipe"]["scales"]]
-    assert tuple(report["results"]) == MODELS
+    recipe = report["recipe"]
+    lengths = [str(recipe["train_length"] * scale) for scale in recipe["scales"]]
+    long_lengths = [str(recipe["train_length"] * scale) for scale in recipe["long_scales"]]
+    assert tuple(report["results"]) == MODELS and long_lengths
+    documents = report["corpus"]["perplexity_documents"]
+    longest = int(lengths[-1])
+    assert list(documents.values()) == [longest] * recipe["perplexity_documents"]
+    vocabulary = report["training"]["bam"]["vocab_size"]
     for name, result in report["results"].items():
-        assert list(result["perplexity"]) == lengths and list(result["passkey"]) == lengths
+        with_prior = name in PRIOR_MODELS
+        evaluated = lengths + (long_lengths if with_prior else [])
+        assert list(result["perplexity"]) == lengths and list(result["passkey"]) == evaluated
+        assert list(result["seconds"]) == evaluated and all(result["seconds"][length] > 0 for length in evaluated)
+        assert all(result["peak_rss_mib"][length] > 100 for length in evaluated)
         for length in lengths:
             point = result["perplexity"][length]
-            documents = report["corpus"]["perplexity_documents"]
-            longest = int(lengths[-1])
-            assert list(documents.values()) == [longest] * report["recipe"]["perplexity_documents"]
             assert point["sequences"] == len(documents) * longest // int(length)  # the same tokens at every length
-            assert 1 < point["perplexity"] < 2 * report["training"]["bam"]["vocab_size"], (name, length, point)
+            assert 1 < point["perplexity"] < 2 * vocabulary, (name, length, point)
             if length == lengths[0]:
                 assert point["past_training_length"] is None
             else:
-                assert 1 < point["past_training_length"] < 2 * report["training"]["bam"]["vocab_size"], (name, length)
-            assert len(result["passkey"][length]["correct"][0]) == report["recipe"]["num_depths"]
+                assert 1 < point["past_training_length"] < 2 * vocabulary, (name, length)
+        for length in evaluated:
+            depths = recipe["long_depths"].get(str(int(length) // recipe["train_length"]), recipe["num_depths"])
+            assert [len(row) for row in result["passkey"][length]["correct"]] == [depths]
+        assert ("needles" in result) is with_prior and ("stream_perplexity" in result) is with_prior
+        if with_prior:
+            stream = result["stream_perplexity"]
+            assert list(stream) == evaluated
+            assert [stream[length]["sequences"] for length in evaluated] == [int(long_lengths[-1]) // int(length) for length in evaluated]
+            assert list(result["needles"]) == list(NEEDLE_KINDS)
+            for kind, by_length in result["needles"].items():
+                assert list(by_length) == evaluated and by_length[evaluated[-1]]["task"]["kind"] == kind
         assert (output / f"passkey-{name}.png").stat().st_size > 0
     for name in ("bam", "alibi", "nope", "rope", "rope-local"):
         assert report["training"][name]["loss_after"] < report["training"][name]["loss_before"]
-    assert (output / "perplexity.png").stat().st_size > 0
-    assert "| rope-yarn |" in (output / "results.md").read_text()
-    assert "positions past the training length" in (output / "results.md").read_text()
+    learned = report["training"]["bam-ssmax"]["learned"]["ssmax_scale"]
+    assert len(learned) == recipe["layers"] and all(len(layer) == recipe["heads"] for layer in learned)
+    assert "ssmax_scale" not in report["training"]["bam"]["learned"] and report["training"]["rope"]["learned"] == {}
+    assert report["corpus"]["train_used"]["needle_documents"] > 0
+    for plot in ("perplexity.png", "perplexity-long.png", "needles.png"):
+        assert (output / plot).stat().st_size > 0
+    text = (output / "results.md").read_text()
+    assert "| rope-yarn |" in text and "positions past the training length" in text
+    assert "Needles, vartrack" in text and "Learned SSMax scales" in text and "Seconds per length" in text
     assert not [path for path in tmp_path.iterdir() if path.name.endswith(".partial")]
     assert "text-extrapolation-" not in (output / "results.json").read_text()  # the scratch folder's paths
 
@@ -136,6 +166,21 @@ def test_perplexity_past_the_training_length_counts_only_those_positions():
     assert benchmark.sequence_perplexity(model, tokenizer, documents, train_length, train_length)["past_training_length"] is None
 
 
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--scales", "1,4,2"], "scales"),
+        (["--scales", "1,2", "--long-scales", "2,4"], "--long-scales"),
+        (["--needle-share", "0.7"], "--needle-share"),
+        (["--steps", "0"], "--steps"),
+    ],
+)
+def test_bad_settings_are_refused_in_one_line(argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_benchmark().main(["--quick", *argv])
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_models_flag_runs_a_subset_and_refuses_unknown_names(tmp_path):
     benchmark = load_benchmark()
     for bad in ("bam,llama", "bam,bam", ""):
@@ -174,4 +219,110 @@ def test_targets_are_judged_only_for_the_models_that_ran():
         "BAM perplexity 64x / 1x = 1.150 (target <= 1.10): MISSED",
         "passkey at 32x: BAM 90%, ALiBi 50% (target BAM >= 90% and >= 30 points above ALiBi): met",
         "passkey at 64x: BAM 90%, ALiBi 70% (target BAM >= 90% and >= 30 points above ALiBi): MISSED",
+        "BAM's best variant: bam",
+        "bam passkey at 64x 90% (target >= 95%): MISSED",
     ]
+
+
+def test_the_best_bam_variant_is_judged_at_512x_on_the_stream_and_the_needles():
+    from dataclasses import replace
+
+    benchmark = load_benchmark()
+    recipe = replace(benchmark.Recipe(), train_length=10, scales=(1, 32, 64), long_scales=(512,))
+    scales = recipe.scales + recipe.long_scales
+
+    def model(found, stream=None, needles=None):  # keys found of 20 per scale; perplexity at 1x and 512x; needles at 32x
+        result = {
+            "perplexity": {10 * scale: {"perplexity": 10.0} for scale in recipe.scales},
+            "passkey": {10 * scale: {"correct": [[True] * hits + [False] * (20 - hits)]} for scale, hits in zip(scales, found)},
+        }
+        if stream:
+            result["stream_perplexity"] = {10: {"perplexity": stream[0]}, 5120: {"perplexity": stream[1]}}
+        if needles:
+            result["needles"] = {kind: {320: {"correct": [[True] * hits + [False] * (10 - hits)]}}
+                                 for kind, hits in zip(benchmark.NEEDLE_KINDS, needles)}
+        return result
+
+    results = {
+        "bam": model([20, 20, 20, 15], stream=(10.0, 10.5), needles=(10, 10, 10, 10)),
+        "bam-ssmax-qk": model([20, 20, 19, 17], stream=(10.0, 11.5), needles=(9, 8, 7, 4)),
+        "alibi": model([20, 3, 2, 1], stream=(10.0, 10.0), needles=(2, 2, 1, 1)),
+    }
+    lines = benchmark.best_variant_lines(results, recipe, lambda name, scale: benchmark.accuracy(results[name]["passkey"][10 * scale]))
+    assert lines == [
+        "BAM's best variant: bam-ssmax-qk",  # the most keys at 512x, though fewer at 64x and fewer needles
+        "bam-ssmax-qk passkey at 64x 95% (target >= 95%): met",
+        "bam-ssmax-qk passkey at 512x 85% (target >= 80%): met",
+        "bam-ssmax-qk perplexity 512x / 1x on the stream = 1.150 (target <= 1.10): MISSED",
+        "needles at 32x (mean of the four tasks): bam-ssmax-qk 70%, ALiBi 15% (target >= 30 points above ALiBi): met",
+    ]
+
+
+def test_learned_parameters_are_the_model_s_per_layer_and_head():
+    from helpers import tiny_model
+
+    benchmark = load_benchmark()
+    model = tiny_model(prior_scope="layer", ssmax=True)
+    learned = benchmark.learned_parameters(model)
+    layers = model.model.layers
+    assert learned["ssmax_scale"] == [layer.self_attn.ssmax.scale.tolist() for layer in layers]
+    assert learned["theta_beta"] == [layer.self_attn.prior.theta_beta.tolist() for layer in layers]
+    shared = tiny_model(prior_scope="global")
+    assert benchmark.learned_parameters(shared) == {
+        name: [getattr(shared.model.prior, name).tolist()] * len(shared.model.layers) for name in ("theta_alpha", "theta_beta")
+    }
+
+
+def test_study_variants_change_one_setting_each():
+    benchmark = load_benchmark()
+    recipe = benchmark.Recipe()
+    base = benchmark.MODELS["bam-ssmax"].pretrain_overrides(recipe)
+    assert base == {"positional": "bam", "ssmax": True, "max_steps": recipe.steps}
+    changes = {
+        "bam-ssmax-qk": {"ssmax_prior": False},
+        "bam-ssmax-init": {"ssmax_scale_init": pytest.approx(1 / math.log(128))},
+        "bam-ssmax-lr10x": {"ssmax_learning_rate": pytest.approx(10 * recipe.learning_rate)},
+        "bam-ssmax-lr50x": {"ssmax_learning_rate": pytest.approx(50 * recipe.learning_rate)},
+        "bam-ssmax-long": {"max_steps": 2 * recipe.steps},
+    }
+    for name, change in changes.items():
+        assert benchmark.MODELS[name].pretrain_overrides(recipe) == {**base, **change}, name
+    assert benchmark.MODELS["bam-long"].pretrain_overrides(recipe) == {"positional": "bam", "ssmax": False, "max_steps": 2 * recipe.steps}
+    assert set(benchmark.DEFAULT_MODELS) < set(benchmark.MODELS)
+
+
+def test_needle_documents_fit_a_row_ask_what_they_hold_and_take_their_haystack_from_training_text():
+    from dataclasses import replace
+
+    from helpers import asked_values
+
+    from bam_llama.data.corpus import python_documents, split_documents
+
+    benchmark = load_benchmark()
+    recipe = replace(benchmark.Recipe(), max_train_characters=60_000, vocab_size=2000)
+    train, heldout = split_documents(python_documents(), 0.05)
+    texts, tokenizer, documents = benchmark.training_data(train, recipe)
+    corpus = [document.text for document in benchmark.first_documents(train, recipe.max_train_characters)]
+    needle_characters = sum(map(len, documents))
+    corpus_characters = sum(map(len, corpus))
+    assert needle_characters / (needle_characters + corpus_characters) == pytest.approx(recipe.needle_share / (1 - recipe.passkey_share), rel=0.02)
+    assert sorted(texts) == sorted(benchmark.training_texts(train, recipe) + documents)
+    questions = {"multikey": 0, "multivalue": 0, "multiquery": 0, "vartrack": 0}
+    def lines(texts):  # the haystack's text: every line behind a line break, trailing whitespace removed
+        return "".join("\n" + line.rstrip() for text in texts for line in text.splitlines())
+
+    training_text = lines(corpus) * 2  # a haystack wraps around from the last line to the first
+    heldout_text = lines(document.text for document in heldout)
+    for document in documents:
+        assert len(tokenizer(document, add_special_tokens=False)["input_ids"]) + 2 <= recipe.train_length
+        prompt, answer = re.match(r"(.*(?: is| are))( \d+(?:, \d+)*)$", document, re.DOTALL).groups()
+        assert answer == " " + ", ".join(asked_values(prompt))
+        question = prompt[prompt.rindex(" The "):]
+        kind = ("vartrack" if "VAR" in question else "multiquery" if " and " in question
+                else "multivalue" if question.endswith(" are") else "multikey")
+        questions[kind] += 1
+        haystack = re.split(r" The special magic number for \w+ is \d+\.| VAR \w+ = (?:VAR \w+|\d+)\.", prompt[: prompt.rindex(" The ")])
+        for piece in haystack:
+            assert piece in training_text
+            assert len(piece) < 40 or piece not in heldout_text
+    assert max(questions.values()) - min(questions.values()) <= 1  # the four tasks in turn

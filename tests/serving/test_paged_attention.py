@@ -8,7 +8,6 @@ Every request's keys are written into the cache here (independently of `write_ca
 reference attends over them in order; output rows are pre-filled with NaN, so a row a path forgets fails.
 """
 
-import os
 
 import pytest
 import reference

@@ -32,6 +32,7 @@ from transformers import (
     MistralForCausalLM,
 )
 
+from bam_llama import BamLlamaForCausalLM
 from bam_llama.cli.pretrain import main
 from bam_llama.data.packing import collate_packed_rows, pack_documents
 from bam_llama.data.tokenizers import train_bpe_tokenizer
@@ -226,6 +227,10 @@ def test_a_prior_per_layer_trains_each_layer_apart_or_stays_fixed(data, tmp_path
         (["--positional", "sinusoidal"], "--positional"),
         (["--preset", "l99"], "--preset"),
         (["--positional", "rope", "--ssmax"], "--ssmax"),
+        (["--no-ssmax-prior"], "--ssmax-prior"),  # a Scalable Softmax setting without --ssmax
+        (["--ssmax-scale-init", "0.2"], "--ssmax-scale-init"),
+        (["--ssmax-learning-rate", "0.1"], "--ssmax-learning-rate"),
+        (["--ssmax", "--ssmax-scale-init", "nan"], "--ssmax-scale-init"),
         (["--positional", "rope", "--prior-scope", "layer"], "--prior-scope"),
         (["--prior-scope", "head"], "--prior-scope"),
         (["--hidden-size", "30", "--heads", "4"], "--hidden-size"),
@@ -478,3 +483,31 @@ def test_ctrl_c_while_saving_a_checkpoint_is_one_line_and_leaves_no_partial_chec
     assert process.returncode == 130, errors[-3000:]
     assert errors.strip().splitlines()[-1].startswith("bam-pretrain: interrupted") and "Traceback" not in errors
     assert sorted(path.name for path in output_dir.iterdir()) == ["checkpoint-2"]
+
+
+def test_ssmax_order_init_and_learning_rate_reach_the_model_and_the_optimizer(data, tmp_path, monkeypatch):
+    """--no-ssmax-prior and --ssmax-scale-init set the config; --ssmax-learning-rate puts exactly the SSMax scales in a
+    group of their own at that rate, the prior keeps --prior-learning-rate."""
+    from bam_llama.training.trainer import BamTrainer
+
+    args = arguments(data, tmp_path / "run", ssmax=True, ssmax_prior=False, ssmax_scale_init=0.25, prior_scope="layer",
+                     prior_learning_rate=0.03, ssmax_learning_rate=0.3, max_steps=1, save_steps=1)
+    created = []
+    original = BamTrainer.create_optimizer
+
+    def record(self, model=None):
+        created.append(original(self, model))
+        return created[-1]
+
+    monkeypatch.setattr(BamTrainer, "create_optimizer", record)
+    _, model, _ = run_pretraining(args)
+    assert model.config.ssmax_prior is False and model.config.ssmax_scale_init == 0.25
+    named = dict(model.named_parameters())
+    groups = {group["initial_lr"]: {id(parameter) for parameter in group["params"]} for group in created[0].param_groups}
+    layers = range(TINY_SIZES["num_hidden_layers"])
+    assert groups[0.3] == {id(named[f"model.layers.{layer}.self_attn.ssmax.scale"]) for layer in layers}
+    assert groups[0.03] == {
+        id(named[f"model.layers.{layer}.self_attn.prior.{name}"]) for layer in layers for name in ("theta_alpha", "theta_beta")
+    }
+    fresh = BamLlamaForCausalLM(model.config)
+    assert torch.equal(fresh.model.layers[0].self_attn.ssmax.scale.detach(), torch.full((TINY_SIZES["num_attention_heads"],), 0.25))
