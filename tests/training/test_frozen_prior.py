@@ -84,8 +84,8 @@ def test_trl_sft_trainer_with_a_peft_config(tmp_path):
     before = prior_values(model)
     trainer = trl.SFTTrainer(
         model=model,
-        # bf16: TRL's default on a CPU with bf16; autocast training is issue 37's part A, not this test's concern
-        args=trl.SFTConfig(**trainer_arguments(tmp_path), max_length=12, packing=False, bf16=False),
+        # bf16 autocast, as TRL trains by default where the device has bf16 (Accelerate's CPU bf16 here)
+        args=trl.SFTConfig(**trainer_arguments(tmp_path), max_length=12, packing=False, bf16=True),
         train_dataset=datasets.Dataset.from_list([{"input_ids": row["input_ids"]} for row in training_rows()]),
         processing_class=build_byte_tokenizer(),
         peft_config=lora_config(),
