@@ -378,7 +378,7 @@ def train_in_processes(names, args, settings, folder: Path, jobs: int) -> dict[s
     nothing outlives the run."""
     import multiprocessing
 
-    pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_ignore_ctrl_c)
+    pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_start_worker)
     try:
         pending = {
             name: pool.apply_async(_model_job, (name, args, settings, folder, position))
@@ -399,10 +399,17 @@ def _model_job(name, args, settings, folder, position) -> dict:
     return train_and_evaluate(name, args, settings, folder, progress_position=position).to_dict()
 
 
-def _ignore_ctrl_c() -> None:
+def _start_worker() -> None:
+    """A model process ignores Ctrl-C (the parent stops it), and its progress bars lock with a thread lock: tqdm's
+    default is a multiprocessing semaphore, which a terminated worker cannot release, so the resource tracker would
+    warn of it after the parent's last line."""
     import signal
+    import threading
+
+    from tqdm import tqdm
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tqdm.set_lock(threading.RLock())
 
 
 DEMO_RESULT_MARKER = "results.json"

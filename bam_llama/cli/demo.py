@@ -87,7 +87,7 @@ def run_demo(argv: list[str] | None = None) -> dict[str, PasskeyResults]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """bam-demo. Ctrl-C: one line and exit 130 (128 + SIGINT), the staged output already removed; SIGTERM: 143."""
+    """bam-demo. Ctrl-C: one line (on a line of its own, after any progress bar) and exit 130 (128 + SIGINT), the staged output already removed; SIGTERM: 143."""
     exit_on_sigterm()
     try:
         run_demo(argv)
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bam-demo: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("bam-demo: interrupted; nothing was written (an earlier complete result is kept)", file=sys.stderr)
+        print("\nbam-demo: interrupted; nothing was written (an earlier complete result is kept)", file=sys.stderr)
         return 130
     return 0
 
