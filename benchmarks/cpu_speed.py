@@ -40,6 +40,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -334,7 +335,7 @@ def main(argv=None) -> int:
             args.cases.insert(0, llama)
     torch._dynamo.config.cache_size_limit = 64  # a compiled case compiles each (mode, length)...
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # ...and never falls back to eager silently
-    command = "python benchmarks/cpu_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/cpu_speed.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     load_before = os.getloadavg()[0]
     rows = benchmark(args.lengths, args.repeats, args.cases)
     memory = peak_memory_in_child(args)
