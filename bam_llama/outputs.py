@@ -61,11 +61,7 @@ def staged_output_dir(out_dir: Path, force: bool, inputs: Iterable[Path] = ()) -
         apply_umask_permissions(staging)
         move_into_place(staging, out_dir)
     except BaseException:
-        with signals_deferred():
-            shutil.rmtree(staging, ignore_errors=True)
-            for folder in reversed(created_parents):
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
+        discard_staging(staging, created_parents)
         raise
 
 
@@ -95,12 +91,17 @@ def staged_files(folder: Path, name: str) -> Iterator[Path]:
                 os.replace(path, target)
             shutil.rmtree(staging)
     except BaseException:
-        with signals_deferred():
-            shutil.rmtree(staging, ignore_errors=True)
-            for created in reversed(created_parents):
-                with contextlib.suppress(OSError):
-                    created.rmdir()
+        discard_staging(staging, created_parents)
         raise
+
+
+def discard_staging(staging: Path, created_parents: list[Path]) -> None:
+    """Remove a staging folder and the (still empty) parents made for it, innermost first, signals held."""
+    with signals_deferred():
+        shutil.rmtree(staging, ignore_errors=True)
+        for created in reversed(created_parents):
+            with contextlib.suppress(OSError):
+                created.rmdir()
 
 
 def os_error_message(error: OSError) -> str:
