@@ -122,6 +122,7 @@ class Recipe:
     train_length: int = 128
     scales: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     long_scales: tuple[int, ...] = (128, 256, 512)  # BAM variants and ALiBi only
+    long_models: tuple[str, ...] | None = None  # which models with a prior go to long_scales; None: all of them
     hidden_size: int = 128
     layers: int = 4
     heads: int = 4
@@ -155,6 +156,10 @@ class Recipe:
     def long_lengths(self) -> list[int]:
         """The lengths only the models with a prior are evaluated at."""
         return [self.train_length * scale for scale in self.long_scales]
+
+    def goes_long(self, name: str) -> bool:
+        """Whether model `name` (one with a prior) is evaluated at the long scales too."""
+        return self.long_models is None or name in self.long_models
 
     def passkey_depths(self, length: int) -> int:
         return self.long_depths.get(length // self.train_length, self.num_depths)
@@ -425,18 +430,19 @@ class EvaluationData:
     haystack: object | None  # the held-out needle haystack (`needles.Haystack`)
 
 
-def evaluate(folder: Path, extension: str | None, data: EvaluationData, tokenizer, recipe: Recipe, variant: Variant) -> dict:
-    """Perplexity, passkey and (models with a prior) needles per length, each length's seconds and peak RSS; the
-    long lengths and the stream perplexity for models with a prior. A RoPE extension is set per length."""
+def evaluate(folder: Path, extension: str | None, data: EvaluationData, tokenizer, recipe: Recipe, name: str) -> dict:
+    """Perplexity, passkey and (models with a prior) needles and the stream perplexity per length, each length's
+    seconds and peak RSS; the long lengths for the models with a prior that `recipe.goes_long`. A RoPE extension is
+    set per length."""
     from bam_llama.evaluation.costs import measured
     from bam_llama.evaluation.needles import evaluate_needles
     from bam_llama.evaluation.passkey import evaluate_passkey
 
     result = {"perplexity": {}, "stream_perplexity": {}, "passkey": {}, "needles": {kind: {} for kind in NEEDLE_KINDS},
               "seconds": {}, "peak_rss_mib": {}}
-    long = variant.has_prior and extension is None
+    prior = MODELS[name].has_prior and extension is None
     model = None
-    for length in recipe.lengths + (recipe.long_lengths if long else []):
+    for length in recipe.lengths + (recipe.long_lengths if prior and recipe.goes_long(name) else []):
         if model is None or extension is not None:
             model = load(folder, extension, length, recipe.train_length)
         with measured() as cost:
@@ -445,14 +451,14 @@ def evaluate(folder: Path, extension: str | None, data: EvaluationData, tokenize
                     **sequence_perplexity(model, tokenizer, data.documents, length, recipe.train_length),
                     "sequences": len(data.documents) * (max(recipe.lengths) // length),
                 }
-            if long and data.stream is not None:
+            if prior and data.stream is not None:
                 result["stream_perplexity"][length] = stream_perplexity(model, tokenizer, data.stream, length)
             keys = evaluate_passkey(
                 model, tokenizer, [length], num_depths=recipe.passkey_depths(length), seed=recipe.seed,
                 template=TEXT_TEMPLATE, add_bos=True, progress=False,
             )
             result["passkey"][length] = keys.to_dict()
-            if long and data.haystack is not None:
+            if prior and data.haystack is not None:
                 for kind in NEEDLE_KINDS:
                     needles = evaluate_needles(
                         model, tokenizer, recipe.needle_task(kind), [length], num_depths=recipe.needle_depth_count(length),
@@ -739,11 +745,11 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
         training, results = {}, {}
         for name in recipe.models:
             folder, training[name] = train(name, data, work / "tokenizer", work, recipe)
-            results[name] = evaluate(folder, None, evaluation, tokenizer, recipe, MODELS[name])
+            results[name] = evaluate(folder, None, evaluation, tokenizer, recipe, name)
             print(progress_line(name, results[name], recipe, started), flush=True)
             if name == "rope":
                 for extension in ROPE_EXTENSIONS:
-                    results[f"rope-{extension}"] = evaluate(folder, extension, evaluation, tokenizer, recipe, MODELS[name])
+                    results[f"rope-{extension}"] = evaluate(folder, extension, evaluation, tokenizer, recipe, name)
                     print(progress_line(f"rope-{extension}", results[f"rope-{extension}"], recipe, started), flush=True)
         training = json.loads(json.dumps(training).replace(str(work), "<scratch>"))  # no local paths in results
         report = {
@@ -784,6 +790,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default 1,2,4,8,16,32,64)")
     parser.add_argument("--long-scales", default=None, help="longer lengths for the models with a prior (BAM "
                         "variants, ALiBi; default 128,256,512); 'none' for none")
+    parser.add_argument("--long-models", default=None, help="comma-separated models with a prior evaluated at the "
+                        "long scales (default: all of them; the SSMax study's variants need only 1x-64x)")
     parser.add_argument("--no-needles", action="store_true", help="no needle documents in training, no needle evaluation")
     parser.add_argument("--passkey-share", type=float, default=None, help="passkey documents' share of the training characters (default 0.35)")
     parser.add_argument("--needle-share", type=float, default=None, help="needle documents' share of the training characters (default 0.15)")
@@ -820,6 +828,12 @@ def recipe_from_args(recipe: Recipe, args: argparse.Namespace) -> Recipe:
         recipe = replace(recipe, long_scales=() if args.long_scales == "none" else scale_list(args.long_scales))
     if recipe.long_scales and min(recipe.long_scales) <= max(recipe.scales):
         raise ValueError(f"--long-scales must lie past --scales (up to {max(recipe.scales)})")
+    if args.long_models is not None:
+        long_models = tuple(name.strip() for name in args.long_models.split(","))
+        outside = [name for name in long_models if name not in recipe.models or not MODELS[name].has_prior]
+        if outside:
+            raise ValueError(f"--long-models takes models with a prior among --models, got {', '.join(outside)}")
+        recipe = replace(recipe, long_models=long_models)
     if args.no_needles:
         recipe = replace(recipe, needles=False, needle_share=0.0)
     for name in ("passkey_share", "needle_share"):

@@ -173,6 +173,8 @@ def test_perplexity_past_the_training_length_counts_only_those_positions():
         (["--scales", "1,2", "--long-scales", "2,4"], "--long-scales"),
         (["--needle-share", "0.7"], "--needle-share"),
         (["--steps", "0"], "--steps"),
+        (["--models", "bam,nope", "--long-models", "nope"], "--long-models"),
+        (["--models", "bam", "--long-models", "alibi"], "--long-models"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(argv, named, capsys):
@@ -190,14 +192,24 @@ def test_models_flag_runs_a_subset_and_refuses_unknown_names(tmp_path):
         )
         assert completed.returncode == 2 and "--models" in completed.stderr.strip().splitlines()[-1], completed.stderr
         assert not (tmp_path / "refused").exists()
-    output = tmp_path / "nope-only"
+    output = tmp_path / "subset"
     completed = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--models", "nope", "--output-dir", str(output)],
+        [sys.executable, str(SCRIPT), "--quick", "--models", "nope,bam,alibi", "--long-models", "alibi",
+         "--output-dir", str(output)],
         capture_output=True, text=True, timeout=600, env=checkout_environment(),
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads((output / "results.json").read_text())
-    assert list(report["results"]) == ["nope"] and report["recipe"]["models"] == ["nope"]
+    assert list(report["results"]) == ["nope", "bam", "alibi"] and report["recipe"]["models"] == ["nope", "bam", "alibi"]
+    recipe = report["recipe"]
+    short = [str(recipe["train_length"] * scale) for scale in recipe["scales"]]
+    long = [str(recipe["train_length"] * scale) for scale in recipe["long_scales"]]
+    results = report["results"]
+    assert list(results["alibi"]["passkey"]) == short + long
+    assert list(results["bam"]["passkey"]) == short  # not among --long-models: the short scales only,
+    assert list(results["bam"]["stream_perplexity"]) == short  # still with its stream perplexity
+    assert all(list(by_length) == short for by_length in results["bam"]["needles"].values())  # and needles
+    assert list(results["nope"]["passkey"]) == short and "needles" not in results["nope"]
 
 
 def test_targets_are_judged_only_for_the_models_that_ran():
