@@ -695,7 +695,9 @@ def write_report(staging: Path, report: dict, results: dict, recipe: Recipe, dat
         f"each perplexity point of the first table averages the same {len(data.documents) * max(recipe.lengths)} "
         f"tokens: the first {max(recipe.lengths)} of each of {len(data.documents)} held-out files "
         f"({', '.join(data.documents)}), cut into whole sequences of the length. "
-        f"{report['minutes']:.1f} min, peak RSS {report['peak_rss_mib']:.0f} MiB, {machine['threads']} threads on "
+        + ("" if report["complete"] else f"**Partial: {len(report['training'])} of the recipe's {len(recipe.models)} "
+                                        "models; the run went on, or was stopped.** ")
+        + f"{report['minutes']:.1f} min, peak RSS {report['peak_rss_mib']:.0f} MiB, {machine['threads']} threads on "
         f"{machine['processor']}, torch {machine['torch']}, transformers {machine['transformers']}.\n\n"
     )
     targets = "\n".join(f"- {line}" for line in target_lines(results, recipe))
@@ -751,20 +753,22 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
                 for extension in ROPE_EXTENSIONS:
                     results[f"rope-{extension}"] = evaluate(folder, extension, evaluation, tokenizer, recipe, name)
                     print(progress_line(f"rope-{extension}", results[f"rope-{extension}"], recipe, started), flush=True)
-        training = json.loads(json.dumps(training).replace(str(work), "<scratch>"))  # no local paths in results
-        report = {
-            "recipe": asdict(recipe),
-            "models": {name: asdict(MODELS[name]) for name in recipe.models},
-            "corpus": corpus,
-            "minutes": (time.perf_counter() - started) / 60,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "machine": {"platform": platform.platform(), "processor": cpu_model(), "threads": torch.get_num_threads(),
-                        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
-            "training": training,
-            "results": results,
-        }
-        with staged_output_dir(output_dir, force=True) as staging:
-            text = write_report(staging, report, results, recipe, evaluation)
+            # Every model's results are published as soon as it is done: a run of hours stopped early keeps what it measured
+            training_here = json.loads(json.dumps(training).replace(str(work), "<scratch>"))  # no local paths in results
+            report = {
+                "recipe": asdict(recipe),
+                "models": {name: asdict(MODELS[name]) for name in recipe.models},
+                "complete": len(training) == len(recipe.models),
+                "corpus": corpus,
+                "minutes": (time.perf_counter() - started) / 60,
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "machine": {"platform": platform.platform(), "processor": cpu_model(), "threads": torch.get_num_threads(),
+                            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
+                "training": training_here,
+                "results": results,
+            }
+            with staged_output_dir(output_dir, force=True) as staging:
+                text = write_report(staging, report, results, recipe, evaluation)
     print(text)
     return report
 

@@ -210,6 +210,28 @@ def test_models_flag_runs_a_subset_and_refuses_unknown_names(tmp_path):
     assert list(results["bam"]["stream_perplexity"]) == short  # still with its stream perplexity
     assert all(list(by_length) == short for by_length in results["bam"]["needles"].values())  # and needles
     assert list(results["nope"]["passkey"]) == short and "needles" not in results["nope"]
+    assert report["complete"] is True and "Partial" not in (output / "results.md").read_text()
+
+
+def test_a_run_stopped_after_a_model_keeps_that_model_s_results(tmp_path, monkeypatch):
+    benchmark = load_benchmark()
+    from dataclasses import replace
+
+    evaluate = benchmark.evaluate
+
+    def stopped_at_the_second(folder, extension, data, tokenizer, recipe, name):
+        if name == "alibi":
+            raise KeyboardInterrupt
+        return evaluate(folder, extension, data, tokenizer, recipe, name)
+
+    monkeypatch.setattr(benchmark, "evaluate", stopped_at_the_second)
+    output = tmp_path / "results"
+    with pytest.raises(KeyboardInterrupt):
+        benchmark.run(replace(benchmark.QUICK, models=("nope", "alibi"), threads=None), output)  # threads: this process keeps its own
+    report = json.loads((output / "results.json").read_text())
+    assert report["complete"] is False and list(report["results"]) == ["nope"] and list(report["training"]) == ["nope"]
+    assert "Partial: 1 of the recipe's 2 models" in (output / "results.md").read_text()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["results"]  # no staging folder left
 
 
 def test_targets_are_judged_only_for_the_models_that_ran():
