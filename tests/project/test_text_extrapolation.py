@@ -173,6 +173,7 @@ def test_perplexity_past_the_training_length_counts_only_those_positions():
         (["--scales", "1,2", "--long-scales", "2,4"], "--long-scales"),
         (["--needle-share", "0.7"], "--needle-share"),
         (["--steps", "0"], "--steps"),
+        (["--jobs", "0"], "--jobs"),
         (["--models", "bam,nope", "--long-models", "nope"], "--long-models"),
         (["--models", "bam", "--long-models", "alibi"], "--long-models"),
     ],
@@ -211,6 +212,33 @@ def test_models_flag_runs_a_subset_and_refuses_unknown_names(tmp_path):
     assert all(list(by_length) == short for by_length in results["bam"]["needles"].values())  # and needles
     assert list(results["nope"]["passkey"]) == short and "needles" not in results["nope"]
     assert report["complete"] is True and "Partial" not in (output / "results.md").read_text()
+
+
+def test_models_trained_at_once_give_the_results_of_one_at_a_time(tmp_path):
+    reports = {}
+    for jobs in ("1", "2"):
+        output = tmp_path / f"jobs-{jobs}"
+        completed = subprocess.run(
+            [sys.executable, str(SCRIPT), "--quick", "--models", "nope,alibi,rope", "--jobs", jobs, "--threads", "1",
+             "--output-dir", str(output)],
+            capture_output=True, text=True, timeout=600, env=checkout_environment(),
+        )
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        reports[jobs] = json.loads((output / "results.json").read_text())
+    one, two = reports["1"], reports["2"]
+    assert two["machine"]["jobs"] == 2 and two["machine"]["threads"] == 1
+    assert list(two["results"]) == ["nope", "alibi", "rope", "rope-dynamic", "rope-yarn"]  # the recipe's order
+    def answers(retrieval: dict) -> dict:  # all but the costs (seconds, peak memory) of each length
+        return {length: {key: value for key, value in by_length.items() if key not in ("seconds", "peak_rss_mib")}
+                for length, by_length in retrieval.items()}
+
+    for name, result in one["results"].items():
+        assert result["perplexity"] == two["results"][name]["perplexity"], name
+        assert answers(result["passkey"]) == answers(two["results"][name]["passkey"]), name
+        for kind, by_length in result.get("needles", {}).items():
+            assert answers(by_length) == answers(two["results"][name]["needles"][kind]), (name, kind)
+        assert result.get("needles", {}).keys() == two["results"][name].get("needles", {}).keys()
+    assert [one["training"][name]["loss_after"] for name in one["training"]] == [two["training"][name]["loss_after"] for name in one["training"]]
 
 
 def test_a_run_stopped_after_a_model_keeps_that_model_s_results(tmp_path, monkeypatch):
