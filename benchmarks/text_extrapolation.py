@@ -30,9 +30,14 @@ are read back after training.
     python benchmarks/text_extrapolation.py              # the full run -> benchmarks/results/text-extrapolation/
     python benchmarks/text_extrapolation.py --quick      # the same pipeline in seconds (numbers mean nothing)
     python benchmarks/text_extrapolation.py --models bam-ssmax,bam-ssmax-qk --scales 1,2,4,8,16,32,64 --no-needles
+    python benchmarks/text_extrapolation.py --jobs 2 --threads 1 --models bam,alibi,bam-ssmax-qk --long-models bam,alibi
+
+`--jobs 2 --threads 1` trains and evaluates two models at once (the results are those of one at a time on 1
+thread); `--long-models` names the models with a prior that go on to 128x-512x, the costly part (a 1-thread 4-layer
+model spent 24-37 min at 512x alone, 5-6 min at 1x-64x).
 
 Results (results.md, results.json, perplexity*.png, passkey-*.png, needles.png) are written to a temporary folder
-beside the output folder and renamed into place when everything succeeded.
+beside the output folder and renamed into place after every model, marked partial until the last one is done.
 """
 
 from __future__ import annotations
