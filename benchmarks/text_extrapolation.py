@@ -750,6 +750,9 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
         corpus["train_used"] = {"texts": len(texts), "characters": sum(map(len, texts)), "needle_documents": len(needles),
                                 "needle_characters": sum(map(len, needles))}
         corpus["perplexity_documents"] = {name: len(tokens) for name, tokens in evaluation.documents.items()}
+        machine = {"platform": platform.platform(), "processor": cpu_model(), "threads": model_threads(recipe),
+                   "jobs": recipe.jobs, "python": platform.python_version(), "torch": torch.__version__,
+                   "transformers": transformers.__version__}
         training, results = {}, {}
         for name, summary, model_results in trained_models(recipe, data, work, evaluation):
             training[name] = summary
@@ -767,9 +770,7 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
                 "corpus": corpus,
                 "minutes": (time.perf_counter() - started) / 60,
                 "peak_rss_mib": max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024,
-                "machine": {"platform": platform.platform(), "processor": cpu_model(), "threads": model_threads(recipe),
-                            "jobs": recipe.jobs,
-                            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
+                "machine": machine,
                 "training": training_here,
                 "results": results,
             }

@@ -228,6 +228,7 @@ def test_models_trained_at_once_give_the_results_of_one_at_a_time(tmp_path):
     one, two = reports["1"], reports["2"]
     assert two["machine"]["jobs"] == 2 and two["machine"]["threads"] == 1
     assert list(two["results"]) == ["nope", "alibi", "rope", "rope-dynamic", "rope-yarn"]  # the recipe's order
+
     def answers(retrieval: dict) -> dict:  # all but the costs (seconds, peak memory) of each length
         return {length: {key: value for key, value in by_length.items() if key not in ("seconds", "peak_rss_mib")}
                 for length, by_length in retrieval.items()}
