@@ -62,17 +62,26 @@ class DataConfig:
     num_digits: int = 5
 
 
+def answer_text(passkey: str) -> str:
+    """What follows the question: the key and the full stop that ends it, as in the info sentence. Trained without
+    its terminator, a model goes on with an untrained token after the key, often one more digit, which the
+    evaluation rightly counts as another number."""
+    return f" {passkey}."
+
+
 def passkey_example(
     rng: random.Random, tokenizer: PreTrainedTokenizerBase, template: PasskeyTemplate, data: DataConfig
 ) -> tuple[list[int], list[int]]:
-    """The evaluation's prompt at a random length and depth, followed by the answer: (input_ids, labels).
+    """The evaluation's prompt at a random length and depth, followed by the answer (`answer_text`): (input_ids,
+    labels).
 
     Prompt and answer together fit in `train_length` tokens.
     """
     passkey = random_passkey(rng, data.num_digits)
-    answer = encode(tokenizer, " " + passkey)
-    shortest = len(build_passkey_prompt(tokenizer, 0, 0.0, passkey, template, add_bos=data.add_bos))
-    length = rng.randint(shortest, max(shortest, data.train_length - len(answer)))
+    answer = encode(tokenizer, answer_text(passkey))
+    bos = int(data.add_bos and tokenizer.bos_token_id is not None)  # a prompt of `length` tokens has BOS before them
+    shortest = len(build_passkey_prompt(tokenizer, 0, 0.0, passkey, template))
+    length = rng.randint(shortest, max(shortest, data.train_length - bos - len(answer)))
     prompt = build_passkey_prompt(tokenizer, length, rng.random(), passkey, template, add_bos=data.add_bos)
     prompt_labels = [IGNORE_INDEX] * len(prompt) if data.answer_only_loss else list(prompt)
     return prompt + answer, prompt_labels + answer
