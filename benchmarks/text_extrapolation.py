@@ -38,6 +38,8 @@ model spent 24-37 min at 512x alone, 5-6 min at 1x-64x).
 
 Results (results.md, results.json, perplexity*.png, passkey-*.png, needles.png) are written to a temporary folder
 beside the output folder and renamed into place after every model, marked partial until the last one is done.
+`--resume` continues such a run: the models it left are kept, the others trained (same recipe but for --models,
+--long-models and --jobs, same machine, threads and versions, or it says what differs).
 """
 
 from __future__ import annotations
@@ -703,6 +705,8 @@ def write_report(staging: Path, report: dict, results: dict, recipe: Recipe, dat
         f"({', '.join(data.documents)}), cut into whole sequences of the length. "
         + ("" if report["complete"] else f"**Partial: {len(report['training'])} of the recipe's {len(recipe.models)} "
                                         "models; the run went on, or was stopped.** ")
+        + (f"{', '.join(report['resumed'])} measured by the earlier run this one resumed (--resume; the minutes "
+           "add up both). " if report.get("resumed") else "")
         + f"{report['minutes']:.1f} min, peak RSS {report['peak_rss_mib']:.0f} MiB, {machine['threads']} threads on "
         f"{machine['processor']}, torch {machine['torch']}, transformers {machine['transformers']}.\n\n"
     )
@@ -723,7 +727,54 @@ def write_report(staging: Path, report: dict, results: dict, recipe: Recipe, dat
     return text
 
 
-def run(recipe: Recipe, output_dir: Path) -> dict:
+class ResumeError(ValueError):
+    """--resume found no earlier run it may continue."""
+
+
+RESUMABLE_CHANGES = ("models", "long_models", "jobs")  # what a resumed run may change of the earlier one's recipe
+
+
+def as_json(value):
+    return json.loads(json.dumps(value))
+
+
+def with_length_keys(value):
+    """Results read back from JSON, their lengths (object keys there) integers again as in a run's own results."""
+    if isinstance(value, dict):
+        return {int(key) if key.isdigit() else key: with_length_keys(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [with_length_keys(item) for item in value]
+    return value
+
+
+def earlier_run(output_dir: Path, recipe: Recipe, machine: dict) -> dict:
+    """The report of the run in `output_dir` that `recipe` continues (--resume): same recipe but for the models, which
+    of them go long and --jobs, on the same machine, threads and versions. A ResumeError names what differs."""
+    path = output_dir / "results.json"
+    if not path.is_file():
+        raise ResumeError(f"--resume: {output_dir} holds no results.json of an earlier run")
+    earlier = json.loads(path.read_text())
+    now = as_json(asdict(recipe))
+    changed = sorted(key for key in now.keys() | earlier["recipe"].keys()
+                     if key not in RESUMABLE_CHANGES and now.get(key) != earlier["recipe"].get(key))
+    changed += sorted(f"machine {key}" for key in machine if key != "jobs" and machine[key] != earlier["machine"].get(key))
+    if changed:
+        raise ResumeError(f"--resume: the run in {output_dir} differs in {', '.join(changed)}; its results would not "
+                          "compare with this run's")
+    return earlier
+
+
+def kept_models(earlier: dict, recipe: Recipe) -> list[str]:
+    """The models of `earlier` this run keeps instead of training again: asked for now, and evaluated at the same
+    lengths (a model that goes long now must have gone long then, and the reverse)."""
+    went_long = earlier["recipe"]["long_models"]
+    return [name for name in recipe.models if name in earlier["training"]
+            and recipe.goes_long(name) == (went_long is None or name in went_long)]
+
+
+def run(recipe: Recipe, output_dir: Path, resume: bool = False) -> dict:
+    """Train and evaluate `recipe.models`, publishing the results in `output_dir` after every model. With `resume`,
+    the models an earlier run of the same recipe left there are kept (`kept_models`), the others trained."""
     import torch
     import transformers
 
@@ -732,6 +783,12 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
     if recipe.threads is not None:
         torch.set_num_threads(recipe.threads)
     started = time.perf_counter()
+    machine = {"platform": platform.platform(), "processor": cpu_model(), "threads": model_threads(recipe),
+               "jobs": recipe.jobs, "python": platform.python_version(), "torch": torch.__version__,
+               "transformers": transformers.__version__}
+    earlier = earlier_run(output_dir, recipe, machine) if resume else None
+    kept = kept_models(earlier, recipe) if earlier else []
+    earlier_minutes = earlier["minutes"] if kept else 0.0
     train_documents, heldout_documents = split_documents(python_documents(), recipe.heldout_fraction)
     with_prior = any(MODELS[name].has_prior for name in recipe.models)
     with tempfile.TemporaryDirectory(prefix="text-extrapolation-") as scratch:
@@ -750,11 +807,32 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
         corpus["train_used"] = {"texts": len(texts), "characters": sum(map(len, texts)), "needle_documents": len(needles),
                                 "needle_characters": sum(map(len, needles))}
         corpus["perplexity_documents"] = {name: len(tokens) for name, tokens in evaluation.documents.items()}
-        machine = {"platform": platform.platform(), "processor": cpu_model(), "threads": model_threads(recipe),
-                   "jobs": recipe.jobs, "python": platform.python_version(), "torch": torch.__version__,
-                   "transformers": transformers.__version__}
-        training, results = {}, {}
-        for name, summary, model_results in trained_models(recipe, data, work, evaluation):
+        training = {name: earlier["training"][name] for name in kept}
+        results = {key: with_length_keys(earlier["results"][key]) for key in result_names(replace(recipe, models=tuple(kept)))}
+
+        def publish() -> tuple[dict, str]:
+            """The report of the models done so far, renamed into `output_dir` whole."""
+            training_here = json.loads(json.dumps(training).replace(str(work), "<scratch>"))  # no local paths in results
+            peak_rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024
+            report = {
+                "recipe": asdict(recipe),
+                "models": {name: asdict(MODELS[name]) for name in recipe.models},
+                "complete": len(training) == len(recipe.models),
+                "resumed": kept,  # models measured by the earlier run this one continued
+                "corpus": corpus,
+                "minutes": earlier_minutes + (time.perf_counter() - started) / 60,
+                "peak_rss_mib": max(peak_rss, earlier["peak_rss_mib"] if kept else 0.0),
+                "machine": machine,
+                "training": training_here,
+                "results": results,
+            }
+            with staged_output_dir(output_dir, force=True) as staging:
+                return report, write_report(staging, report, results, recipe, evaluation)
+
+        to_train = tuple(name for name in recipe.models if name not in kept)
+        if not to_train:
+            report, text = publish()
+        for name, summary, model_results in trained_models(replace(recipe, models=to_train), data, work, evaluation):
             training[name] = summary
             results.update(model_results)
             results = {key: results[key] for key in result_names(recipe) if key in results}
@@ -762,20 +840,7 @@ def run(recipe: Recipe, output_dir: Path) -> dict:
             for key, result in model_results.items():
                 print(progress_line(key, result, recipe, started), flush=True)
             # Every model's results are published as soon as it is done: a run of hours stopped early keeps what it measured
-            training_here = json.loads(json.dumps(training).replace(str(work), "<scratch>"))  # no local paths in results
-            report = {
-                "recipe": asdict(recipe),
-                "models": {name: asdict(MODELS[name]) for name in recipe.models},
-                "complete": len(training) == len(recipe.models),
-                "corpus": corpus,
-                "minutes": (time.perf_counter() - started) / 60,
-                "peak_rss_mib": max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024,
-                "machine": machine,
-                "training": training_here,
-                "results": results,
-            }
-            with staged_output_dir(output_dir, force=True) as staging:
-                text = write_report(staging, report, results, recipe, evaluation)
+            report, text = publish()
     print(text)
     return report
 
@@ -865,6 +930,8 @@ def main(argv: list[str] | None = None) -> int:
                         "variants, ALiBi; default 128,256,512); 'none' for none")
     parser.add_argument("--long-models", default=None, help="comma-separated models with a prior evaluated at the "
                         "long scales (default: all of them; the SSMax study's variants need only 1x-64x)")
+    parser.add_argument("--resume", action="store_true", help="keep the models an earlier run of the same recipe "
+                        "left in --output-dir (stopped, or with other --models) and train only the others")
     parser.add_argument("--no-needles", action="store_true", help="no needle documents in training, no needle evaluation")
     parser.add_argument("--passkey-share", type=float, default=None, help="passkey documents' share of the training characters (default 0.35)")
     parser.add_argument("--needle-share", type=float, default=None, help="needle documents' share of the training characters (default 0.15)")
@@ -875,7 +942,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     output_dir = args.output_dir or REPOSITORY / "benchmarks" / "results" / ("text-extrapolation-quick" if args.quick else "text-extrapolation")
-    run(recipe, output_dir)
+    try:
+        run(recipe, output_dir, resume=args.resume)
+    except ResumeError as error:
+        parser.error(str(error))
     return 0
 
 

@@ -389,3 +389,59 @@ def test_needle_documents_fit_a_row_ask_what_they_hold_and_take_their_haystack_f
             assert piece in training_text
             assert len(piece) < 40 or piece not in heldout_text
     assert max(questions.values()) - min(questions.values()) <= 1  # the four tasks in turn
+
+
+def test_resume_keeps_the_models_of_an_earlier_run_and_trains_only_the_others(tmp_path, monkeypatch):
+    benchmark = load_benchmark()
+    from dataclasses import replace
+
+    recipe = replace(benchmark.QUICK, threads=None)  # threads: this process keeps its own
+    output = tmp_path / "results"
+    benchmark.run(replace(recipe, models=("nope",)), output)
+    earlier = json.loads((output / "results.json").read_text())
+
+    trained = []
+    train_and_evaluate = benchmark.train_and_evaluate
+
+    def recorded(name, *args):
+        trained.append(name)
+        return train_and_evaluate(name, *args)
+
+    monkeypatch.setattr(benchmark, "train_and_evaluate", recorded)
+    benchmark.run(replace(recipe, models=("alibi", "nope")), output, resume=True)
+    resumed = json.loads((output / "results.json").read_text())
+    assert trained == ["alibi"]
+    assert resumed["resumed"] == ["nope"] and resumed["complete"] is True
+    assert list(resumed["results"]) == ["alibi", "nope"]  # the recipe's order
+    assert resumed["results"]["nope"] == earlier["results"]["nope"]
+    assert resumed["training"]["nope"] == earlier["training"]["nope"]
+    assert resumed["minutes"] > earlier["minutes"]
+    assert "nope measured by the earlier run" in (output / "results.md").read_text()
+
+    fresh = tmp_path / "fresh"  # the same models trained in one run answer the same
+    benchmark.run(replace(recipe, models=("alibi", "nope")), fresh)
+    fresh_results = json.loads((fresh / "results.json").read_text())["results"]
+    for name in ("alibi", "nope"):
+        assert fresh_results[name]["perplexity"] == resumed["results"][name]["perplexity"], name
+        for length, by_length in fresh_results[name]["passkey"].items():
+            assert by_length["predictions"] == resumed["results"][name]["passkey"][length]["predictions"], (name, length)
+
+
+def test_resume_refuses_another_recipe_and_an_empty_folder(tmp_path, capsys):
+    benchmark = load_benchmark()
+    from dataclasses import replace
+
+    recipe = replace(benchmark.QUICK, threads=None, models=("nope",))
+    with pytest.raises(benchmark.ResumeError, match="no results.json"):
+        benchmark.run(recipe, tmp_path / "empty", resume=True)
+    output = tmp_path / "results"
+    benchmark.run(recipe, output)
+    before = (output / "results.json").read_text()
+    with pytest.raises(benchmark.ResumeError, match=r"differs in steps\b"):
+        benchmark.run(replace(recipe, steps=recipe.steps + 1), output, resume=True)
+    with pytest.raises(benchmark.ResumeError, match="differs in seed, vocab_size"):
+        benchmark.run(replace(recipe, seed=1, vocab_size=999), output, resume=True)
+    assert (output / "results.json").read_text() == before
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(["--quick", "--resume", "--output-dir", str(tmp_path / "none")])
+    assert exit_info.value.code == 2 and "--resume" in capsys.readouterr().err.strip().splitlines()[-1]
