@@ -61,7 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="BAM prior per layer or shared (default: %(default)s)",
     )
     parser.add_argument(
-        "--ssmax", action=argparse.BooleanOptionalAction, default=True, help="Scalable Softmax in BAM (default: on)"
+        "--ssmax", action=argparse.BooleanOptionalAction, default=False,
+        help="Scalable Softmax in BAM (default: off; with it, seed 0 found 85%% / 80%% of the keys at 32x / 64x, "
+        "without it 100%% / 100%%)"
     )
     args = parser.parse_args(argv)
     unknown = set(args.models.split(",")) - set(MODEL_NAMES)

@@ -86,6 +86,7 @@ def test_quick_run_writes_table_plots_and_a_loadable_model(tmp_path, tokenizer, 
     input_ids = torch.tensor([tokenizer("The pass key is")["input_ids"]])
     assert isinstance(model, BamLlamaForCausalLM)
     assert torch.isfinite(model(input_ids).logits).all()
+    assert model.config.ssmax is False  # the default recipe: BAM found every key to 64x without it, 80% with it
 
 
 def test_models_trained_at_once_give_the_results_of_one_at_a_time(tmp_path):
