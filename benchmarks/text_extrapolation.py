@@ -62,7 +62,7 @@ sys.path.insert(0, str(REPOSITORY))
 from bam_llama.data.corpus import Document, corpus_statistics, python_documents, split_documents  # noqa: E402
 from bam_llama.evaluation.needles import NEEDLE_KINDS, NeedleTask  # noqa: E402
 from bam_llama.evaluation.passkey import PasskeyTemplate, random_passkey  # noqa: E402
-from bam_llama.outputs import staged_output_dir  # noqa: E402
+from bam_llama.outputs import exit_on_sigterm, staged_output_dir  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 
 
@@ -942,6 +942,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     output_dir = args.output_dir or REPOSITORY / "benchmarks" / "results" / ("text-extrapolation-quick" if args.quick else "text-extrapolation")
+    exit_on_sigterm()  # like Ctrl-C: the model processes are stopped, the last published results kept
     try:
         run(recipe, output_dir, resume=args.resume)
     except ResumeError as error:

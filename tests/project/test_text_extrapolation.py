@@ -445,3 +445,40 @@ def test_resume_refuses_another_recipe_and_an_empty_folder(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         benchmark.main(["--quick", "--resume", "--output-dir", str(tmp_path / "none")])
     assert exit_info.value.code == 2 and "--resume" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_sigterm_stops_the_model_processes(tmp_path):
+    """SIGTERM while two models train in their own processes: exit 143 (as Ctrl-C's 130), the processes gone, and
+    no folder left behind (no model had finished)."""
+    import os
+    import signal
+    import time
+
+    output = tmp_path / "results"
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--quick", "--models", "nope,alibi", "--jobs", "2", "--steps", "100000",
+         "--output-dir", str(output)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=checkout_environment(),
+    )
+
+    def model_processes() -> list[int]:
+        pids = [pid for task in os.listdir(f"/proc/{process.pid}/task")
+                for pid in open(f"/proc/{process.pid}/task/{task}/children").read().split()]
+        return [int(pid) for pid in pids if "multiprocessing-fork" in open(f"/proc/{pid}/cmdline").read()]
+
+    workers, deadline = [], time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None and len(workers) < 2:
+        time.sleep(0.5)
+        workers = model_processes()
+    time.sleep(5)  # into their training
+    process.send_signal(signal.SIGTERM)
+    try:
+        _, stderr = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail("the benchmark did not stop after SIGTERM")
+    assert len(workers) == 2, stderr[-3000:]
+    assert process.returncode == 143, stderr[-3000:]
+    time.sleep(1)
+    assert not [pid for pid in workers if os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read()]
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
