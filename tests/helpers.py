@@ -23,6 +23,25 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def child_processes(pid: int) -> list[int]:
+    """The live children of process `pid` (Linux /proc), read across all its threads."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended while we read
+            children += [int(child) for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    return children
+
+
+def still_running(pids: list[int]) -> list[int]:
+    """Those of `pids` that are alive and not zombies (a process may end while we read)."""
+    running = []
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            if "zombie" not in Path(f"/proc/{pid}/status").read_text():
+                running.append(pid)
+    return running
+
+
 def checkout_environment(**variables: str) -> dict[str, str]:
     """os.environ for a subprocess that must import this checkout's bam_llama (first on PYTHONPATH)."""
     path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))

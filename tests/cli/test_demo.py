@@ -205,7 +205,7 @@ def test_ctrl_c_leaves_no_partial_result_and_keeps_an_earlier_one(tmp_path, earl
     import signal
     import threading
 
-    from helpers import checkout_environment, default_sigint
+    from helpers import checkout_environment, child_processes, default_sigint, still_running
 
     output = tmp_path / "runs" / "bam-demo-output"
     output.parent.mkdir()
@@ -253,7 +253,7 @@ def test_ctrl_c_stops_the_model_processes_and_leaves_nothing(tmp_path):
     """Ctrl-C while two models train in their own processes: exit 130, the processes gone, no output."""
     import signal
 
-    from helpers import checkout_environment, default_sigint
+    from helpers import checkout_environment, child_processes, default_sigint, still_running
 
     output = tmp_path / "bam-demo-output"
     process = subprocess.Popen(
@@ -269,8 +269,7 @@ def test_ctrl_c_stops_the_model_processes_and_leaves_nothing(tmp_path):
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.5)
-        children = [int(pid) for task in os.listdir(f"/proc/{process.pid}/task")
-                    for pid in open(f"/proc/{process.pid}/task/{task}/children").read().split()]
+        children = child_processes(process.pid)
         if len(children) >= 2 and len(set(re.findall(r"train (\w+): ", "".join(chunks)))) >= 2:
             break
     process.send_signal(signal.SIGINT)
@@ -286,7 +285,7 @@ def test_ctrl_c_stops_the_model_processes_and_leaves_nothing(tmp_path):
     assert stderr.strip().splitlines()[-1].startswith("bam-demo: interrupted")
     assert "Warning" not in stderr and "Traceback" not in stderr, stderr[-3000:]  # e.g. a leaked semaphore
     time.sleep(1)
-    assert not [pid for pid in children if os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read()]
+    assert not still_running(children)
     assert sorted(path.name for path in tmp_path.iterdir()) == []
 
 

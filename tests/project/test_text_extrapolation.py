@@ -450,9 +450,11 @@ def test_resume_refuses_another_recipe_and_an_empty_folder(tmp_path, capsys):
 def test_sigterm_stops_the_model_processes(tmp_path):
     """SIGTERM while two models train in their own processes: exit 143 (as Ctrl-C's 130), the processes gone, and
     no folder left behind (no model had finished)."""
-    import os
+    import contextlib
     import signal
     import time
+
+    from helpers import child_processes, still_running
 
     output = tmp_path / "results"
     process = subprocess.Popen(
@@ -462,9 +464,12 @@ def test_sigterm_stops_the_model_processes(tmp_path):
     )
 
     def model_processes() -> list[int]:
-        pids = [pid for task in os.listdir(f"/proc/{process.pid}/task")
-                for pid in open(f"/proc/{process.pid}/task/{task}/children").read().split()]
-        return [int(pid) for pid in pids if "multiprocessing-fork" in open(f"/proc/{pid}/cmdline").read()]
+        workers = []
+        for pid in child_processes(process.pid):
+            with contextlib.suppress(FileNotFoundError):  # a child that ended while we read
+                if b"multiprocessing-fork" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    workers.append(pid)
+        return workers
 
     workers, deadline = [], time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None and len(workers) < 2:
@@ -480,5 +485,5 @@ def test_sigterm_stops_the_model_processes(tmp_path):
     assert len(workers) == 2, stderr[-3000:]
     assert process.returncode == 143, stderr[-3000:]
     time.sleep(1)
-    assert not [pid for pid in workers if os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read()]
+    assert not still_running(workers)
     assert sorted(path.name for path in tmp_path.iterdir()) == []
