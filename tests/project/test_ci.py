@@ -41,3 +41,27 @@ def test_ci_tests_the_oldest_transformers_the_package_claims():
     (lower,) = [spec.version for spec in requirement.specifier if spec.operator == ">="]
     assert found.strip() == lower
     assert '"transformers==$oldest"' in script
+
+
+def readme_first_block(root: Path) -> list[str]:
+    """The README's first bash block, comments stripped: what a newcomer types."""
+    block = (root / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.split("#", 1)[0].strip()]
+
+
+def test_ci_installs_and_tests_exactly_what_the_readme_says():
+    """.ci/run makes a fresh venv with the README's pip lines (.ci/readme-venv) and runs the README's test command in
+    it: the lines each script extracts are the README's own."""
+    root = Path(__file__).resolve().parents[2]
+    commands = readme_first_block(root)
+    run = (root / ".ci" / "run").read_text()
+    assert "bash .ci/readme-venv" in run and '. "$work/venv/bin/activate"' in run
+    extract_tests = re.search(r'^test_command="\$\((.*?)\)"$', run, re.MULTILINE | re.DOTALL).group(1)
+    found = subprocess.run(["bash", "-c", extract_tests.replace("\\\n", "")], cwd=root, capture_output=True,
+                           text=True, check=True).stdout.strip()
+    assert found == next(line for line in commands if line.startswith("python -m pytest"))
+    script = (root / ".ci" / "readme-venv").read_text()
+    extract_installs = re.search(r'^mapfile -t installs < <\((.*?)\)$', script, re.MULTILINE | re.DOTALL).group(1)
+    installs = subprocess.run(["bash", "-c", extract_installs.replace("\\\n", "").replace('"$repo/README.md"', "README.md")],
+                              cwd=root, capture_output=True, text=True, check=True).stdout.split("\n")
+    assert [line for line in installs if line] == [line for line in commands if line.startswith("pip install")]
