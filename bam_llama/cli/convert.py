@@ -13,13 +13,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..conversion.common import DEFAULT_MAX_SHARD_SIZE, DTYPES, ConversionError, parse_size
-from ..conversion.llama import LLAMA_PRIOR_INITS, convert_llama_checkpoint
-from ..conversion.reference import (
+from ..conversion.options import (
+    DEFAULT_MAX_SHARD_SIZE,
+    DTYPES,
+    LLAMA_PRIOR_INITS,
     PRIOR_NAME_GENERATIONS,
     VARIANTS,
-    convert_bam_to_reference,
-    convert_reference_checkpoint,
+    parse_size,
 )
 from ..outputs import exit_on_sigterm
 from .reporting import run_reported
@@ -105,14 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_command(args: argparse.Namespace) -> Path:
+    from ..conversion.gguf import convert_gguf_checkpoint, gguf_source
+    from ..conversion.llama import convert_llama_checkpoint
+    from ..conversion.reference import convert_bam_to_reference, convert_reference_checkpoint
+
     if args.command == "reference":
         return convert_reference_checkpoint(
             args.run_dir, args.out_dir, tokenizer=args.tokenizer, formula=args.formula, variant=args.variant,
             dtype=args.dtype, force=args.force, max_shard_size=args.max_shard_size,
         )
     if args.command == "llama":
-        from ..conversion.gguf import convert_gguf_checkpoint, gguf_source
-
         gguf_path = gguf_source(args.llama_dir, args.gguf_file)
         return (convert_gguf_checkpoint if gguf_path else convert_llama_checkpoint)(
             gguf_path or args.llama_dir, args.out_dir, prior=args.prior, ssmax=args.ssmax,
@@ -125,6 +127,8 @@ def run_command(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from ..conversion.common import ConversionError
+
     exit_on_sigterm()
     return run_reported("bam-convert", run_command, args, bad_input=(ConversionError, ValueError))
 

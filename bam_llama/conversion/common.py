@@ -1,96 +1,21 @@
-"""What every conversion shares: errors, safetensors read header by header and written shard by shard, dtypes,
-BamLlama's parameter shapes, and the config, remote code, tokenizer and card of an output folder."""
+"""What every conversion shares: errors, safetensors read header by header, dtypes, BamLlama's parameter shapes,
+and the tokenizer files of an input."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
 
 from ..data.tokenizers import TOKENIZER_FILES
+from ..model.configuration_bam import BamLlamaConfig
+from ..model.modeling_bam import BamLlamaForCausalLM
+from ..model.prior_bam import is_prior_parameter
 from ..model_folders import check_finite_tensors
-from ..outputs import OutputError
-
-if TYPE_CHECKING:  # PyTorch and the model are imported where used, so that --help does not load them
-    import torch
-
-    from ..model.configuration_bam import BamLlamaConfig
-
-
-DEFAULT_MAX_SHARD_SIZE = "5GB"
-
-
-def parse_size(size: str | int) -> int:
-    """'5GB', '500MB', '2GiB' or a number of bytes -> bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
-    if match is None or float(match.group(1)) <= 0:
-        raise OutputError(f"cannot read the shard size {size!r}; write it like 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * units[match.group(2) or ""])
-
-
-class SafetensorsShardWriter:
-    """Writes named tensors into `model.safetensors`, or into numbered shards plus an index when they exceed
-    `max_shard_size`. Holds at most one shard of tensors at a time."""
-
-    def __init__(self, folder: Path, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE):
-        self.folder = folder
-        self.max_shard_bytes = parse_size(max_shard_size)
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_storages: set[int] = set()
-        self.pending_bytes = 0
-        self.shard_names: list[list[str]] = []
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
-            self.flush()
-        storage = tensor.untyped_storage().data_ptr()
-        if storage in self.pending_storages:
-            tensor = tensor.clone()  # safetensors refuses tensors that share memory
-            storage = tensor.untyped_storage().data_ptr()
-        self.pending_storages.add(storage)
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += size
-        self.total_bytes += size
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        from safetensors.torch import save_file
-
-        save_file(self.pending, self.folder / self._partial_name(len(self.shard_names)), metadata={"format": "pt"})
-        self.shard_names.append(list(self.pending))
-        self.pending, self.pending_storages, self.pending_bytes = {}, set(), 0
-
-    def finish(self) -> list[str]:
-        """Write the last shard, give the shards their final names and write the index; return the file names."""
-        self.flush()
-        if len(self.shard_names) == 1:
-            os.replace(self.folder / self._partial_name(0), self.folder / "model.safetensors")
-            return ["model.safetensors"]
-        count = len(self.shard_names)
-        files, weight_map = [], {}
-        for index, names in enumerate(self.shard_names):
-            file_name = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(self.folder / self._partial_name(index), self.folder / file_name)
-            files.append(file_name)
-            weight_map.update(dict.fromkeys(names, file_name))
-        index_file = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2) + "\n")
-        return files + ["model.safetensors.index.json"]
-
-    @staticmethod
-    def _partial_name(index: int) -> str:
-        return f"shard-{index:05d}.safetensors.partial"
-
-
-DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}  # torch dtype names
+from .options import DTYPES
 
 
 class ConversionError(Exception):
@@ -131,8 +56,6 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape, read from the shard headers only."""
-    from safetensors import safe_open
-
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
         try:
@@ -150,8 +73,6 @@ def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 
 def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors one at a time, opening one shard at a time; one holding NaN or infinity is refused (NonFiniteError)."""
-    from safetensors import safe_open
-
     for path in files:
         with safe_open(path, framework="pt") as shard:
             for name in shard.keys():
@@ -185,20 +106,8 @@ def check_keys_and_shapes(found: Mapping[str, tuple], expected: Mapping[str, tup
         raise ConversionError(f"{source} does not match {layout}:\n  " + "\n  ".join(problems))
 
 
-def is_per_head_parameter(bam_name: str) -> bool:
-    """Prior and SSMax parameters (`prior_bam.is_prior_parameter`, imported on first use: it loads PyTorch, which
-    --help does not need): (H,) in BamLlama, (1, H, 1, 1) in the reference code."""
-    from ..model.prior_bam import is_prior_parameter
-
-    return is_prior_parameter(bam_name)
-
-
 def bam_parameter_shapes(config: BamLlamaConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of every BamLlamaForCausalLM parameter for `config` (built on the meta device)."""
-    import torch
-
-    from ..model.modeling_bam import BamLlamaForCausalLM
-
     with torch.device("meta"):
         model = BamLlamaForCausalLM(config)
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
@@ -214,14 +123,12 @@ def saved_parameter_shapes(config: BamLlamaConfig) -> dict[str, tuple[int, ...]]
 
 def cast_weight(bam_name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """Cast to `dtype`, except the small prior / SSMax parameters, which keep their precision."""
-    if dtype is None or not tensor.is_floating_point() or is_per_head_parameter(bam_name):
+    if dtype is None or not tensor.is_floating_point() or is_prior_parameter(bam_name):
         return tensor
     return tensor.to(dtype)
 
 
 def parse_dtype(name: str) -> torch.dtype | None:
-    import torch
-
     if name not in DTYPES:
         raise ConversionError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
     return None if DTYPES[name] is None else getattr(torch, DTYPES[name])
@@ -229,18 +136,6 @@ def parse_dtype(name: str) -> torch.dtype | None:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def save_config_and_code(config: BamLlamaConfig, folder: Path) -> None:
-    """config.json plus the modeling code, so the folder loads with trust_remote_code=True."""
-    from transformers.dynamic_module_utils import custom_object_save
-
-    from ..model.modeling_bam import REMOTE_CODE_AUTO_MAP, BamLlamaForCausalLM
-
-    config.architectures = ["BamLlamaForCausalLM"]
-    config.auto_map = dict(REMOTE_CODE_AUTO_MAP)
-    custom_object_save(BamLlamaForCausalLM, folder)  # modeling_bam.py and the modules it imports relatively
-    config.save_pretrained(folder)  # config.json and configuration_bam.py
 
 
 def tokenizer_files_at(path: Path) -> list[Path]:
@@ -255,17 +150,5 @@ def tokenizer_files_at(path: Path) -> list[Path]:
     raise ConversionError(f"the tokenizer path {path} does not exist")
 
 
-def copy_files(files: Iterable[Path], folder: Path) -> None:
-    for path in files:
-        shutil.copyfile(path, folder / path.name)
-
-
-def write_model_card(folder: Path, model_name: str, lines: list[str], base_model: str | None = None) -> None:
-    """The package's Hub model card (metadata, architecture, prior), with how the folder was converted."""
-    from ..hub.card import write_model_card as write_package_card
-
-    write_package_card(folder, model_name=model_name, description="\n".join(lines), base_model=base_model)
-
-
-def quiet(*args, **kwargs) -> None:
-    pass
+def print_nothing(*args, **kwargs) -> None:
+    """What a conversion that is not verbose calls instead of `print`."""

@@ -14,14 +14,14 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from ..outputs import check_output_dir, leftover_prefix
-from .common import DEFAULT_MAX_SHARD_SIZE, ConversionError, dtype_name, parse_dtype, parse_size, quiet
+from .common import ConversionError, dtype_name, parse_dtype, print_nothing
 from .llama import convert_llama_checkpoint
-
-if TYPE_CHECKING:  # PyTorch and Transformers are imported where used, as in reference.py
-    import torch
+from .options import DEFAULT_MAX_SHARD_SIZE, parse_size
 
 
 GGUF_SUFFIX = ".gguf"
@@ -92,8 +92,6 @@ def quantization_name(metadata: dict) -> str | None:
 def dequantize_to_llama_folder(path: Path, folder: Path, dtype: torch.dtype) -> None:
     """Save the model and tokenizer Transformers builds from the GGUF `path` as a Llama folder (safetensors,
     config, generation config, tokenizer files)."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as error:
@@ -125,9 +123,7 @@ def convert_gguf_checkpoint(
     The quantized weights are dequantized to float32 (or `dtype`); the tokenizer, tied embeddings, grouped-query
     attention and the generation config carry over. `llama_options` are passed to `convert_llama_checkpoint`.
     """
-    import torch
-
-    log = print if verbose else quiet
+    log = print if verbose else print_nothing
     gguf_path, out_dir = Path(gguf_path).resolve(), Path(out_dir).resolve()
     check_output_dir(out_dir, force, (gguf_path,))
     weights_dtype = parse_dtype(dtype) or torch.float32

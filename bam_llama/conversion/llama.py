@@ -8,52 +8,39 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+from transformers import LlamaConfig
+from transformers.activations import ACT2FN
 
 from ..data.tokenizers import TOKENIZER_FILES
-from ..outputs import check_output_dir, staged_output_dir
+from ..model.configuration_bam import PRIOR_SCOPES, BamLlamaConfig
+from ..model.modeling_bam import BamPrior, BamScalableSoftmax
+from ..model.prior_bam import is_prior_parameter
+from ..outputs import check_output_dir
 from .common import (
-    DEFAULT_MAX_SHARD_SIZE,
     ConversionError,
-    SafetensorsShardWriter,
     cast_weight,
     check_keys_and_shapes,
     config_model_type,
-    copy_files,
     dtype_name,
-    is_per_head_parameter,
     iterate_safetensors,
     parse_dtype,
-    parse_size,
-    quiet,
+    print_nothing,
     safetensors_files,
     safetensors_shapes,
-    save_config_and_code,
     saved_parameter_shapes,
-    write_model_card,
 )
-
-if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used, so that --help does not load them
-    import torch
-    from transformers import LlamaConfig
-
-    from ..model.configuration_bam import BamLlamaConfig
-
-
-LLAMA_PRIOR_INITS = {
-    "uniform": dict(theta_alpha_init=0.0, theta_beta_init=0.0),  # bias -1 everywhere: no positional preference
-    "alibi": dict(theta_alpha_init="alibi", theta_beta_init=1.0),  # bias -slope_h * |j - i|: ALiBi
-}
-
+from .options import DEFAULT_MAX_SHARD_SIZE, LLAMA_PRIOR_INITS, parse_size
+from .writing import write_bam_folder
 
 ROTARY_BUFFER_KEY = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
 def read_llama_config(llama_dir: Path) -> LlamaConfig:
-    from transformers import LlamaConfig
-    from transformers.activations import ACT2FN
-
     path, model_type = config_model_type(llama_dir)
     if model_type != "llama":
         raise ConversionError(f"{path} has model_type {model_type!r}; only Llama checkpoints (model_type 'llama') are supported")
@@ -80,8 +67,6 @@ def bam_config_from_llama(
     prior_scope: str,
     ssmax_scale_init: float,
 ) -> BamLlamaConfig:
-    from ..model.configuration_bam import PRIOR_SCOPES, BamLlamaConfig
-
     if prior not in LLAMA_PRIOR_INITS:
         raise ConversionError(f"unknown prior initialisation {prior!r}; expected one of {', '.join(LLAMA_PRIOR_INITS)}")
     if prior_scope not in PRIOR_SCOPES:
@@ -116,8 +101,6 @@ def bam_config_from_llama(
 
 def initial_prior_state(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
     """Freshly initialised prior (and SSMax) parameters by the schemes in `config`, under their BamLlama names."""
-    from ..model.modeling_bam import BamPrior, BamScalableSoftmax
-
     prior = BamPrior(config).state_dict()
     state = {}
     if config.prior_scope == "global":
@@ -130,10 +113,17 @@ def initial_prior_state(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
     return state
 
 
-def source_dtype(llama: LlamaConfig, files: list[Path]) -> torch.dtype:
-    import torch
-    from safetensors import safe_open
+def llama_weights_with_prior(
+    files: list[Path], dropped: list[str], dtype: torch.dtype | None, config: BamLlamaConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The Llama weights but `dropped`, cast to `dtype`, then the freshly initialised prior (and SSMax)."""
+    for name, tensor in iterate_safetensors(files):
+        if name not in dropped:
+            yield name, cast_weight(name, tensor, dtype)
+    yield from initial_prior_state(config).items()
 
+
+def source_dtype(llama: LlamaConfig, files: list[Path]) -> torch.dtype:
     dtype = getattr(llama, "dtype", None)
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -172,7 +162,7 @@ def convert_llama_checkpoint(
         base_model: the source recorded in the config and model card (e.g. its Hub id); defaults to the folder.
         source: overrides of the provenance recorded in `config.converted_from` (e.g. the GGUF file it came from).
     """
-    log = print if verbose else quiet
+    log = print if verbose else print_nothing
     llama_dir, out_dir = Path(llama_dir).resolve(), Path(out_dir).resolve()
     check_output_dir(out_dir, force, (llama_dir,))
     target_dtype = parse_dtype(dtype)
@@ -184,7 +174,7 @@ def convert_llama_checkpoint(
     files = safetensors_files(llama_dir)
     found = safetensors_shapes(files)
     config = bam_config_from_llama(llama, prior, ssmax, train_context_length, prior_scope, ssmax_scale_init)
-    expected = {name: shape for name, shape in saved_parameter_shapes(config).items() if not is_per_head_parameter(name)}
+    expected = {name: shape for name, shape in saved_parameter_shapes(config).items() if not is_prior_parameter(name)}
     dropped = [name for name in found if ROTARY_BUFFER_KEY.fullmatch(name)]
     if config.tie_word_embeddings and "lm_head.weight" in found:
         dropped.append("lm_head.weight")  # tied to the embedding, as Transformers loads it
@@ -208,27 +198,22 @@ def convert_llama_checkpoint(
     log(f"  RoPE dropped; prior {prior} ({prior_scope}); SSMax {'on' if ssmax else 'off'}; train_context_length {config.train_context_length}")
     log("  note: without RoPE the model must be fine-tuned before use")
 
-    with staged_output_dir(out_dir, force, (llama_dir,)) as staging:
-        writer = SafetensorsShardWriter(staging, max_shard_size)
-        for name, tensor in iterate_safetensors(files):
-            if name not in dropped:
-                writer.add(name, cast_weight(name, tensor, target_dtype))
-        for name, tensor in initial_prior_state(config).items():
-            writer.add(name, tensor)
-        written = writer.finish()
-        save_config_and_code(config, staging)
-        copy_files(extra_files, staging)
-        write_model_card(
-            staging,
-            out_dir.name,
-            [
-                f"Converted by `bam-convert llama` from `{base_model}`: the Llama weights unchanged, RoPE removed, a",
-                f"GGD-BAM positional prior added (initialised `{prior}`, {prior_scope})"
-                + (" and Scalable Softmax." if ssmax else "."),
-                "",
-                "It has not been trained with the prior yet: fine-tune it (e.g. for context extension) before use.",
-            ],
-            base_model=base_model,
-        )
+    written = write_bam_folder(
+        out_dir,
+        config,
+        llama_weights_with_prior(files, dropped, target_dtype, config),
+        inputs=(llama_dir,),
+        force=force,
+        max_shard_size=max_shard_size,
+        copied_files=extra_files,
+        card_lines=[
+            f"Converted by `bam-convert llama` from `{base_model}`: the Llama weights unchanged, RoPE removed, a",
+            f"GGD-BAM positional prior added (initialised `{prior}`, {prior_scope})"
+            + (" and Scalable Softmax." if ssmax else "."),
+            "",
+            "It has not been trained with the prior yet: fine-tune it (e.g. for context extension) before use.",
+        ],
+        base_model=base_model,
+    )
     log(f"wrote {out_dir} ({', '.join(written + [path.name for path in extra_files])})")
     return out_dir

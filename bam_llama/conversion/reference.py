@@ -2,7 +2,7 @@
 
 Inputs are checked completely (keys, shapes, variant) before anything is written. The reference `model.pt` is
 memory-mapped and the output written shard by shard into a staging folder that becomes OUT_DIR only once complete
-(see `common.py`). reference -> BamLlama -> reference is exact.
+(see `writing.py`). reference -> BamLlama -> reference is exact.
 """
 
 from __future__ import annotations
@@ -11,43 +11,33 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import torch
+
+from ..model.configuration_bam import PRIOR_FORMULAS, BamLlamaConfig
+from ..model.prior_bam import is_prior_parameter
 from ..model_folders import check_finite_tensors
 from ..outputs import check_output_dir, staged_output_dir
 from .common import (
-    DEFAULT_MAX_SHARD_SIZE,
     ConversionError,
-    SafetensorsShardWriter,
     bam_parameter_shapes,
     cast_weight,
     check_keys_and_shapes,
     config_model_type,
-    copy_files,
     dtype_name,
     format_names,
-    is_per_head_parameter,
     iterate_safetensors,
     parse_dtype,
-    parse_size,
-    quiet,
+    print_nothing,
     safetensors_files,
     safetensors_shapes,
-    save_config_and_code,
     saved_parameter_shapes,
     tokenizer_files_at,
-    write_model_card,
 )
-
-if TYPE_CHECKING:  # PyTorch and the model are imported where used, so that --help does not load them
-    import torch
-
-    from ..model.configuration_bam import BamLlamaConfig
-
-
-VARIANTS = ("bam", "bam_ssmax")
+from .options import DEFAULT_MAX_SHARD_SIZE, PRIOR_NAME_GENERATIONS, VARIANTS, parse_size
+from .writing import write_bam_folder
 
 # Reference (Meta Llama layout) names -> BamLlama names.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
@@ -63,11 +53,6 @@ REFERENCE_FEED_FORWARD_WEIGHTS = {
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-# The prior parameters were renamed upstream; both generations store them as (1, H, 1, 1).
-PRIOR_NAME_GENERATIONS = {
-    "shape-scale-loc": {"shape": "theta_beta", "scale": "theta_alpha", "loc": "theta_mu"},
-    "theta": {"theta_beta": "theta_beta", "theta_alpha": "theta_alpha", "theta_mu": "theta_mu"},
 }
 PRIOR_TRAIN_FLAGS = {  # model_args flag per generation, for theta_beta, theta_alpha, theta_mu
     "shape-scale-loc": ("train_shape", "train_scale", "train_loc"),
@@ -115,7 +100,7 @@ def checked_reference_key_table(config: BamLlamaConfig, prior_names: str) -> tup
 
 
 def reference_shape(bam_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    return (1, shape[0], 1, 1) if is_per_head_parameter(bam_name) else shape
+    return (1, shape[0], 1, 1) if is_prior_parameter(bam_name) else shape
 
 
 def reference_ffn_hidden_size(model_args: dict) -> int:
@@ -153,8 +138,6 @@ def read_run_args(run_dir: Path) -> dict:
 
 def load_reference_state_dict(run_dir: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
     """model.pt memory-mapped, with DDP / torch.compile prefixes stripped; also returns the prefixes found."""
-    import torch
-
     path = run_dir / "model.pt"
     if not path.is_file():
         raise ConversionError(f"missing file {path} (the reference checkpoint)")
@@ -270,8 +253,6 @@ def train_flag(model_args: dict, index: int, default: bool) -> bool:
 
 def reference_config(run_args: dict, variant: str, prior_scope: str, formula: str) -> BamLlamaConfig:
     """The BamLlamaConfig of a reference run, from args.json's model_args."""
-    from ..model.configuration_bam import BamLlamaConfig
-
     model_args = run_args["model_args"]
     heads = model_args["n_heads"]
     values = dict(
@@ -323,9 +304,7 @@ def convert_reference_checkpoint(
         variant: "bam" or "bam_ssmax"; must agree with args.json's position_encoding when both are given.
         dtype: "auto" keeps the stored dtype; otherwise every weight but the prior / SSMax parameters is cast.
     """
-    from ..model.configuration_bam import PRIOR_FORMULAS
-
-    log = print if verbose else quiet
+    log = print if verbose else print_nothing
     run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
     tokenizer = Path(tokenizer).resolve() if tokenizer is not None else None
     inputs = (run_dir,) if tokenizer is None else (run_dir, tokenizer)
@@ -375,31 +354,38 @@ def convert_reference_checkpoint(
     if config.num_key_value_heads != config.num_attention_heads:
         log(f"  grouped-query attention: {config.num_key_value_heads} key/value heads for {config.num_attention_heads} heads")
 
-    with staged_output_dir(out_dir, force, inputs) as staging:
-        writer = SafetensorsShardWriter(staging, max_shard_size)
-        for reference_name, bam_name in table.items():
-            tensor = state_dict[reference_name]
-            check_finite_tensors([(reference_name, tensor)], str(run_dir / "model.pt"))
-            if is_per_head_parameter(bam_name):
-                tensor = tensor.reshape(-1)
-            writer.add(bam_name, cast_weight(bam_name, tensor, target_dtype))
-        files = writer.finish()
-        save_config_and_code(config, staging)
-        copy_files(tokenizer_files, staging)
-        write_model_card(
-            staging,
-            out_dir.name,
-            [
-                f"Converted by `bam-convert reference` from `{run_dir}`.",
-                "",
-                f"- variant: `{variant}` (from {variant_source})",
-                f"- prior: {prior_scope}, formula `{formula}` ({formula_source})",
-                f"- reference parameter names: {prior_names}",
-                f"- weights dtype: {config.dtype}",
-            ],
-        )
+    files = write_bam_folder(
+        out_dir,
+        config,
+        bam_weights_of_reference(state_dict, table, target_dtype, str(run_dir / "model.pt")),
+        inputs=inputs,
+        force=force,
+        max_shard_size=max_shard_size,
+        copied_files=tokenizer_files,
+        card_lines=[
+            f"Converted by `bam-convert reference` from `{run_dir}`.",
+            "",
+            f"- variant: `{variant}` (from {variant_source})",
+            f"- prior: {prior_scope}, formula `{formula}` ({formula_source})",
+            f"- reference parameter names: {prior_names}",
+            f"- weights dtype: {config.dtype}",
+        ],
+    )
     log(f"wrote {out_dir} ({', '.join(files)}{', tokenizer' if tokenizer_files else ''})")
     return out_dir
+
+
+def bam_weights_of_reference(
+    state_dict: Mapping[str, torch.Tensor], table: dict[str, str], dtype: torch.dtype | None, source: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The reference weights under their BamLlama names, in the key table's order, each checked finite; prior and
+    SSMax parameters (1, H, 1, 1) -> (H,), the others cast to `dtype`."""
+    for reference_name, bam_name in table.items():
+        tensor = state_dict[reference_name]
+        check_finite_tensors([(reference_name, tensor)], source)
+        if is_prior_parameter(bam_name):
+            tensor = tensor.reshape(-1)
+        yield bam_name, cast_weight(bam_name, tensor, dtype)
 
 
 def check_feed_forward_width(found: Mapping[str, tuple], config: BamLlamaConfig, model_args: dict) -> None:
@@ -432,8 +418,6 @@ def describe_reference_layout(config: BamLlamaConfig, prior_names: str) -> str:
 
 
 def read_bam_config(bam_dir: Path) -> BamLlamaConfig:
-    from ..model.configuration_bam import BamLlamaConfig
-
     path, model_type = config_model_type(bam_dir)
     if model_type != BamLlamaConfig.model_type:
         raise ConversionError(f"{path} has model_type {model_type!r}, not {BamLlamaConfig.model_type!r}")
@@ -537,9 +521,7 @@ def convert_bam_to_reference(
         prior_names: "shape-scale-loc" (the names of the reference code that produced the published checkpoints)
             or "theta" (newer upstream code: theta_beta / theta_alpha / theta_mu).
     """
-    import torch
-
-    log = print if verbose else quiet
+    log = print if verbose else print_nothing
     bam_dir, out_run_dir = Path(bam_dir).resolve(), Path(out_run_dir).resolve()
     check_output_dir(out_run_dir, force, (bam_dir,))
     if prior_names not in PRIOR_NAME_GENERATIONS:
@@ -565,7 +547,7 @@ def convert_bam_to_reference(
     state_dict = {}
     for reference_name, bam_name in table.items():
         tensor = tensors[bam_name] if bam_name in tensors else tensors["model.embed_tokens.weight"]  # tied head
-        state_dict[reference_name] = tensor.reshape(1, -1, 1, 1) if is_per_head_parameter(bam_name) else tensor
+        state_dict[reference_name] = tensor.reshape(1, -1, 1, 1) if is_prior_parameter(bam_name) else tensor
     with staged_output_dir(out_run_dir, force, (bam_dir,)) as staging:
         torch.save(state_dict, staging / "model.pt")
         (staging / "args.json").write_text(json.dumps(run_args, indent=4))

@@ -10,8 +10,15 @@ from pathlib import Path
 import jinja2
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
+from safetensors import safe_open
 
 from ..data.tokenizers import TOKENIZER_FILES
+from ..evaluation.needles import NeedleResults
+from ..evaluation.passkey import PasskeyResults
+from ..evaluation.perplexity import PerplexityResults
+from ..evaluation.results import load_results, results_from_dict
+from ..model.configuration_bam import BamLlamaConfig
+from ..model.prior_bam import PRIOR_PARAMETERS, prior_offset
 from ..outputs import staged_files
 
 TEMPLATE_NAME = "card_template.md"  # package data of bam_llama.hub, so wheels carry it
@@ -34,8 +41,6 @@ def read_config(model_dir: Path) -> dict:
     config = json.loads(config_path.read_text(encoding="utf-8"))
     if config.get("model_type") != "bam_llama":
         raise ValueError(f"{model_dir} holds a {config.get('model_type')!r} model; bam-card describes BamLlama models")
-    from ..model.configuration_bam import BamLlamaConfig
-
     try:
         BamLlamaConfig.from_dict(config)  # every field checked, as loading the model would
     except (ValueError, TypeError) as error:
@@ -60,10 +65,6 @@ def check_weights(model_dir: Path) -> None:
 
 def read_shared_prior(model_dir: Path) -> dict:
     """theta_alpha / theta_beta / theta_mu of a prior shared by all layers ({} for per-layer priors)."""
-    from safetensors import safe_open
-
-    from ..model.prior_bam import PRIOR_PARAMETERS
-
     found = {}
     for weights in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(weights), framework="pt") as handle:
@@ -75,8 +76,6 @@ def read_shared_prior(model_dir: Path) -> dict:
 
 def prior_table(model_dir: Path) -> str | None:
     """Markdown table of the learned prior per head; per-layer priors are left to the prior plot."""
-    from ..model.prior_bam import prior_offset
-
     theta = read_shared_prior(model_dir)
     if not theta:
         return None
@@ -88,8 +87,6 @@ def prior_table(model_dir: Path) -> str | None:
 
 
 def count_parameters(model_dir: Path) -> str:
-    from safetensors import safe_open
-
     total = 0
     for weights in model_dir.glob("*.safetensors"):
         with safe_open(str(weights), framework="pt") as handle:
@@ -140,46 +137,57 @@ def training_text(config: dict, datasets: list[str], base_model: str | None) -> 
 
 
 def as_results(results):
-    """PasskeyResults / NeedleResults / PerplexityResults from an object, its `to_dict()`, or a `bam-eval --out`
-    .json file."""
-    from ..evaluation.perplexity import PerplexityResults
-    from ..evaluation.results import load_results, results_from_dict
-    from ..evaluation.retrieval import RetrievalResults
-
+    """Results from an object, its `to_dict()`, or a `bam-eval --out` .json file."""
     if isinstance(results, (str, Path)):
         return load_results(results)
     if isinstance(results, dict):
         return results_from_dict(results)
-    if not isinstance(results, (RetrievalResults, PerplexityResults)):
-        raise TypeError(f"expected PasskeyResults, NeedleResults or PerplexityResults, got {type(results).__name__}")
     return results
 
 
-def evaluation_section(results) -> dict:
-    from ..evaluation.needles import NeedleResults
-    from ..evaluation.passkey import PasskeyResults
+def needle_section(results: NeedleResults) -> dict:
+    task = results.needle_task
+    description = (
+        f"Needles ({task.kind}: {task.describe()}, {task.digits}-digit values) in real text, the asked one at "
+        f"{results.describe_depths()}; greedy decoding, correct only when the answer is exactly the asked values "
+        f"in order. Mean accuracy {100 * results.mean_accuracy():.1f}%."
+    )
+    return {"title": f"Needles: {task.kind}", "description": description, "table": results.to_markdown().strip()}
 
-    if isinstance(results, NeedleResults):
-        task = results.needle_task
-        description = (
-            f"Needles ({task.kind}: {task.describe()}, {task.digits}-digit values) in real text, the asked one at "
-            f"{results.describe_depths()}; greedy decoding, correct only when the answer is exactly the asked values "
-            f"in order. Mean accuracy {100 * results.mean_accuracy():.1f}%."
-        )
-        return {"title": f"Needles: {task.kind}", "description": description, "table": results.to_markdown().strip()}
-    if isinstance(results, PasskeyResults):
-        digits = len(results.passkeys[0][0]) if results.passkeys else "random"
-        description = (
-            f"Passkey retrieval: a {digits}-digit key hidden at {results.describe_depths()} uniformly spaced through "
-            "filler text; greedy decoding, correct when the answer starts with the key (and no other digit follows). "
-            f"Mean accuracy {100 * results.mean_accuracy():.1f}%."
-        )
-        return {"title": "Passkey retrieval", "description": description, "table": results.to_markdown().strip()}
+
+def passkey_section(results: PasskeyResults) -> dict:
+    digits = len(results.passkeys[0][0]) if results.passkeys else "random"
+    description = (
+        f"Passkey retrieval: a {digits}-digit key hidden at {results.describe_depths()} uniformly spaced through "
+        "filler text; greedy decoding, correct when the answer starts with the key (and no other digit follows). "
+        f"Mean accuracy {100 * results.mean_accuracy():.1f}%."
+    )
+    return {"title": "Passkey retrieval", "description": description, "table": results.to_markdown().strip()}
+
+
+def perplexity_section(results: PerplexityResults) -> dict:
     description = (
         "Perplexity of non-overlapping sequences of each context length (one chunked KV-cache pass each), "
         f"and of the last {results.window}-token window of positions."
     )
     return {"title": "Perplexity by context length", "description": description, "table": results.to_markdown().strip()}
+
+
+# The card's section for each kind of results `bam-eval` writes (`evaluation/results.py`), by exact class: a new
+# kind (a subclass included) is refused until it has its own section here.
+EVALUATION_SECTIONS = {
+    PasskeyResults: passkey_section,
+    NeedleResults: needle_section,
+    PerplexityResults: perplexity_section,
+}
+
+
+def evaluation_section(results) -> dict:
+    section = EVALUATION_SECTIONS.get(type(results))
+    if section is None:
+        known = ", ".join(kind.__name__ for kind in EVALUATION_SECTIONS)
+        raise TypeError(f"the model card has no section for {type(results).__name__}; it shows {known}")
+    return section(results)
 
 
 def plot_links(model_dir: Path, plots) -> dict[Path, str]:
@@ -266,7 +274,8 @@ def write_model_card(
     The metadata has library_name, pipeline_tag, tags (`bam`, `custom_code`, ... plus `tags`), license, datasets and
     base_model: the argument, else the one config.json records (converted or fine-tuned models); it goes into the
     metadata only when it is a Hub id, local paths are named in the text. `eval_results` are PasskeyResults /
-    PerplexityResults (objects, their `to_dict()`, or bam-eval .json files), shown as tables; `plots` are image files,
+    NeedleResults / PerplexityResults (objects, their `to_dict()`, or bam-eval .json files), each shown in its own
+    section (`EVALUATION_SECTIONS`); `plots` are image files,
     copied into `model_dir/plots/` unless already inside the folder, and linked relatively. Everything is checked
     before anything is written: a folder without weights is refused.
     """

@@ -421,7 +421,7 @@ def test_output_may_not_replace_the_input(tmp_path):
 
 
 def test_failure_while_writing_leaves_nothing_behind(tmp_path, monkeypatch):
-    import bam_llama.conversion.reference as convert_bam
+    from bam_llama.conversion import writing
 
     write_reference_run(tmp_path / "run")
     before = folder_listing(tmp_path)
@@ -430,7 +430,7 @@ def test_failure_while_writing_leaves_nothing_behind(tmp_path, monkeypatch):
         assert any(folder.iterdir())  # the weights are already in the staging folder
         raise OSError("disk full")
 
-    monkeypatch.setattr(convert_bam, "save_config_and_code", fail)
+    monkeypatch.setattr(writing, "save_config_and_code", fail)
     with pytest.raises(OSError, match="disk full"):
         convert_reference_checkpoint(tmp_path / "run", tmp_path / "new" / "parents" / "bam", verbose=False)
     assert folder_listing(tmp_path) == before
@@ -601,9 +601,9 @@ def test_command_line_converts_and_reports_errors(tmp_path, capsys):
 CONVERT_THEN_WAIT = """
 import sys, time
 from bam_llama.cli import convert as convert_cli
-from bam_llama.conversion import common
+from bam_llama.conversion import writing
 
-finish = common.SafetensorsShardWriter.finish
+finish = writing.SafetensorsShardWriter.finish
 
 def finish_then_wait(self):
     files = finish(self)
@@ -611,7 +611,7 @@ def finish_then_wait(self):
     time.sleep(60)
     return files
 
-common.SafetensorsShardWriter.finish = finish_then_wait
+writing.SafetensorsShardWriter.finish = finish_then_wait
 sys.exit(convert_cli.main(sys.argv[1:]))
 """
 
@@ -730,7 +730,7 @@ def test_a_full_disk_during_a_conversion_keeps_the_earlier_output(tiny_llama, tm
     out = tmp_path / "out" / "bam"
     assert main(["llama", str(llama_dir), str(out), "--max-shard-size", "30KB"]) == 0
     before = snapshot(tmp_path / "out")
-    monkeypatch.setattr("safetensors.torch.save_file", disk_full_after_half(save_file))  # read when a shard is written
+    monkeypatch.setattr("bam_llama.conversion.writing.save_file", disk_full_after_half(save_file))  # writes each shard
     capsys.readouterr()
     assert main(["llama", str(llama_dir), str(out), "--force", "--prior", "alibi"]) == 1
     assert "No space left on device" in one_error_line(capsys.readouterr().err, "bam-convert")

@@ -11,8 +11,9 @@ from huggingface_hub import HfApi, ModelCard
 
 from bam_llama.cli.card import main
 from bam_llama.data.tokenizers import build_byte_tokenizer
-from bam_llama.evaluation.passkey import evaluate_passkey
-from bam_llama.evaluation.retrieval import DepthPlan
+from bam_llama.evaluation.passkey import PasskeyResults, evaluate_passkey
+from bam_llama.evaluation.results import RESULT_KINDS, results_from_dict
+from bam_llama.evaluation.retrieval import DepthPlan, RetrievalResults
 from bam_llama.evaluation.perplexity import PerplexityResults
 from bam_llama.evaluation.plots import plot_prior
 from bam_llama.hub.card import card_template, write_model_card
@@ -148,6 +149,64 @@ def test_evaluation_tables_and_plots(model_dir, byte_model, tmp_path):
     assert (model_dir / "plots" / "passkey_heatmap.png").read_bytes() == heatmap.read_bytes()
     assert str(tmp_path) not in text
     assert_bam_metadata(ModelCard.load(path))
+
+
+# One results file of each kind bam-eval writes, and what its card section must say, written here by hand.
+RETRIEVAL_FIELDS = dict(lengths=[32, 64], depths=[[0.0, 1.0], [0.0, 1.0]], correct=[[True, True], [True, False]],
+                        prompt_lengths=[31, 63])
+RESULTS_OF_EACH_KIND = {
+    "passkey": (
+        {"kind": "passkey", **RETRIEVAL_FIELDS, "passkeys": [["123", "456"], ["789", "012"]]},
+        "### Passkey retrieval",
+        "a 3-digit key hidden at 2 depths uniformly spaced through filler text",
+        "Mean accuracy 75.0%.",
+    ),
+    "needles": (
+        {"kind": "needles", **RETRIEVAL_FIELDS, "task": {"kind": "multikey", "keys": 3, "digits": 4}},
+        "### Needles: multikey",
+        "Needles (multikey: 3 keys, one asked, 4-digit values) in real text, the asked one at 2 depths",
+        "Mean accuracy 75.0%.",
+    ),
+    "perplexity": (
+        {"kind": "perplexity", "context_lengths": [16], "window": 8, "perplexity": [42.0],
+         "window_perplexity": [[40.0, 44.0]], "num_sequences": [3]},
+        "### Perplexity by context length",
+        "and of the last 8-token window of positions.",
+        "| 16 | 3 | 42.000 | 44.000 |",
+    ),
+}
+SECTION_TITLES = {title for _, title, _, _ in RESULTS_OF_EACH_KIND.values()}
+
+
+def test_every_results_kind_of_bam_eval_has_a_sample_here():
+    """A kind bam-eval learns to write needs a sample above, and so its own card section."""
+    assert set(RESULT_KINDS) == set(RESULTS_OF_EACH_KIND)
+
+
+@pytest.mark.parametrize("kind", sorted(RESULTS_OF_EACH_KIND))
+def test_each_results_kind_renders_its_own_section(model_dir, tmp_path, kind):
+    values, title, description, table_or_accuracy = RESULTS_OF_EACH_KIND[kind]
+    results_file = tmp_path / f"{kind}.json"
+    results_file.write_text(json.dumps(values))
+    for results in (results_file, values, results_from_dict(values)):  # a bam-eval file, its dict, the object
+        text = write_model_card(model_dir, eval_results=[results]).read_text()
+        assert title in text and description in text and table_or_accuracy in text, text
+        assert [line for line in text.splitlines() if line in SECTION_TITLES] == [title]
+
+
+def test_results_of_a_kind_without_a_section_are_refused(model_dir):
+    class LongRangeResults(PasskeyResults):  # a new kind, built on a known one
+        KIND = "long-range"
+
+    retrieval = RETRIEVAL_FIELDS | {"predictions": [["a", "b"], ["c", "d"]]}
+    looks_like_perplexity = SimpleNamespace(window=8, to_markdown=lambda: "| 16 | 3 | 42.000 | 44.000 |")
+    for results in (LongRangeResults(**retrieval), RetrievalResults(**retrieval), looks_like_perplexity):
+        with pytest.raises(TypeError, match="model card has no section for") as error:
+            write_model_card(model_dir, eval_results=[results])
+        assert "PasskeyResults, NeedleResults, PerplexityResults" in str(error.value)
+        assert not (model_dir / "README.md").exists()
+    with pytest.raises(ValueError, match="not a bam-eval results file"):
+        write_model_card(model_dir, eval_results=[{"kind": "long-range", **retrieval}])
 
 
 def test_push_folder_uploads_code_weights_and_card_in_one_commit(model_dir, hub):
