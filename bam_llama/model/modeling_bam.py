@@ -35,7 +35,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .blocked_bam import bam_attention_blocked
 from .configuration_bam import BamLlamaConfig
-from .paged_bam import CONTINUOUS_BATCHING_ATTENTION, PAGED_PREFIX, PagedRequests, is_paged_cache
+from .continuous_batching_bam import CONTINUOUS_BATCHING_ATTENTION, PAGED_PREFIX, PagedRequests, is_paged_cache
 from .prior_bam import (
     SSMAX_PARAMETER,
     alibi_slopes,
@@ -355,7 +355,7 @@ def default_attn_implementation() -> str:
 def bam_attention_name(requested: str) -> str:
     """The name the config keeps for a requested implementation; a clear error for any that would drop the prior.
     "paged|eager" / "paged|sdpa", which continuous batching asks for, are BAM's own: they run over the paged cache
-    (paged_bam.py)."""
+    (continuous_batching_bam.py)."""
     name = ATTENTION_ALIASES.get(requested, requested)
     if name.startswith(PAGED_PREFIX) and name.removeprefix(PAGED_PREFIX) in CONTINUOUS_BATCHING_ATTENTION:
         name = name.removeprefix(PAGED_PREFIX)
@@ -468,7 +468,7 @@ class BamAttention(nn.Module):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         paged_requests = kwargs.pop("paged_requests", None)
-        if paged_requests is not None:  # continuous batching (paged_bam.py)
+        if paged_requests is not None:  # continuous batching (continuous_batching_bam.py)
             key_states, value_states = paged_requests.update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
         elif cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
@@ -735,8 +735,8 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
 
     def _paged_forward(self, inputs_embeds: torch.Tensor, cache, **kwargs) -> BaseModelOutputWithPast:
         """Continuous batching: every request of the step packed in one row over Transformers' paged cache, each
-        attending at its own positions (paged_bam.py). The global prior's table is computed once, for the longest
-        request; every request's is a window of it."""
+        attending at its own positions (continuous_batching_bam.py). The global prior's table is computed once, for
+        the longest request; every request's is a window of it."""
         requests = PagedRequests.from_kwargs(kwargs)
         prior_table = self.prior.table(requests.last_position) if self.prior is not None else None
         hidden_states = inputs_embeds
@@ -819,8 +819,9 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
 
     def init_continuous_batching(self, *args, **kwargs):
         """Transformers' continuous batching (also behind `generate_batch` and `transformers serve
-        --continuous-batching`), with BAM's attention over its paged cache (paged_bam.py). What cannot keep the prior
-        is refused here, before any request runs: in the worker thread it would only mark every request failed."""
+        --continuous-batching`), with BAM's attention over its paged cache (continuous_batching_bam.py). What cannot
+        keep the prior is refused here, before any request runs: in the worker thread it would only mark every
+        request failed."""
         implementation = bam_attention_name(self.config._attn_implementation)
         if implementation not in CONTINUOUS_BATCHING_ATTENTION:
             raise ValueError(

@@ -28,7 +28,7 @@ SHIPPED_CODE = {
     "triton_bam.py",
     "triton_kernels_bam.py",
     "sequence_parallel_bam.py",
-    "paged_bam.py",
+    "continuous_batching_bam.py",
 }
 HIDE_BAM_LLAMA = """
 import sys
