@@ -22,6 +22,7 @@ MODEL_PACKAGE = REPO_ROOT / "bam_llama" / "model"
 SHIPPED_CODE = {
     "configuration_bam.py",
     "modeling_bam.py",
+    "dispatch_bam.py",
     "prior_bam.py",
     "reference_bam.py",
     "blocked_bam.py",
