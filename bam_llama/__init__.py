@@ -26,7 +26,7 @@ EXPORTED_FROM = {
     "BamLlamaForCausalLM": "model.modeling_bam",
     "BamLlamaModel": "model.modeling_bam",
     "BamLlamaPreTrainedModel": "model.modeling_bam",
-    "register_bam_attention": "model.modeling_bam",
+    "register_bam_attention": "model.dispatch_bam",
 }
 
 

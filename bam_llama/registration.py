@@ -16,8 +16,8 @@ _registered = False
 
 
 def register() -> None:
-    """Register BamLlama with AutoConfig / AutoModel / AutoModelForCausalLM (and, by importing modeling_bam, BAM's
-    mask functions). Safe to call more than once."""
+    """Register BamLlama with AutoConfig / AutoModel / AutoModelForCausalLM (and, by importing modeling_bam, which
+    imports dispatch_bam, BAM's mask functions). Safe to call more than once."""
     global _registered
     if _registered:
         return

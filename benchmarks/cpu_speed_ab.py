@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from cpu_speed import REPO_ROOT, build_model, input_ids, timed
 
-from bam_llama.model import modeling_bam
+from bam_llama.model import dispatch_bam
 from bam_llama.model.prior_bam import ggd_bias
 
 HEADS, KV_HEADS, HEAD_SIZE = 8, 4, 32
@@ -142,9 +142,9 @@ def model_timings(versions, args) -> dict:
             for case, model in models.items():
                 for version, attention in ({"-": None} if case == "llama" else versions).items():
                     if attention is not None:
-                        modeling_bam.bam_attention_blocked = attention
+                        dispatch_bam.bam_attention_blocked = attention
                     times.setdefault((mode, case, version), []).append(timed(model, mode, ids))
-    modeling_bam.bam_attention_blocked = versions["current"]
+    dispatch_bam.bam_attention_blocked = versions["current"]
     return times
 
 
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         parser.error("--batch and --padded apply to --attention only")
     with tempfile.TemporaryDirectory() as folder:
         try:
-            versions = {args.old: attention_at(args.old, Path(folder), args.old_path), "current": modeling_bam.bam_attention_blocked}
+            versions = {args.old: attention_at(args.old, Path(folder), args.old_path), "current": dispatch_bam.bam_attention_blocked}
         except ValueError as error:
             parser.error(str(error))
     times = (attention_timings if args.attention else model_timings)(versions, args)

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 from .prior_bam import attention_compute_dtype, autocast_off, ssmax_factor, visible_key_counts
 
-HIDDEN = -1e30  # finite "minus infinity" for padded keys: a row that sees no key stays finite (then zeroed)
+# The score of a key a query must not see (padding, another document): a finite "minus infinity", so that a row that
+# sees no key stays finite (its output is then zeroed). Future keys get a true -inf.
+HIDDEN_KEY_SCORE = -1e30
 
 
 def bam_attention_blocked(
@@ -58,18 +60,20 @@ def bam_attention_blocked(
     compute_dtype = attention_compute_dtype(input_dtype)
     with autocast_off(query.device):
         query, key, value = (tensor.to(compute_dtype) for tensor in (query, key, value))
-        output = _blocked(
+        output = _attention_over_query_blocks(
             query, key, value, query_positions, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid,
             document_ids, dropout, block_rows, block_heads,
         )
     return output.to(input_dtype).transpose(1, 2)
 
 
-def _blocked(
+def _attention_over_query_blocks(
     query, key, value, query_positions, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid, document_ids,
     dropout, block_rows, block_heads,
 ) -> torch.Tensor:
-    """`bam_attention_blocked` on inputs already in the compute dtype: (B, Lq, H, D)."""
+    """`bam_attention_blocked` on inputs already in the compute dtype: plans the query blocks, picks the backward
+    (SDPA's own, a flash-style one for the prior, a replay per block, or autograd's in a traced graph) and attends;
+    returns (B, Lq, H, D)."""
     compute_dtype = query.dtype
     batch, heads, q_len, _ = query.shape
     last = prior_table.shape[-1] - 1  # the last query's position, from a shape: no tensor value plans the blocks
@@ -99,7 +103,7 @@ def _blocked(
         query = query * row_factor
     key_mask = None if key_valid is None else torch.zeros(key_valid.shape, dtype=compute_dtype, device=key.device)
     if key_mask is not None:
-        key_mask = key_mask.masked_fill(~key_valid.bool(), HIDDEN)[:, None, None, :]
+        key_mask = key_mask.masked_fill(~key_valid.bool(), HIDDEN_KEY_SCORE)[:, None, None, :]
     query_documents = None if document_ids is None else document_ids[:, query_positions.flip(0)]
 
     # Training a prior: SDPA has no gradient for its mask, so the blocks run without autograd (fused kernel) and
@@ -236,13 +240,13 @@ def _hide_keys_(
     scores, key_mask, query_documents, document_ids, start, rows, keys, future_hidden=False
 ) -> torch.Tensor:
     """In place on a block's (B or 1, H, rows, keys) scores or mask: -inf on future keys (unless `future_hidden`
-    says they already are), HIDDEN on padding and on keys of other documents."""
+    says they already are), HIDDEN_KEY_SCORE on padding and on keys of other documents."""
     if not future_hidden:
         _hide_future_(scores, rows, keys, float("-inf"))
     if key_mask is not None:
         scores.add_(key_mask[..., :keys])
     if query_documents is not None:
-        scores.masked_fill_(_other_documents(query_documents, document_ids, start, rows, keys), HIDDEN)
+        scores.masked_fill_(_other_documents(query_documents, document_ids, start, rows, keys), HIDDEN_KEY_SCORE)
     return scores
 
 

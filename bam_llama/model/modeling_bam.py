@@ -5,13 +5,10 @@ Attention logit for query i (absolute position p_i) and key j, head h:
     score_ij = c_i * (q_i.k_j / sqrt(d) + b_h(p_i, j))        (ssmax_prior, the reference default)
     b_h(p, j) = -exp(theta_alpha_h) * (|(j - p) - mu_h| + eps) ** theta_beta_h
 
-with c_i = s_h * ln(n_i) under Scalable Softmax (n_i = keys visible to query i), else 1. The config keeps the
-attention names users pass; for this model they select BAM's own implementations: "eager" (materialized
-reference), "sdpa" (bias as a float mask) and "bam_triton" (fused kernels, never materializes the bias). They are
-dispatched here, not through Transformers' global registry, so "eager" and "sdpa" keep their meaning for other models.
+with c_i = s_h * ln(n_i) under Scalable Softmax (n_i = keys visible to query i), else 1. The attention names the
+config keeps ("eager", "sdpa", "bam_triton") select BAM's own implementations, dispatched in dispatch_bam.py.
 """
 
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -19,12 +16,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import (
-    ALL_MASK_ATTENTION_FUNCTIONS,
-    create_causal_mask,
-    find_packed_sequence_indices,
-    sdpa_mask,
-)
+from transformers.masking_utils import find_packed_sequence_indices
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.processing_utils import Unpack
@@ -33,20 +25,18 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .blocked_bam import bam_attention_blocked
 from .configuration_bam import BamLlamaConfig
-from .paged_bam import CONTINUOUS_BATCHING_ATTENTION, PAGED_PREFIX, PagedRequests, is_paged_cache
-from .prior_bam import (
-    SSMAX_PARAMETER,
-    alibi_slopes,
-    ggd_bias,
-    relative_distance,
-    ssmax_factor,
-    visibility_from_positions,
+from .continuous_batching_bam import CONTINUOUS_BATCHING_ATTENTION, PagedRequests, is_paged_cache
+from .dispatch_bam import (
+    BAM_ATTENTION_FUNCTIONS,
+    bam_attention_name,
+    create_bam_causal_mask,
+    default_attn_implementation,
+    register_bam_attention,
 )
-from .reference_bam import bam_attention_reference, bam_attention_sdpa
+from .prior_bam import SSMAX_PARAMETER, alibi_slopes, ggd_bias, relative_distance, ssmax_factor
 from .sequence_parallel_bam import active_sequence_parallel
-from .triton_bam import TRITON_AVAILABLE, ggd_attention, triton_usable
+from .triton_bam import TRITON_AVAILABLE
 
 try:
     from transformers import initialization as hf_init
@@ -58,8 +48,53 @@ logger = logging.get_logger(__name__)
 
 
 # --------------------------------------------------------------------------------------------------------
-# Prior and Scalable Softmax
+# The KV cache's name
 # --------------------------------------------------------------------------------------------------------
+
+# Transformers 5.24 renamed the KV cache `past_key_values` -> `cache`: in model arguments, output fields,
+# `create_causal_mask` and the argument `GradientCheckpointingLayer` clears. The old name still works there, with a
+# deprecation warning. BamLlama takes either and answers in the installed version's name.
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+PAST_KEY_VALUES_REMOVAL = "5.40.0"  # the release Transformers 5.24's own models announce for `past_key_values`
+
+
+def deprecated_past_key_values(forward: Callable) -> Callable:
+    """Where the cache is named `cache` (Transformers >= 5.24), `past_key_values` passed to `forward` is renamed
+    with the FutureWarning Transformers' own models give (their `deprecate_kwarg`). Earlier releases know only
+    `past_key_values`: it passes through silently, and `_one_cache` takes it."""
+    if CACHE_NAME == "past_key_values":
+        return forward
+    return deprecate_kwarg("past_key_values", PAST_KEY_VALUES_REMOVAL, new_name="cache")(forward)
+
+
+def _one_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    """The KV cache passed under either name (before 5.24 `cache` is BamLlama's own forward-compatible name);
+    both at once is an error there. From 5.24 `deprecated_past_key_values` has already renamed it."""
+    if past_key_values is None:
+        return cache
+    if cache is not None:
+        raise ValueError("Pass the KV cache once: as `cache` or as `past_key_values` (its name before Transformers "
+                         "5.24), not both")
+    return past_key_values
+
+
+# --------------------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------------------
+
+
+class BamRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
 
 
 def initial_prior_values(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
@@ -181,243 +216,6 @@ def _copy_init(parameter: torch.Tensor, value: torch.Tensor) -> None:
         parameter.copy_(value)
 
 
-# --------------------------------------------------------------------------------------------------------
-# Attention implementations (registered with Transformers' AttentionInterface)
-# --------------------------------------------------------------------------------------------------------
-
-
-def _visible_mask(attention_mask, query_positions, key_length, document_ids=None) -> torch.Tensor:
-    """The boolean (B, 1, Lq, Lk) visibility from whatever mask the mask interface produced."""
-    if attention_mask is None or attention_mask.dim() == 2:
-        return visibility_from_positions(query_positions, key_length, attention_mask, document_ids)
-    if attention_mask.dtype == torch.bool:
-        return attention_mask
-    return attention_mask > torch.finfo(attention_mask.dtype).min / 2  # a custom additive mask
-
-
-def _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids=None):
-    visible = _visible_mask(attention_mask, query_positions, key.shape[2], document_ids)
-    bias = prior.bias(query_positions, key.shape[2])
-    row_factor = module.ssmax.row_factor(visible.sum(-1).squeeze(1)) if module.ssmax is not None else None
-    return visible, bias, row_factor
-
-
-def bam_eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    *,
-    query_positions: torch.Tensor,
-    prior: BamPrior,
-    document_ids: torch.Tensor | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference: materialized bias, fp32 softmax. Returns (B, Lq, H, D) and the probabilities."""
-    visible, bias, row_factor = _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids)
-    output, probs = bam_attention_reference(
-        query, key, value, visible, bias, scaling, row_factor, module.config.ssmax_prior, dropout
-    )
-    return output.transpose(1, 2).contiguous(), probs
-
-
-def bam_sdpa_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    *,
-    query_positions: torch.Tensor,
-    prior: BamPrior,
-    document_ids: torch.Tensor | None = None,
-    prior_table: torch.Tensor | None = None,
-    last_position: int | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """PyTorch SDPA with the (SSMax-scaled) prior passed as a float mask, over blocks of queries whose mask is a
-    view of a 1-D prior table per head. The blocks are planned from `last_position`, the last query's position as
-    a Python int; where only a tensor knows it (a static cache in a traced graph: None), or with a custom 4D mask,
-    the (Lq x Lk) prior is materialized from the query positions instead.
-
-    prior_table: `prior.table(last_position)` when the model computed it once for all layers (global prior)."""
-    if last_position is None or (attention_mask is not None and attention_mask.dim() == 4):
-        visible, bias, row_factor = _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids)
-        output = bam_attention_sdpa(
-            query, key, value, visible, bias, scaling, row_factor, module.config.ssmax_prior, dropout
-        )
-        return output.transpose(1, 2).contiguous(), None
-    output = bam_attention_blocked(
-        query, key, value, query_positions,
-        prior.table(last_position) if prior_table is None else prior_table, scaling,
-        ssmax_scale=None if module.ssmax is None else module.ssmax(), ssmax_prior=module.config.ssmax_prior,
-        key_valid=attention_mask, document_ids=document_ids, dropout=dropout,
-    )
-    return output.transpose(1, 2).contiguous(), None
-
-
-def bam_triton_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    *,
-    query_positions: torch.Tensor,
-    prior: BamPrior,
-    document_ids: torch.Tensor | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Fused Triton kernels; falls back to SDPA off-GPU, with dropout, or with a custom 4D mask."""
-    custom_mask = attention_mask is not None and attention_mask.dim() == 4
-    usable = triton_usable(query)
-    if query.is_cuda and not usable:
-        logger.warning_once(
-            f"bam_triton: the fused kernels do not fit head size {query.shape[-1]} in {query.dtype} on a GPU; "
-            "attention runs on SDPA (use fp16/bf16 for the kernels)"
-        )
-    if custom_mask or dropout > 0.0 or not usable:
-        return bam_sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling, dropout,
-            query_positions=query_positions, prior=prior, document_ids=document_ids, **kwargs,
-        )
-    ssmax = module.ssmax
-    output = ggd_attention(
-        query, key, value, *prior(), query_positions,
-        scaling=scaling, formula=prior.formula, eps=prior.eps, key_valid=attention_mask,
-        document_ids=document_ids, ssmax_scale=None if ssmax is None else ssmax(),
-        ssmax_prior=module.config.ssmax_prior,
-    )
-    return output.transpose(1, 2).contiguous(), None
-
-
-def bam_boolean_mask(*args, **kwargs) -> torch.Tensor:
-    """The full boolean (B, 1, Lq, Lk) mask; never skipped, since the prior must be added everywhere."""
-    kwargs["allow_is_causal_skip"] = False
-    kwargs["allow_is_bidirectional_skip"] = False
-    return sdpa_mask(*args, **kwargs)
-
-
-def bam_key_padding_mask(
-    *, kv_length: int, kv_offset: int = 0, attention_mask: torch.Tensor | None = None, **kwargs
-) -> torch.Tensor | None:
-    """For the fused kernels: a (B, kv_length) key-validity mask, or None when nothing is padded.
-
-    Causality and documents are handled in the kernel from positions and document ids.
-    """
-    if attention_mask is None:
-        return None
-    attention_mask = attention_mask[:, kv_offset : kv_offset + kv_length].bool()
-    missing = kv_length - attention_mask.shape[1]
-    if missing > 0:  # static caches are longer than the mask; the unfilled tail is hidden by causality
-        attention_mask = nn.functional.pad(attention_mask, (0, missing), value=True)
-    if torch.compiler.is_compiling():  # a traced graph keeps the mask: its value cannot choose the graph
-        return attention_mask
-    return None if bool(attention_mask.all()) else attention_mask
-
-
-# The attention names the config keeps, and BAM's function for each. They are looked up here, never in Transformers'
-# global registry, so "eager" and "sdpa" keep Transformers' meaning for every other model in the process.
-BAM_ATTENTION_FUNCTIONS = {
-    "eager": bam_eager_attention_forward,
-    "sdpa": bam_sdpa_attention_forward,
-    "bam_triton": bam_triton_attention_forward,
-}
-ATTENTION_ALIASES = {"bam_eager": "eager", "bam_sdpa": "sdpa"}  # the names of earlier releases
-# `create_causal_mask` finds the mask function by the config's name in the global registry, so BAM's are registered
-# under private names, and the model hands it a config view carrying the private name (see `_MaskingConfig`).
-BAM_MASK_FUNCTIONS = {"bam_eager": bam_boolean_mask, "bam_sdpa": bam_key_padding_mask, "bam_triton": bam_key_padding_mask}
-MASK_FUNCTION_NAMES = {"eager": "bam_eager", "sdpa": "bam_sdpa", "bam_triton": "bam_triton"}
-
-
-def register_bam_attention() -> None:
-    """Register BAM's mask functions under BAM's private names; idempotent (runs on every import of this module).
-    The attention functions are not registered: no other model could call them (they need BAM's prior), and
-    Transformers' own entries are left alone."""
-    for name, mask_fn in BAM_MASK_FUNCTIONS.items():
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask_fn)
-
-
-register_bam_attention()
-
-
-def default_attn_implementation() -> str:
-    return "bam_triton" if TRITON_AVAILABLE and torch.cuda.is_available() else "sdpa"
-
-
-def bam_attention_name(requested: str) -> str:
-    """The name the config keeps for a requested implementation; a clear error for any that would drop the prior.
-    "paged|eager" / "paged|sdpa", which continuous batching asks for, are BAM's own: they run over the paged cache
-    (paged_bam.py)."""
-    name = ATTENTION_ALIASES.get(requested, requested)
-    if name.startswith(PAGED_PREFIX) and name.removeprefix(PAGED_PREFIX) in CONTINUOUS_BATCHING_ATTENTION:
-        name = name.removeprefix(PAGED_PREFIX)
-    if name not in BAM_ATTENTION_FUNCTIONS:
-        raise ValueError(  # Transformers' own wording first: tools and tests match on it
-            f'Specified `attn_implementation="{requested}"` is not supported. BamLlama runs only its own attention: '
-            "other backends (flash, flex, Transformers' paged kernels, kernels from the Hub) would drop the "
-            f"positional prior. Choose one of {sorted(BAM_ATTENTION_FUNCTIONS)}."
-        )
-    return name
-
-
-# --------------------------------------------------------------------------------------------------------
-# The KV cache's name
-# --------------------------------------------------------------------------------------------------------
-
-# Transformers 5.24 renamed the KV cache `past_key_values` -> `cache`: in model arguments, output fields,
-# `create_causal_mask` and the argument `GradientCheckpointingLayer` clears. The old name still works there, with a
-# deprecation warning. BamLlama takes either and answers in the installed version's name.
-CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-PAST_KEY_VALUES_REMOVAL = "5.40.0"  # the release Transformers 5.24's own models announce for `past_key_values`
-
-
-def deprecated_past_key_values(forward: Callable) -> Callable:
-    """Where the cache is named `cache` (Transformers >= 5.24), `past_key_values` passed to `forward` is renamed
-    with the FutureWarning Transformers' own models give (their `deprecate_kwarg`). Earlier releases know only
-    `past_key_values`: it passes through silently, and `_one_cache` takes it."""
-    if CACHE_NAME == "past_key_values":
-        return forward
-    return deprecate_kwarg("past_key_values", PAST_KEY_VALUES_REMOVAL, new_name="cache")(forward)
-
-
-def _one_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
-    """The KV cache passed under either name (before 5.24 `cache` is BamLlama's own forward-compatible name);
-    both at once is an error there. From 5.24 `deprecated_past_key_values` has already renamed it."""
-    if past_key_values is None:
-        return cache
-    if cache is not None:
-        raise ValueError("Pass the KV cache once: as `cache` or as `past_key_values` (its name before Transformers "
-                         "5.24), not both")
-    return past_key_values
-
-
-# --------------------------------------------------------------------------------------------------------
-# Layers
-# --------------------------------------------------------------------------------------------------------
-
-
-class BamRMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
-
-
 class BamMLP(nn.Module):
     def __init__(self, config: BamLlamaConfig):
         super().__init__()
@@ -468,7 +266,7 @@ class BamAttention(nn.Module):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         paged_requests = kwargs.pop("paged_requests", None)
-        if paged_requests is not None:  # continuous batching (paged_bam.py)
+        if paged_requests is not None:  # continuous batching (continuous_batching_bam.py)
             key_states, value_states = paged_requests.update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
         elif cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
@@ -707,7 +505,7 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         else:
             document_ids = self._packed_document_ids(mask_embeds, attention_mask, position_ids, cache)
 
-        causal_mask = _create_causal_mask(
+        causal_mask = create_bam_causal_mask(
             self.config, mask_embeds, attention_mask, cache, position_ids, query_positions
         )
         if use_cache and cache is None:
@@ -735,8 +533,8 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
 
     def _paged_forward(self, inputs_embeds: torch.Tensor, cache, **kwargs) -> BaseModelOutputWithPast:
         """Continuous batching: every request of the step packed in one row over Transformers' paged cache, each
-        attending at its own positions (paged_bam.py). The global prior's table is computed once, for the longest
-        request; every request's is a window of it."""
+        attending at its own positions (continuous_batching_bam.py). The global prior's table is computed once, for
+        the longest request; every request's is a window of it."""
         requests = PagedRequests.from_kwargs(kwargs)
         prior_table = self.prior.table(requests.last_position) if self.prior is not None else None
         hidden_states = inputs_embeds
@@ -769,32 +567,6 @@ def _last_query_position(past_seen_tokens: int | torch.Tensor, query_length: int
     return past_seen_tokens + query_length - 1
 
 
-_CAUSAL_MASK_PARAMETERS = inspect.signature(create_causal_mask).parameters
-class _MaskingConfig:
-    """The model's config as `create_causal_mask` sees it: every field is the config's, except the attention name,
-    which is the private name BAM's mask function is registered under (the global "eager" / "sdpa" mask
-    functions are Transformers' own and stay so)."""
-
-    def __init__(self, config: BamLlamaConfig):
-        self._config = config
-        self._attn_implementation = MASK_FUNCTION_NAMES[bam_attention_name(config._attn_implementation)]
-
-    def __getattr__(self, name: str):
-        return getattr(self._config, name)
-
-
-def _create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids, query_positions):
-    """`create_causal_mask` with BAM's mask function, across Transformers 5.x: early releases name the embeddings
-    `input_embeds` and take `cache_position`; later ones read the query offset from the cache; 5.24 renamed
-    `past_key_values` to `cache`."""
-    kwargs = dict(config=_MaskingConfig(config), attention_mask=attention_mask, position_ids=position_ids)
-    kwargs["inputs_embeds" if "inputs_embeds" in _CAUSAL_MASK_PARAMETERS else "input_embeds"] = inputs_embeds
-    kwargs["cache" if "cache" in _CAUSAL_MASK_PARAMETERS else "past_key_values"] = cache
-    if "cache_position" in _CAUSAL_MASK_PARAMETERS:
-        kwargs["cache_position"] = query_positions
-    return create_causal_mask(**kwargs)
-
-
 class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -819,8 +591,9 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
 
     def init_continuous_batching(self, *args, **kwargs):
         """Transformers' continuous batching (also behind `generate_batch` and `transformers serve
-        --continuous-batching`), with BAM's attention over its paged cache (paged_bam.py). What cannot keep the prior
-        is refused here, before any request runs: in the worker thread it would only mark every request failed."""
+        --continuous-batching`), with BAM's attention over its paged cache (continuous_batching_bam.py). What cannot
+        keep the prior is refused here, before any request runs: in the worker thread it would only mark every
+        request failed."""
         implementation = bam_attention_name(self.config._attn_implementation)
         if implementation not in CONTINUOUS_BATCHING_ATTENTION:
             raise ValueError(
@@ -898,5 +671,5 @@ __all__ = [
     "BamLlamaPreTrainedModel",
     "BamPrior",
     "BamScalableSoftmax",
-    "register_bam_attention",
+    "register_bam_attention",  # dispatch_bam.py's, importable from here as before
 ]

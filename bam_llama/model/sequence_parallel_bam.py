@@ -6,7 +6,7 @@ contiguous chunk of every sequence. Around attention, an all-to-all trades the c
 over the WHOLE sequence for H / N of the heads, then a second all-to-all gives back its chunk for all heads.
 
 DeepSpeed wraps Transformers' attention registry, which BamLlama never calls (its attention is looked up in its own
-table, see `modeling_bam.BAM_ATTENTION_FUNCTIONS`), and its wrapper could not carry BAM's inputs anyway. So the
+table, see `dispatch_bam.BAM_ATTENTION_FUNCTIONS`), and its wrapper could not carry BAM's inputs anyway. So the
 exchange is done here, with torch.distributed (any backend, gloo included), on the group DeepSpeed created:
 
 - positions, document ids, padding and SSMax counts come from the GATHERED `position_ids` / attention mask, so every

@@ -179,16 +179,16 @@ def test_compiled_decoding_with_a_static_cache_equals_generate(name):
 def test_eager_attention_plans_blocks_from_the_cache_length(monkeypatch):
     """Outside a traced graph the "sdpa" path stays the blocked one (a window of one prior table per head), its
     table ending at the last query's position: read from the cache length, a tensor only for a static cache."""
-    from bam_llama.model import modeling_bam
+    from bam_llama.model import dispatch_bam
 
     tables = []
-    blocked = modeling_bam.bam_attention_blocked
+    blocked = dispatch_bam.bam_attention_blocked
 
     def spy(query, key, value, positions, table, *args, **kwargs):
         tables.append((table.shape[-1], int(positions[-1]) + 1, key.shape[2]))
         return blocked(query, key, value, positions, table, *args, **kwargs)
 
-    monkeypatch.setattr(modeling_bam, "bam_attention_blocked", spy)
+    monkeypatch.setattr(dispatch_bam, "bam_attention_blocked", spy)
     model = model_of("bam")
     prompt = torch.randint(3, VOCAB, (BATCH, 7))
     cache = StaticCache(config=model.config, max_cache_len=16)

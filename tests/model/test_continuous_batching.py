@@ -13,7 +13,7 @@ from helpers import tiny_model
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import initialization
 
-from bam_llama.model import paged_bam
+from bam_llama.model import continuous_batching_bam
 
 VOCAB = 97
 STEPS = 5
@@ -63,14 +63,14 @@ def assert_matches_full_forwards(model, prompts, outputs):
 def steps(monkeypatch):
     """Every step's requests as (queries, keys) lengths, recorded where the model reads them."""
     recorded = []
-    from_kwargs = paged_bam.PagedRequests.from_kwargs.__func__
+    from_kwargs = continuous_batching_bam.PagedRequests.from_kwargs.__func__
 
     def recording(cls, kwargs):
         requests = from_kwargs(cls, kwargs)
         recorded.append([(q.stop - q.start, k.stop - k.start) for q, k in requests.spans()])
         return requests
 
-    monkeypatch.setattr(paged_bam.PagedRequests, "from_kwargs", classmethod(recording))
+    monkeypatch.setattr(continuous_batching_bam.PagedRequests, "from_kwargs", classmethod(recording))
     return recorded
 
 

@@ -292,6 +292,17 @@ def test_packed_documents_equal_documents_alone(implementation):
 # ---------------------------------------------------------------------------------------------- save / load
 
 
+def test_public_names_import_from_where_they_always_did():
+    """The attention dispatch lives in dispatch_bam.py; what users imported from modeling_bam still comes from there."""
+    import bam_llama
+    from bam_llama.model import modeling_bam
+
+    for name in ["BamLlamaForCausalLM", "BamLlamaModel", "BamLlamaPreTrainedModel", "BamPrior", "BamScalableSoftmax",
+                 "register_bam_attention", "CACHE_NAME", "REMOTE_CODE_AUTO_MAP"]:
+        assert hasattr(modeling_bam, name), name
+    assert bam_llama.register_bam_attention is modeling_bam.register_bam_attention
+
+
 def test_save_and_load_round_trip_is_exact(tmp_path):
     model = tiny_model("sdpa", ssmax=True, prior_scope="layer")
     model.save_pretrained(tmp_path)

@@ -22,13 +22,14 @@ MODEL_PACKAGE = REPO_ROOT / "bam_llama" / "model"
 SHIPPED_CODE = {
     "configuration_bam.py",
     "modeling_bam.py",
+    "dispatch_bam.py",
     "prior_bam.py",
     "reference_bam.py",
     "blocked_bam.py",
     "triton_bam.py",
     "triton_kernels_bam.py",
     "sequence_parallel_bam.py",
-    "paged_bam.py",
+    "continuous_batching_bam.py",
 }
 HIDE_BAM_LLAMA = """
 import sys

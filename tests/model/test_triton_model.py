@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 pytest.importorskip("triton")
 
-from bam_llama.model import modeling_bam  # noqa: E402
+from bam_llama.model import dispatch_bam  # noqa: E402
 
 MODEL = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
 
@@ -23,7 +23,7 @@ def kernel_calls(monkeypatch):
     """Interpreter on; the SDPA fallback raises; returns the list of (query length, key length) of kernel calls."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     calls = []
-    ggd_attention = modeling_bam.ggd_attention
+    ggd_attention = dispatch_bam.ggd_attention
 
     def counted(query, key, *args, **kwargs):
         calls.append((query.shape[2], key.shape[2]))
@@ -32,8 +32,8 @@ def kernel_calls(monkeypatch):
     def no_fallback(*args, **kwargs):
         raise AssertionError("bam_triton fell back to SDPA: the kernels did not run")
 
-    monkeypatch.setattr(modeling_bam, "ggd_attention", counted)
-    monkeypatch.setattr(modeling_bam, "bam_sdpa_attention_forward", no_fallback)
+    monkeypatch.setattr(dispatch_bam, "ggd_attention", counted)
+    monkeypatch.setattr(dispatch_bam, "bam_sdpa_attention_forward", no_fallback)
     return calls
 
 
