@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -13,24 +12,12 @@ from typing import TYPE_CHECKING
 
 from ..data.tokenizers import TOKENIZER_FILES
 from ..model_folders import check_finite_tensors
-from ..outputs import OutputError
+from .choices import DEFAULT_MAX_SHARD_SIZE, DTYPES, parse_size
 
 if TYPE_CHECKING:  # PyTorch and the model are imported where used, so that --help does not load them
     import torch
 
     from ..model.configuration_bam import BamLlamaConfig
-
-
-DEFAULT_MAX_SHARD_SIZE = "5GB"
-
-
-def parse_size(size: str | int) -> int:
-    """'5GB', '500MB', '2GiB' or a number of bytes -> bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
-    if match is None or float(match.group(1)) <= 0:
-        raise OutputError(f"cannot read the shard size {size!r}; write it like 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * units[match.group(2) or ""])
 
 
 class SafetensorsShardWriter:
@@ -88,9 +75,6 @@ class SafetensorsShardWriter:
     @staticmethod
     def _partial_name(index: int) -> str:
         return f"shard-{index:05d}.safetensors.partial"
-
-
-DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}  # torch dtype names
 
 
 class ConversionError(Exception):

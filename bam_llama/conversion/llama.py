@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..data.tokenizers import TOKENIZER_FILES
 from ..outputs import check_output_dir, staged_output_dir
+from .choices import LLAMA_PRIOR_INITS
 from .common import (
     DEFAULT_MAX_SHARD_SIZE,
     ConversionError,
@@ -39,12 +40,6 @@ if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used
     from transformers import LlamaConfig
 
     from ..model.configuration_bam import BamLlamaConfig
-
-
-LLAMA_PRIOR_INITS = {
-    "uniform": dict(theta_alpha_init=0.0, theta_beta_init=0.0),  # bias -1 everywhere: no positional preference
-    "alibi": dict(theta_alpha_init="alibi", theta_beta_init=1.0),  # bias -slope_h * |j - i|: ALiBi
-}
 
 
 ROTARY_BUFFER_KEY = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")

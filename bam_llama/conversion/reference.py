@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from ..model_folders import check_finite_tensors
 from ..outputs import check_output_dir, staged_output_dir
+from .choices import PRIOR_NAME_GENERATIONS, VARIANTS
 from .common import (
     DEFAULT_MAX_SHARD_SIZE,
     ConversionError,
@@ -47,8 +48,6 @@ if TYPE_CHECKING:  # PyTorch and the model are imported where used, so that --he
     from ..model.configuration_bam import BamLlamaConfig
 
 
-VARIANTS = ("bam", "bam_ssmax")
-
 # Reference (Meta Llama layout) names -> BamLlama names.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
 REFERENCE_ATTENTION_WEIGHTS = {
@@ -63,11 +62,6 @@ REFERENCE_FEED_FORWARD_WEIGHTS = {
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-# The prior parameters were renamed upstream; both generations store them as (1, H, 1, 1).
-PRIOR_NAME_GENERATIONS = {
-    "shape-scale-loc": {"shape": "theta_beta", "scale": "theta_alpha", "loc": "theta_mu"},
-    "theta": {"theta_beta": "theta_beta", "theta_alpha": "theta_alpha", "theta_mu": "theta_mu"},
 }
 PRIOR_TRAIN_FLAGS = {  # model_args flag per generation, for theta_beta, theta_alpha, theta_mu
     "shape-scale-loc": ("train_shape", "train_scale", "train_loc"),

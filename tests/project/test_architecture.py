@@ -21,9 +21,10 @@ ALLOWED = {
     "hub": {"model", "data", "evaluation", "outputs", "model_folders"},
     "training": {"model", "data", "evaluation", "hub", "outputs", "model_folders", "registration"},
     "conversion": {"model", "data", "hub", "outputs", "model_folders"},
-    "demo": {"model", "data", "evaluation", "outputs", "model_folders"},
+    "demo_settings": {"data"},
+    "demo": {"model", "data", "evaluation", "outputs", "model_folders", "demo_settings"},
     "serving": {"model", "registration"},
-    "cli": {"model", "data", "evaluation", "hub", "training", "conversion", "demo", "outputs", "model_folders"},
+    "cli": {"model", "data", "evaluation", "hub", "training", "conversion", "demo", "demo_settings", "outputs", "model_folders"},
     "__init__": {"model", "registration"},
 }
 
@@ -87,3 +88,4 @@ def test_the_directions_have_no_cycle():
 
     for part in ALLOWED:
         visit(part, [])
+

@@ -1,0 +1,33 @@
+"""The choices and defaults `bam-convert` offers: weight dtypes, the shard size, the reference run's variants and
+prior names, a converted Llama's prior. Light on purpose: `bam-convert --help` reads it."""
+
+import re
+
+from ..outputs import OutputError
+
+DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}  # torch dtype names
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
+def parse_size(size: str | int) -> int:
+    """'5GB', '500MB', '2GiB' or a number of bytes -> bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
+    if match is None or float(match.group(1)) <= 0:
+        raise OutputError(f"cannot read the shard size {size!r}; write it like 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * units[match.group(2) or ""])
+
+
+VARIANTS = ("bam", "bam_ssmax")
+
+# The prior parameters were renamed upstream; both generations store them as (1, H, 1, 1).
+PRIOR_NAME_GENERATIONS = {
+    "shape-scale-loc": {"shape": "theta_beta", "scale": "theta_alpha", "loc": "theta_mu"},
+    "theta": {"theta_beta": "theta_beta", "theta_alpha": "theta_alpha", "theta_mu": "theta_mu"},
+}
+
+LLAMA_PRIOR_INITS = {
+    "uniform": dict(theta_alpha_init=0.0, theta_beta_init=0.0),  # bias -1 everywhere: no positional preference
+    "alibi": dict(theta_alpha_init="alibi", theta_beta_init=1.0),  # bias -slope_h * |j - i|: ALiBi
+}
