@@ -13,13 +13,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..conversion.common import DEFAULT_MAX_SHARD_SIZE, DTYPES, ConversionError, parse_size
-from ..conversion.llama import LLAMA_PRIOR_INITS, convert_llama_checkpoint
-from ..conversion.reference import (
+from ..conversion.choices import (
+    DEFAULT_MAX_SHARD_SIZE,
+    DTYPES,
+    LLAMA_PRIOR_INITS,
     PRIOR_NAME_GENERATIONS,
     VARIANTS,
-    convert_bam_to_reference,
-    convert_reference_checkpoint,
+    parse_size,
 )
 from ..outputs import exit_on_sigterm
 from .reporting import run_reported
@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_command(args: argparse.Namespace) -> Path:
+    from ..conversion.llama import convert_llama_checkpoint
+    from ..conversion.reference import convert_bam_to_reference, convert_reference_checkpoint
+
     if args.command == "reference":
         return convert_reference_checkpoint(
             args.run_dir, args.out_dir, tokenizer=args.tokenizer, formula=args.formula, variant=args.variant,
@@ -125,6 +128,8 @@ def run_command(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from ..conversion.common import ConversionError
+
     exit_on_sigterm()
     return run_reported("bam-convert", run_command, args, bad_input=(ConversionError, ValueError))
 
