@@ -48,13 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         "uniformly spaced from the start to the end of the filler; accuracy of the greedy answer.",
     )
     _add_model_arguments(passkey)
-    passkey.add_argument("--lengths", nargs="+", type=length_list, default=[length_list(PASSKEY_LENGTHS)],
-                         help=f"requested prompt lengths in tokens, e.g. 512,1k,2k (default: {PASSKEY_LENGTHS})")
+    _add_prompt_lengths(passkey)
     passkey.add_argument("--depths", type=depth_plan, default=str(DEPTHS), metavar="N[,LENGTH=N...]",
                          help=f"depths per length, and fewer (or more) at named lengths: 20,32k=10,64k=4 (default: {DEPTHS})")
     passkey.add_argument("--digits", type=positive_int, default=5, help="digits of the passkey (default: %(default)s)")
     passkey.add_argument("--seed", type=int, default=0, help="seed of the random passkeys (default: %(default)s)")
-    passkey.add_argument("--per-depth", action="store_true", help="print one column per depth")
+    _add_per_depth(passkey)
     passkey.add_argument(
         "--template", default="model",
         help="the prompt: 'model' (the one the model was trained on, saved in its config; the paper's if it has "
@@ -74,8 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(needles)
     needles.add_argument("--tasks", type=needle_kinds, default=list(NEEDLE_KINDS), metavar="KIND[,KIND...]",
                          help=f"comma-separated subset of {','.join(NEEDLE_KINDS)} (default: all)")
-    needles.add_argument("--lengths", nargs="+", type=length_list, default=[length_list(PASSKEY_LENGTHS)],
-                         help=f"requested prompt lengths in tokens, e.g. 512,1k,2k (default: {PASSKEY_LENGTHS})")
+    _add_prompt_lengths(needles)
     needles.add_argument("--depths", type=depth_plan, default=str(DEPTHS), metavar="N[,LENGTH=N...]",
                          help=f"depths of the asked needle per length, and fewer at named lengths: 20,64k=4 (default: {DEPTHS})")
     task = NeedleTask("multikey")
@@ -88,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     needles.add_argument("--seed", type=int, default=0, help="seed of labels, values, depths of the other needles and haystack (default: %(default)s)")
     needles.add_argument("--haystack", help="text for the haystack, read as --data of perplexity (default: the held-out "
                          "part of the Python corpus: the language reference and standard library of this Python)")
-    needles.add_argument("--per-depth", action="store_true", help="print one column per depth")
+    _add_per_depth(needles)
     needles.set_defaults(run=run_needles)
 
     perplexity = commands.add_parser(
@@ -135,6 +133,15 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attn-implementation", help="sdpa, eager or bam_triton (default: the model's)")
     parser.add_argument("--out", help="folder for the table (.md), results (.json) and plot (.png)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _add_prompt_lengths(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lengths", nargs="+", type=length_list, default=[length_list(PASSKEY_LENGTHS)],
+                        help=f"requested prompt lengths in tokens, e.g. 512,1k,2k (default: {PASSKEY_LENGTHS})")
+
+
+def _add_per_depth(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--per-depth", action="store_true", help="print one column per depth")
 
 
 def _load_for_cli(args):
