@@ -4,9 +4,9 @@ Importing the package registers `bam_llama` with the Auto classes, and BAM's mas
 with Transformers' mask interface. A BamLlama's "eager", "sdpa" and "bam_triton" attention are BAM's own, chosen
 inside the model: Transformers' global "eager" / "sdpa" stay as they are for every other model.
 
-The import itself is light, so the commands can print --help without loading PyTorch: the classes are imported on
-first use, and the registration happens as soon as Transformers' Auto classes are imported (at once when they
-already are), always before they can be used.
+Light on purpose: every command imports the package root before it parses its arguments, so the import loads no
+PyTorch: the classes are imported on first use, and the registration happens as soon as Transformers' Auto classes
+are imported (at once when they already are), always before they can be used.
 """
 
 import importlib

@@ -17,12 +17,13 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .data.packing import IGNORE_INDEX
 from .data.tokenizers import encode
+from .demo_settings import DataConfig, DemoSettings, ModelSize, TrainConfig, default_settings
 from .evaluation.passkey import (
     PasskeyResults,
     PasskeyTemplate,
@@ -51,15 +52,6 @@ DEMO_TEMPLATE = PasskeyTemplate(
 
 
 # ------------------------------------------------------------------------------------------------- data
-
-
-@dataclass
-class DataConfig:
-    train_length: int = 128
-    passkey_fraction: float = 1.0
-    answer_only_loss: bool = True
-    add_bos: bool = True
-    num_digits: int = 5
 
 
 def answer_text(passkey: str) -> str:
@@ -124,28 +116,6 @@ def training_batch(
 # ----------------------------------------------------------------------------------------------- models
 
 
-@dataclass
-class ModelSize:
-    hidden_size: int = 128
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    intermediate_size: int | None = None
-
-    def llama_fields(self) -> dict:
-        from .data.tokenizers import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
-
-        return dict(
-            vocab_size=BYTE_VOCAB_SIZE,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size or 2 * self.hidden_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            pad_token_id=PAD_TOKEN_ID,
-            bos_token_id=BOS_TOKEN_ID,
-            eos_token_id=EOS_TOKEN_ID,
-        )
-
-
 def build_model(name: str, size: ModelSize, train_length: int, **bam_overrides) -> PreTrainedModel:
     """"bam" (uniform prior, alpha and beta trained), "alibi" (fixed linear prior) or "rope" (Transformers' Llama)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -168,19 +138,6 @@ def build_model(name: str, size: ModelSize, train_length: int, **bam_overrides) 
 
 
 # --------------------------------------------------------------------------------------------- training
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 1500
-    batch_size: int = 32
-    lr: float = 2e-3
-    # The prior has a handful of scalars per head that must travel several units (theta_alpha ~ 2, theta_beta ~ -2
-    # for a sharp head): at the weights' rate they barely move in a short run.
-    prior_lr: float | None = 5e-2
-    warmup_fraction: float = 0.1
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
 
 
 def optimizer_for(model: PreTrainedModel, train: TrainConfig) -> torch.optim.Optimizer:
@@ -247,30 +204,7 @@ def train_model(
 # ------------------------------------------------------------------------------------------------- main
 
 
-MODEL_NAMES = ("bam", "rope", "alibi")
-DEFAULT_MODELS = ("bam", "rope")
 MODEL_LABELS = {"bam": "BAM (GGD prior)", "rope": "RoPE (Llama)", "alibi": "ALiBi"}
-
-
-@dataclass
-class DemoSettings:
-    data: DataConfig
-    train: TrainConfig
-    size: ModelSize
-    lengths: list[int]
-    num_depths: int
-
-
-def default_settings(quick: bool) -> DemoSettings:
-    if quick:
-        return DemoSettings(
-            data=DataConfig(train_length=64),
-            train=TrainConfig(steps=8, batch_size=4),
-            size=ModelSize(hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
-            lengths=[64, 128],
-            num_depths=2,
-        )
-    return DemoSettings(data=DataConfig(), train=TrainConfig(), size=ModelSize(), lengths=[128, 256, 512, 1024, 2048, 4096, 8192], num_depths=20)
 
 
 def settings_from_args(args: argparse.Namespace) -> DemoSettings:

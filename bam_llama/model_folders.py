@@ -4,6 +4,9 @@ or infinity), with errors that name what is wrong."""
 import os
 from pathlib import Path
 
+import torch
+from safetensors import SafetensorError, safe_open
+
 
 def check_model_path(path) -> None:
     """A path that can only be local (absolute, ./ or ../, more than one '/') must exist: Transformers would
@@ -20,8 +23,6 @@ def check_safetensors_files(model_path) -> None:
     folder = Path(model_path)
     if not folder.is_dir():
         return
-    from safetensors import SafetensorError, safe_open
-
     for path in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(path, framework="pt"):
@@ -40,8 +41,6 @@ class TrainingDiverged(RuntimeError):
 
 def check_finite_loss(loss, step: int) -> None:
     """Stop a run whose loss (a tensor) is no longer finite, naming the step."""
-    import torch
-
     if not torch.isfinite(loss).all():
         raise TrainingDiverged(
             f"the training loss became {loss.float().mean().item()} at step {step}; stopped without saving that step "
@@ -51,8 +50,6 @@ def check_finite_loss(loss, step: int) -> None:
 
 def check_finite_tensors(named_tensors, where: str) -> None:
     """Refuse the first floating-point tensor of (name, tensor) pairs that holds NaN or an infinity, naming it."""
-    import torch
-
     for name, tensor in named_tensors:
         if tensor.is_floating_point() or tensor.is_complex():
             bad = int((~torch.isfinite(tensor)).sum())
@@ -73,8 +70,6 @@ def check_finite_weights(model_path) -> None:
     folder = Path(model_path)
     if not folder.is_dir():
         return
-    from safetensors import safe_open
-
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(path, framework="pt") as handle:
             check_finite_tensors(((name, handle.get_tensor(name)) for name in handle.keys()), str(path))

@@ -1,7 +1,7 @@
 """Output folders shared by the commands: staged beside their destination and renamed into place when complete,
 with signals held during the renames and what killed runs left behind cleaned up.
 
-Standard library only, so the commands can parse their arguments and print --help without loading the model stack.
+Light on purpose (standard library only): the commands import it before they parse their arguments.
 """
 
 from __future__ import annotations
@@ -160,15 +160,15 @@ def recover_interrupted_output(out_dir: Path) -> None:
     for path, match in leftovers:
         pid, kind = match.group(1), match.group(2)
         if pid is None:
-            note(f"{path} looks like the leftover of an interrupted run; delete it if no other run writes {out_dir}")
+            report_leftover(f"{path} looks like the leftover of an interrupted run; delete it if no other run writes {out_dir}")
         elif process_is_running(int(pid)):
             continue
         elif kind == "old" and not (out_dir.exists() or out_dir.is_symlink()):
             os.replace(path, out_dir)
-            note(f"restored {out_dir} from {path.name}: a run replacing it was interrupted")
+            report_leftover(f"restored {out_dir} from {path.name}: a run replacing it was interrupted")
         else:
             remove_path(path)
-            note(f"removed {path.name}, the {LEFTOVER_DESCRIPTIONS[kind]} of a run that was interrupted while writing {out_dir}")
+            report_leftover(f"removed {path.name}, the {LEFTOVER_DESCRIPTIONS[kind]} of a run that was interrupted while writing {out_dir}")
 
 
 def process_is_running(pid: int) -> bool:
@@ -190,7 +190,8 @@ def remove_path(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def note(message: str) -> None:
+def report_leftover(message: str) -> None:
+    """One line on stderr saying what was done with (or found of) a killed run's leftover."""
     print(f"note: {message}", file=sys.stderr)
 
 

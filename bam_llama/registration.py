@@ -1,6 +1,7 @@
 """BamLlama's registration with Transformers' Auto classes, done on `import bam_llama`.
 
-The package import stays light, so the commands can print --help without loading PyTorch: the config is registered
+Light on purpose, like the package root that runs it: every command imports the root before it parses its arguments,
+so Transformers and the model are imported only inside `register` and `register_config`. The config is registered
 with AutoConfig as soon as Transformers' Auto classes are imported (at once when they already are), always before they
 can be used, and the models when the first BamLlamaConfig is built.
 """

@@ -60,7 +60,7 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPOSITORY))
 
 from bam_llama.data.corpus import Document, corpus_statistics, python_documents, split_documents  # noqa: E402
-from bam_llama.evaluation.needles import NEEDLE_KINDS, NeedleTask  # noqa: E402
+from bam_llama.evaluation.needle_tasks import NEEDLE_KINDS, NeedleTask  # noqa: E402
 from bam_llama.evaluation.passkey import PasskeyTemplate, random_passkey  # noqa: E402
 from bam_llama.outputs import exit_on_sigterm, staged_output_dir  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402

@@ -1,6 +1,6 @@
 """The command line pieces the commands share: argparse `type=` checks (a bad value becomes one line naming the
 argument and exit status 2, before any weights are loaded) and the flags of `bam-finetune` and `bam-pretrain`. Light
-on imports, so --help stays fast."""
+on purpose: every command imports it before parsing; what a check needs of the library is imported inside it."""
 
 import argparse
 import logging

@@ -25,6 +25,13 @@ from ..outputs import exit_on_sigterm
 from .reporting import run_reported
 
 
+def add_bam_output_options(parser: argparse.ArgumentParser) -> None:
+    """OUT_DIR, the BamLlama folder `reference` and `llama` create (after their input, as the second positional),
+    and its options."""
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="BamLlama folder to create")
+    add_output_options(parser)
+
+
 def add_output_options(parser: argparse.ArgumentParser, with_dtype: bool = True) -> None:
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     if with_dtype:
@@ -59,7 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert a reference GGD-BAM run folder (model.pt + args.json) into a BamLlama folder.",
     )
     reference.add_argument("run_dir", metavar="RUN_DIR", help="folder with model.pt and args.json")
-    reference.add_argument("out_dir", metavar="OUT_DIR", help="BamLlama folder to create")
     reference.add_argument("--tokenizer", metavar="PATH", help="tokenizer folder or file to copy into OUT_DIR")
     reference.add_argument(
         "--formula",
@@ -67,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(scale inside the power, older runs); the weights cannot tell",
     )
     reference.add_argument("--variant", choices=VARIANTS, help="needed when args.json has no args.position_encoding")
-    add_output_options(reference)
+    add_bam_output_options(reference)
 
     llama = commands.add_parser(
         "llama", help="Hugging Face LlamaForCausalLM folder -> BamLlama folder (RoPE dropped)",
@@ -75,7 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
         "weights, RoPE dropped, a GGD prior added. Fine-tune the result before use.",
     )
     llama.add_argument("llama_dir", metavar="LLAMA_DIR", help="folder with config.json and safetensors weights, or a .gguf file")
-    llama.add_argument("out_dir", metavar="OUT_DIR", help="BamLlama folder to create")
     llama.add_argument(
         "--prior", choices=list(LLAMA_PRIOR_INITS), default="uniform",
         help="prior initialisation: uniform (theta 0, no positional preference; default) or alibi (beta 1, ALiBi slopes)",
@@ -88,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     llama.add_argument("--train-context-length", type=int, metavar="N", help="default: the Llama max_position_embeddings")
     llama.add_argument("--base-model", metavar="NAME", help="source recorded in the config and model card, e.g. its Hub id")
     llama.add_argument("--gguf-file", metavar="NAME", help="convert the GGUF checkpoint LLAMA_DIR/NAME (needs the gguf package)")
-    add_output_options(llama)
+    add_bam_output_options(llama)
 
     to_reference = commands.add_parser(
         "to-reference", help="BamLlama folder -> reference run (model.pt + args.json)",
@@ -105,7 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_command(args: argparse.Namespace) -> Path:
-    from ..conversion.gguf import convert_gguf_checkpoint, gguf_source
     from ..conversion.llama import convert_llama_checkpoint
     from ..conversion.reference import convert_bam_to_reference, convert_reference_checkpoint
 
@@ -115,6 +119,8 @@ def run_command(args: argparse.Namespace) -> Path:
             dtype=args.dtype, force=args.force, max_shard_size=args.max_shard_size,
         )
     if args.command == "llama":
+        from ..conversion.gguf import convert_gguf_checkpoint, gguf_source
+
         gguf_path = gguf_source(args.llama_dir, args.gguf_file)
         return (convert_gguf_checkpoint if gguf_path else convert_llama_checkpoint)(
             gguf_path or args.llama_dir, args.out_dir, prior=args.prior, ssmax=args.ssmax,

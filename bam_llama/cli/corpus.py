@@ -5,8 +5,6 @@ import json
 import sys
 from pathlib import Path
 
-from ..data.corpus import write_corpus
-
 CORPUS_DESCRIPTION = "A real-text corpus with no download: the text that ships with Python itself."
 
 
@@ -18,6 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.heldout_percent < 100:
         parser.error(f"--heldout-percent must be in (0, 100), got {args.heldout_percent}")
+    from ..data.corpus import write_corpus
+
     statistics = write_corpus(args.output_dir, args.heldout_percent / 100, args.force)
     print(json.dumps(statistics, indent=2))
     return 0

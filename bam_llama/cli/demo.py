@@ -4,8 +4,7 @@ import argparse
 import os
 import sys
 
-from ..demo import DEFAULT_MODELS, MODEL_NAMES, default_settings, run
-from ..evaluation.passkey import PasskeyResults
+from ..demo_settings import DEFAULT_MODELS, MODEL_NAMES, default_settings
 from ..outputs import OutputError, exit_on_sigterm
 from .arguments import device_name, length_list, positive_float, positive_int
 
@@ -83,9 +82,12 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def run_demo(argv: list[str] | None = None) -> dict[str, PasskeyResults]:
-    """Train, evaluate and save as the command line says; returns each model's passkey results (`demo.run`)."""
-    return run(parse_args(argv))
+def run_demo(argv: list[str] | None = None) -> dict:
+    """Train, evaluate and save as the command line says; returns each model's `PasskeyResults` (`demo.run`)."""
+    args = parse_args(argv)
+    from ..demo import run
+
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,14 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..data.documents import load_documents
-from ..evaluation.decoding import load_model_and_tokenizer
-from ..evaluation.passkey import choose_passkey_template, evaluate_passkey
-from ..evaluation.perplexity import evaluate_perplexity
-from ..evaluation.plots import plot_prior
-from ..evaluation.results import write_outputs
-from ..evaluation.needles import NEEDLE_KINDS, Haystack, NeedleTask, corpus_haystack, evaluate_needles
-from ..evaluation.retrieval import DepthPlan
+from ..evaluation.needle_tasks import NEEDLE_KINDS, NeedleTask
 from ..outputs import exit_on_sigterm, staged_files
 from .arguments import depth_plan, device_name, length_list, non_negative_int, positive_int
 from .reporting import run_reported
@@ -55,13 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         "uniformly spaced from the start to the end of the filler; accuracy of the greedy answer.",
     )
     _add_model_arguments(passkey)
-    passkey.add_argument("--lengths", nargs="+", type=length_list, default=[length_list(PASSKEY_LENGTHS)],
-                         help=f"requested prompt lengths in tokens, e.g. 512,1k,2k (default: {PASSKEY_LENGTHS})")
-    passkey.add_argument("--depths", type=depth_plan, default=DepthPlan(DEPTHS), metavar="N[,LENGTH=N...]",
+    _add_prompt_lengths(passkey)
+    passkey.add_argument("--depths", type=depth_plan, default=str(DEPTHS), metavar="N[,LENGTH=N...]",
                          help=f"depths per length, and fewer (or more) at named lengths: 20,32k=10,64k=4 (default: {DEPTHS})")
     passkey.add_argument("--digits", type=positive_int, default=5, help="digits of the passkey (default: %(default)s)")
     passkey.add_argument("--seed", type=int, default=0, help="seed of the random passkeys (default: %(default)s)")
-    passkey.add_argument("--per-depth", action="store_true", help="print one column per depth")
+    _add_per_depth(passkey)
     passkey.add_argument(
         "--template", default="model",
         help="the prompt: 'model' (the one the model was trained on, saved in its config; the paper's if it has "
@@ -81,9 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(needles)
     needles.add_argument("--tasks", type=needle_kinds, default=list(NEEDLE_KINDS), metavar="KIND[,KIND...]",
                          help=f"comma-separated subset of {','.join(NEEDLE_KINDS)} (default: all)")
-    needles.add_argument("--lengths", nargs="+", type=length_list, default=[length_list(PASSKEY_LENGTHS)],
-                         help=f"requested prompt lengths in tokens, e.g. 512,1k,2k (default: {PASSKEY_LENGTHS})")
-    needles.add_argument("--depths", type=depth_plan, default=DepthPlan(DEPTHS), metavar="N[,LENGTH=N...]",
+    _add_prompt_lengths(needles)
+    needles.add_argument("--depths", type=depth_plan, default=str(DEPTHS), metavar="N[,LENGTH=N...]",
                          help=f"depths of the asked needle per length, and fewer at named lengths: 20,64k=4 (default: {DEPTHS})")
     task = NeedleTask("multikey")
     needles.add_argument("--keys", type=positive_int, default=task.keys, help="multikey: keys in the haystack (default: %(default)s)")
@@ -95,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     needles.add_argument("--seed", type=int, default=0, help="seed of labels, values, depths of the other needles and haystack (default: %(default)s)")
     needles.add_argument("--haystack", help="text for the haystack, read as --data of perplexity (default: the held-out "
                          "part of the Python corpus: the language reference and standard library of this Python)")
-    needles.add_argument("--per-depth", action="store_true", help="print one column per depth")
+    _add_per_depth(needles)
     needles.set_defaults(run=run_needles)
 
     perplexity = commands.add_parser(
@@ -144,7 +135,18 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _add_prompt_lengths(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lengths", nargs="+", type=length_list, default=[length_list(PASSKEY_LENGTHS)],
+                        help=f"requested prompt lengths in tokens, e.g. 512,1k,2k (default: {PASSKEY_LENGTHS})")
+
+
+def _add_per_depth(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--per-depth", action="store_true", help="print one column per depth")
+
+
 def _load_for_cli(args):
+    from ..evaluation.decoding import load_model_and_tokenizer
+
     return load_model_and_tokenizer(
         args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
         attn_implementation=args.attn_implementation,
@@ -152,6 +154,9 @@ def _load_for_cli(args):
 
 
 def run_passkey(args) -> None:
+    from ..evaluation.passkey import choose_passkey_template, evaluate_passkey
+    from ..evaluation.results import write_outputs
+
     check_depth_lengths(args.depths, parse_lengths(args.lengths))
     model, tokenizer = _load_for_cli(args)
     template, template_bos, description = choose_passkey_template(args.template, model.config)
@@ -169,6 +174,10 @@ def run_passkey(args) -> None:
 
 
 def run_needles(args) -> None:
+    from ..data.documents import load_documents
+    from ..evaluation.needles import Haystack, corpus_haystack, evaluate_needles
+    from ..evaluation.results import write_outputs
+
     tasks = [
         NeedleTask(kind, keys=args.keys, values=args.values, queries=args.queries, chains=args.chains, hops=args.hops,
                    digits=args.digits)
@@ -192,7 +201,7 @@ def run_needles(args) -> None:
                           lambda path, results=results: results.save_heatmap(path, title=title))
 
 
-def check_depth_lengths(plan: DepthPlan, lengths: list[int]) -> None:
+def check_depth_lengths(plan, lengths: list[int]) -> None:
     """Every length --depths names must be evaluated (64k=4 without 64k in --lengths is a slip)."""
     stray = sorted(set(plan.by_length) - set(lengths))
     if stray:
@@ -200,6 +209,10 @@ def check_depth_lengths(plan: DepthPlan, lengths: list[int]) -> None:
 
 
 def run_perplexity(args) -> None:
+    from ..data.documents import load_documents
+    from ..evaluation.perplexity import evaluate_perplexity
+    from ..evaluation.results import write_outputs
+
     model, tokenizer = _load_for_cli(args)
     documents = load_documents(
         args.data or args.dataset, text_field=args.text_column, split=args.split, config_name=args.dataset_config,
@@ -219,6 +232,8 @@ def run_perplexity(args) -> None:
 
 
 def run_prior(args) -> None:
+    from ..evaluation.plots import plot_prior
+
     path = Path(args.out)
     if path.suffix.lower() != ".png":
         path = path / "prior.png"

@@ -3,17 +3,15 @@
 import argparse
 import sys
 
-from ..data.tokenizers import BYTE_VOCAB_SIZE
-from ..training.pretrain import (
+from ..data.special_tokens import BYTE_VOCAB_SIZE
+from ..training.arguments import (
     DEFAULT_PRESET,
     POSITIONALS,
     PRESETS,
     PRIOR_SCOPES,
     REFERENCE_ROPE_THETA,
     PretrainArguments,
-    check_arguments,
     describe_preset,
-    pretrain,
 )
 from .arguments import (
     add_data_arguments,
@@ -84,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = PretrainArguments(**vars(parser.parse_args(argv)))
+    from ..training.pretrain import check_arguments, pretrain
+
     try:
         check_arguments(args)
     except ValueError as error:  # one line and exit 2, before any data or weights load

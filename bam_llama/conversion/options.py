@@ -1,5 +1,5 @@
-"""What the conversions accept, in plain Python so that `bam-convert --help` loads no PyTorch: the weights dtypes,
-shard sizes, the reference variants and prior-parameter name generations, and the Llama prior initialisations."""
+"""What the conversions accept: the weights dtypes, shard sizes, the reference variants and prior-parameter name
+generations, and the Llama prior initialisations. Light on purpose: `bam-convert --help` reads it."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import platform
+import pydoc_data.topics
 import sysconfig
 from pathlib import Path
 
@@ -40,8 +41,6 @@ class Document:
 
 def python_documents() -> list[Document]:
     """The language reference's topics and the standard library's sources, sorted by name."""
-    import pydoc_data.topics
-
     documents = [Document(TOPIC_PREFIX + topic, text) for topic, text in pydoc_data.topics.topics.items()]
     library = Path(sysconfig.get_paths()["stdlib"])
     for path in sorted(library.rglob("*.py")):

@@ -3,8 +3,8 @@ their tokenization: one loader, one set of rules.
 
 A source is a `.txt` file (documents separated by blank lines), a `.jsonl` file (one JSON object per line, text in
 `text_field`), a `.json` / `.csv` / `.parquet` file, a folder of `.txt` / `.jsonl` files, a folder written by
-`datasets.save_to_disk`, or a `datasets` name on the Hub (streamed when `max_documents` bounds it). Light on
-imports: `datasets` and `tqdm` load where used.
+`datasets.save_to_disk`, or a `datasets` name on the Hub (streamed when `max_documents` bounds it). `datasets` is
+optional (not a dependency): imported only where a source needs it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import json
 import os
 import re
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 DATASETS_FILE_BUILDERS = {".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -124,8 +126,6 @@ def _row_text(row: dict, source: str, index: int, text_field: str) -> str:
 
 def tokenize_documents(documents: list[str], tokenizer, show_progress: bool = True, batch_size: int = 512) -> list[list[int]]:
     """Token ids per document, framed by the tokenizer's <s> and </s> when it has them."""
-    from tqdm.auto import tqdm
-
     prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     suffix = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     tokenized = []

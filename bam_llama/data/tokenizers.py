@@ -2,25 +2,19 @@
 and a small byte-level BPE trained on the user's documents with digits split one per token (as the paper does
 for passkeys).
 
-Used by the demo, by `bam-pretrain`, by the evaluation tools when no tokenizer is given, and by the tests. Light on
-imports (`tokenizers` and Transformers load where used), so the commands print --help fast.
+Used by the demo, by `bam-pretrain`, by the evaluation tools when no tokenizer is given, and by the tests. The
+special tokens and their ids: `special_tokens.py`.
 """
-
-from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from .special_tokens import BYTE_VOCAB_SIZE, SPECIAL_TOKENS
 
-SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
-PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
-BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 # The files a saved tokenizer may consist of (copied by the conversions, looked for by the model card).
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -43,8 +37,6 @@ def build_byte_tokenizer(model_max_length: int = 1 << 20) -> PreTrainedTokenizer
 
     It adds no special tokens by itself; callers place <s>/</s> where they want them.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     byte_symbols = list(pre_tokenizers.ByteLevel.alphabet())
     byte_symbols.sort(key=_byte_value)
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
@@ -59,8 +51,6 @@ def train_bpe_tokenizer(documents: Iterable[str], vocab_size: int, model_max_len
     """A byte-level BPE of `vocab_size` tokens trained on `documents`: <pad>=0, <s>=1, </s>=2, then the 256 bytes
     (so any text encodes), then the merges. Digits are split one per token before the merges, so a number never
     becomes one token. Deterministic for the same documents in the same order."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     if vocab_size < BYTE_VOCAB_SIZE:
         raise ValueError(f"a BPE vocabulary needs at least {BYTE_VOCAB_SIZE} tokens (3 special + 256 bytes), got {vocab_size}")
     backend = Tokenizer(models.BPE(unk_token=None))
@@ -79,8 +69,6 @@ def train_bpe_tokenizer(documents: Iterable[str], vocab_size: int, model_max_len
 
 
 def _with_special_tokens(backend: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFast:
-    from transformers import PreTrainedTokenizerFast
-
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<pad>",
@@ -116,8 +104,6 @@ def load_tokenizer(model_path, config, tokenizer=None):
     if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
         return tokenizer
     try:
-        from transformers import AutoTokenizer
-
         return AutoTokenizer.from_pretrained(tokenizer if tokenizer is not None else model_path)
     except (OSError, ValueError, TypeError):
         if tokenizer is not None:

@@ -34,7 +34,7 @@ from ..data.packing import PackedRows, collate_packed_rows, pack_documents, spli
 from ..data.tokenizers import load_tokenizer
 from ..model_folders import check_finite_model, check_finite_weights, check_model_path, check_safetensors_files
 from ..outputs import staged_output_dir
-from .arguments import TrainingRunArguments
+from .arguments import FinetuneArguments
 from .checkpoints import checkpoint_step, resolve_checkpoint
 from .lock import OutputDirHold, hold_output_dir, resumes_in
 from .summary import TrainingSummary, format_rows, training_rows, write_summary
@@ -50,35 +50,6 @@ logger = logging.getLogger(__name__)
 
 LORA_ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-
-
-@dataclasses.dataclass
-class FinetuneArguments(TrainingRunArguments):
-    """What `bam-finetune` needs; the CLI flags are these names with dashes."""
-
-    model: str
-    data: str
-    output_dir: str
-    context_length: int
-    lora: bool = True
-    lora_mlp: bool = False
-    lora_rank: int = 16
-    lora_alpha: float = 32.0
-    lora_dropout: float = 0.0
-    learning_rate: float | None = None
-    prior_learning_rate: float = 1e-2
-    weight_decay: float = 0.0
-    max_steps: int = 256
-    per_device_train_batch_size: int = 1
-    save_steps: int = 64
-    merge: bool = False
-    logging_steps: int = 8
-
-    @property
-    def resolved_learning_rate(self) -> float:
-        if self.learning_rate is not None:
-            return self.learning_rate
-        return 2e-4 if self.lora else 2e-5
 
 
 @dataclasses.dataclass

@@ -36,7 +36,12 @@ from ..data.packing import PackedRows, collate_packed_rows, pack_documents, spli
 from ..model_folders import check_finite_weights
 from ..outputs import staged_output_dir
 from .arguments import (
-    TrainingRunArguments,
+    POSITIONALS,
+    PRESETS,
+    PRIOR_SCOPES,
+    REFERENCE_ROPE_THETA,
+    ROTARY_POSITIONALS,
+    PretrainArguments,
 )
 from .checkpoints import checkpoint_step, resolve_checkpoint
 from .lock import OutputDirHold, hold_output_dir, resumes_in
@@ -44,94 +49,9 @@ from .summary import TrainingSummary, format_rows, training_rows, write_summary
 
 logger = logging.getLogger(__name__)
 
-# hidden size, layers, heads of the paper's models (the reference code's presets); SwiGLU width 2x hidden.
-PRESETS = {
-    "l6": (512, 6, 16),
-    "l8": (768, 8, 16),
-    "l12": (768, 12, 16),
-    "l15": (1152, 15, 24),
-    "l18": (1536, 18, 32),
-    "l24": (2048, 24, 64),
-}
-DEFAULT_PRESET = "l12"
-
-
-def describe_preset(name: str, vocab_sizes: tuple[int, ...] = ()) -> str:
-    """"768 hidden, 12 layers, 16 heads", with the parameter count of the preset's model at each vocabulary size."""
-    hidden, layers, heads = PRESETS[name]
-    text = f"{hidden} hidden, {layers} layers, {heads} heads"
-    for vocab_size in vocab_sizes:
-        text += f"; {preset_parameters(name, vocab_size) / 1e6:.0f}M parameters with {vocab_size} tokens"
-    return text
-
-
-def preset_parameters(name: str, vocab_size: int) -> int:
-    """Parameters of a preset's model (multi-head attention, SwiGLU of 2x the width, untied embeddings)."""
-    hidden, layers, _ = PRESETS[name]
-    per_layer = 4 * hidden * hidden + 3 * hidden * (2 * hidden) + 2 * hidden
-    return layers * per_layer + 2 * vocab_size * hidden + hidden
-POSITIONALS = ("bam", "alibi", "nope", "rope", "rope-local")
-ROTARY_POSITIONALS = ("rope", "rope-local")  # Transformers' own models: Llama, and Mistral for its sliding window
-PRIOR_SCOPES = ("global", "layer")  # BamLlamaConfig.prior_scope; not imported, so --help loads no transformers
 BUILT_IN_TOKENIZERS = ("byte", "bpe")
-REFERENCE_ROPE_THETA = 500_000.0  # the reference's RoPE baselines (and Llama 3); Transformers' LlamaConfig: 10,000
 LLAMA_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 SMALLEST_BPE_VOCABULARY = 3 + 256  # <pad>, <s>, </s> and every byte, as data.tokenizers builds it
-
-
-@dataclasses.dataclass
-class PretrainArguments(TrainingRunArguments):
-    """What `bam-pretrain` needs; the CLI flags are these names with dashes (`--layers`, `--heads`, `--kv-heads`
-    for the three size fields)."""
-
-    data: str
-    output_dir: str
-    context_length: int = 512
-    positional: str = "bam"
-    ssmax: bool = False
-    ssmax_prior: bool | None = None  # --ssmax only; None: the config's default (True: the factor scales the prior)
-    ssmax_scale_init: float | None = None  # --ssmax only; None: the config's default (1.0)
-    ssmax_learning_rate: float | None = None  # --ssmax only; None: the prior's learning rate
-    prior_scope: str = "global"
-    rope_theta: float | None = None  # RoPE only; None: REFERENCE_ROPE_THETA
-    preset: str | None = None
-    hidden_size: int | None = None
-    num_hidden_layers: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    intermediate_size: int | None = None
-    tokenizer: str = "byte"
-    vocab_size: int = 8192
-    learning_rate: float = 1e-3
-    prior_learning_rate: float | None = None
-    weight_decay: float = 0.1
-    max_steps: int = 1000
-    per_device_train_batch_size: int = 8
-    save_steps: int = 250
-    report_to: str = "none"
-    logging_steps: int = 25
-
-    @property
-    def resolved_learning_rate(self) -> float:
-        return self.learning_rate
-
-    @property
-    def resolved_prior_learning_rate(self) -> float:
-        return self.learning_rate if self.prior_learning_rate is None else self.prior_learning_rate
-
-    def model_sizes(self) -> dict[str, int]:
-        """hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size: the preset's
-        (default l12) with every size flag given replacing its field."""
-        hidden, layers, heads = PRESETS[self.preset or DEFAULT_PRESET]
-        hidden = self.hidden_size or hidden
-        heads = self.num_attention_heads or heads
-        return {
-            "hidden_size": hidden,
-            "num_hidden_layers": self.num_hidden_layers or layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": self.num_key_value_heads or heads,
-            "intermediate_size": self.intermediate_size or 2 * hidden,
-        }
 
 
 def check_arguments(args: PretrainArguments) -> None:

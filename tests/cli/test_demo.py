@@ -17,14 +17,8 @@ from bam_llama import BamLlamaForCausalLM
 from bam_llama.cli.demo import main, run_demo
 from bam_llama.data.packing import IGNORE_INDEX
 from bam_llama.data.tokenizers import build_byte_tokenizer
-from bam_llama.demo import (
-    DEMO_TEMPLATE,
-    DataConfig,
-    ModelSize,
-    build_model,
-    default_settings,
-    training_batch,
-)
+from bam_llama.demo import DEMO_TEMPLATE, build_model, training_batch
+from bam_llama.demo_settings import DataConfig, ModelSize, default_settings
 from bam_llama.evaluation.passkey import PasskeyResults
 
 

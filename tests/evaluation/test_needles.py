@@ -16,15 +16,8 @@ from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
 from bam_llama.cli.eval import main
 from bam_llama.data.tokenizers import build_byte_tokenizer, train_bpe_tokenizer
 from bam_llama.evaluation import retrieval
-from bam_llama.evaluation.needles import (
-    NEEDLE_KINDS,
-    Haystack,
-    NeedleResults,
-    NeedleTask,
-    build_needle_prompt,
-    evaluate_needles,
-    is_exact,
-)
+from bam_llama.evaluation.needle_tasks import NEEDLE_KINDS, NeedleTask
+from bam_llama.evaluation.needles import Haystack, NeedleResults, build_needle_prompt, evaluate_needles, is_exact
 from bam_llama.evaluation.results import load_results
 from bam_llama.evaluation.retrieval import DepthPlan
 

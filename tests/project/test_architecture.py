@@ -4,6 +4,7 @@ The payload rule itself (bam_llama/model/ imports only itself) is tests/model/te
 """
 
 import ast
+import sys
 from pathlib import Path
 
 from helpers import REPO_ROOT
@@ -21,9 +22,10 @@ ALLOWED = {
     "hub": {"model", "data", "evaluation", "outputs", "model_folders"},
     "training": {"model", "data", "evaluation", "hub", "outputs", "model_folders", "registration"},
     "conversion": {"model", "data", "hub", "outputs", "model_folders"},
-    "demo": {"model", "data", "evaluation", "outputs", "model_folders"},
+    "demo_settings": {"data"},
+    "demo": {"model", "data", "evaluation", "outputs", "model_folders", "demo_settings"},
     "serving": {"model", "registration"},
-    "cli": {"model", "data", "evaluation", "hub", "training", "conversion", "demo", "outputs", "model_folders"},
+    "cli": {"model", "data", "evaluation", "hub", "training", "conversion", "demo", "demo_settings", "outputs", "model_folders"},
     "__init__": {"model", "registration"},
 }
 
@@ -87,3 +89,109 @@ def test_the_directions_have_no_cycle():
 
     for part in ALLOWED:
         visit(part, [])
+
+
+# Library modules import what they use at the top (Transformers' way); only the command layer (cli/) imports the
+# library late, inside each command's main after parsing. Exempt: the lazy package root and what it runs, imports
+# of optional packages (not dependencies, or CUDA-only), and the parts not converted yet: shrink NOT_CONVERTED_YET as
+# each part lands, until it is empty.
+LAZY_ON_PURPOSE = ("bam_llama/__init__.py", "bam_llama/registration.py")  # `import bam_llama` loads no PyTorch
+OPTIONAL_PACKAGES = {"triton", "vllm", "deepspeed", "datasets", "gguf", "lm_eval", "trl"}
+NOT_CONVERTED_YET = (
+    "bam_llama/model/",
+    "bam_llama/serving/",
+    "bam_llama/training/",
+    "bam_llama/evaluation/",
+    "bam_llama/conversion/",
+    "bam_llama/hub/",
+    "bam_llama/demo.py",
+    "bam_llama/data/packing.py",
+)
+LIGHT_ON_PURPOSE = "Light on purpose"  # in the docstring of a module the commands import before they parse
+
+
+def library_modules(exempt: tuple[str, ...]):
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(REPO_ROOT).as_posix()
+        if not name.startswith(("bam_llama/cli/", *exempt)):
+            yield name, ast.parse(path.read_text())
+
+
+def imports_inside_functions(tree: ast.Module):
+    """(line, top-level name or "." for a relative import) of every import in a function body."""
+    for function in ast.walk(tree):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(function):
+                if isinstance(node, ast.Import):
+                    yield from ((node.lineno, alias.name.split(".")[0]) for alias in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    yield node.lineno, "." if node.level else node.module.split(".")[0]
+
+
+def test_library_modules_import_at_the_top():
+    problems = [
+        f"{name}:{line} imports {imported} inside a function"
+        for name, tree in library_modules(LAZY_ON_PURPOSE + NOT_CONVERTED_YET)
+        for line, imported in sorted(set(imports_inside_functions(tree)))
+        if imported not in OPTIONAL_PACKAGES
+    ]
+    problems += [
+        f"{name}:{node.lineno} has an `if TYPE_CHECKING:` block: import what it names at the top"
+        for name, tree in library_modules(NOT_CONVERTED_YET)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def module_path(path: Path, node: ast.ImportFrom | ast.Import, alias: ast.alias) -> Path | None:
+    """The file of the package module an import statement loads (None: outside the package)."""
+    if isinstance(node, ast.Import):
+        parts = alias.name.split(".")
+    elif node.level:
+        base = path.relative_to(REPO_ROOT).with_suffix("").parts[: -node.level]
+        parts = [*base, *(node.module.split(".") if node.module else [])]
+    else:
+        parts = node.module.split(".")
+    if parts[0] != "bam_llama":
+        return None
+    folder = REPO_ROOT.joinpath(*parts)
+    return folder / "__init__.py" if folder.is_dir() else folder.with_suffix(".py")
+
+
+def top_level_imports(path: Path):
+    """(line, name, package module file or None) of the imports run when `path` is imported."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                name = alias.name if isinstance(node, ast.Import) else "." * node.level + (node.module or "")
+                yield node.lineno, name, module_path(path, node, alias)
+
+
+def is_light(path: Path) -> bool:
+    docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return LIGHT_ON_PURPOSE in " ".join(docstring.split()) or not path.read_text().strip()  # or an empty __init__
+
+
+def test_commands_import_only_light_modules_before_parsing():
+    """Every module a command imports before it parses (cli/ modules at their top, and what those import at theirs)
+    says it is light on purpose and imports only the standard library and other light modules. The library itself is
+    imported inside each command's main. (tests/cli/test_imports.py runs each --help and checks the same by
+    sys.modules.)"""
+    problems, seen, queue = [], set(), sorted(PACKAGE.glob("cli/*.py"))
+    while queue:
+        path = queue.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        where = path.relative_to(REPO_ROOT)
+        if path.parent.name != "cli" and not is_light(path):
+            problems.append(f"{where} is imported before parsing but does not say '{LIGHT_ON_PURPOSE}'")
+        for line, name, target in top_level_imports(path):
+            if target is None:
+                if name.split(".")[0] not in sys.stdlib_module_names and not name.startswith("__future__"):
+                    problems.append(f"{where}:{line} imports {name}, not the standard library, at the top")
+                continue
+            queue.append(target)
+            queue.extend(parent / "__init__.py" for parent in target.parents if parent.is_relative_to(PACKAGE))
+    assert not problems, "\n".join(problems)

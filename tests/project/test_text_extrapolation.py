@@ -12,7 +12,7 @@ import pytest
 
 from helpers import checkout_environment
 
-from bam_llama.evaluation.needles import NEEDLE_KINDS
+from bam_llama.evaluation.needle_tasks import NEEDLE_KINDS
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "text_extrapolation.py"
 MODELS = ("bam", "bam-ssmax", "alibi", "nope", "rope", "rope-dynamic", "rope-yarn", "rope-local")
