@@ -32,12 +32,11 @@ from typing import Optional
 
 import torch
 
-from .prior_bam import ggd_bias, ssmax_factor, visible_key_counts
+from .prior_bam import PRIOR_FORMULAS, SCALE_OUTSIDE_POWER, ggd_bias, ssmax_factor, visible_key_counts
 from .triton_kernels_bam import TRITON_AVAILABLE, _activate_kernels, _import_triton, _interpreting
 
 PRIOR_LIMIT = 2.0**100  # bound of the prior tables: |x| ** beta stays finite for any beta
 
-FORMULAS = ("current", "legacy")
 DECODE_MAX_QUERIES = 16  # automatic split-KV decode for at most this many queries...
 DECODE_MAX_ROWS = 64  # ...when (query heads per kv head) x queries fits one tile
 
@@ -567,7 +566,7 @@ def ggd_attention(
     query_positions: torch.Tensor,
     *,
     scaling: float,
-    formula: str = "current",
+    formula: str = SCALE_OUTSIDE_POWER,
     eps: float = 1e-5,
     key_valid: Optional[torch.Tensor] = None,
     document_ids: Optional[torch.Tensor] = None,
@@ -617,8 +616,8 @@ def _autocast_inputs(query, key, value) -> tuple[torch.Tensor, torch.Tensor, tor
 def _check_inputs(query, key, value, theta_alpha, query_positions, formula, num_splits=None) -> None:
     if not TRITON_AVAILABLE:
         raise RuntimeError("ggd_attention needs the `triton` package, which is not installed")
-    if formula not in FORMULAS:
-        raise ValueError(f"unknown prior formula {formula!r}; expected one of {FORMULAS}")
+    if formula not in PRIOR_FORMULAS:
+        raise ValueError(f"unknown prior formula {formula!r}; expected one of {PRIOR_FORMULAS}")
     if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
         raise ValueError(f"expected query (B, H, Lq, D) and key/value (B, Hkv, Lk, D); got {query.shape}, "
                          f"{key.shape}, {value.shape}")
