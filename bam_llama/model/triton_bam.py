@@ -229,9 +229,9 @@ class _Problem:
     def length_bucket(self) -> int:
         return _next_power_of_2(max(self.q_len, self.k_len))
 
-    def dummy(self) -> torch.Tensor:
-        """Stands for absent optional tensors; kernels never read it (a constexpr flag is off)."""
-        return self.positions
+    def or_placeholder(self, tensor: Optional[torch.Tensor]) -> torch.Tensor:
+        """`tensor`, or where it is absent a placeholder the kernels never read (a constexpr flag is off)."""
+        return self.positions if tensor is None else tensor
 
 
 def _document_bounds(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,7 +280,8 @@ def _prepare_problem(query, key, query_positions, key_valid, document_ids, ssmax
     )
 
 
-def _finite(values: torch.Tensor) -> torch.Tensor:
+def _clamped_to_prior_limit(values: torch.Tensor) -> torch.Tensor:
+    """NaN as 0, everything else (infinities too) clamped to [-PRIOR_LIMIT, PRIOR_LIMIT]."""
     return torch.nan_to_num(values, nan=0.0, posinf=PRIOR_LIMIT, neginf=-PRIOR_LIMIT).clamp(-PRIOR_LIMIT, PRIOR_LIMIT)
 
 
@@ -300,7 +301,7 @@ def _prior_tables(theta_alpha, theta_beta, theta_mu, table_len, formula, eps, wi
         for which in range(3):
             tangents = tuple(torch.ones_like(p) if i == which else torch.zeros_like(p) for i, p in enumerate(params))
             tables.append(torch.func.jvp(prior, params, tangents)[1])
-    return _finite(torch.stack(tables)).contiguous()
+    return _clamped_to_prior_limit(torch.stack(tables)).contiguous()
 
 
 def _dot_options(query: torch.Tensor) -> dict:
@@ -314,17 +315,14 @@ def _prefill_forward(query, key, value, problem: _Problem, prior_table: torch.Te
                                            problem.block_d, query.dtype)
     kernel[grid](
         query, key, value, out, lse, prior_table, problem.positions, problem.qk_scale, problem.bias_scale,
-        _or(problem.key_valid, problem), _or(problem.document_ids, problem), _or(problem.document_start, problem),
-        _or(problem.padding_end, problem), *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+        problem.or_placeholder(problem.key_valid), problem.or_placeholder(problem.document_ids),
+        problem.or_placeholder(problem.document_start), problem.or_placeholder(problem.padding_end),
+        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
         problem.heads, problem.group_size, problem.q_len, problem.k_len, problem.length_bucket,
         HEAD_DIM=problem.head_dim, BLOCK_D=problem.block_d,
         HAS_KEY_VALID=problem.key_valid is not None, HAS_DOCS=problem.document_ids is not None,
         **_dot_options(query), **meta,
     )
-
-
-def _or(tensor: Optional[torch.Tensor], problem: _Problem) -> torch.Tensor:
-    return problem.dummy() if tensor is None else tensor
 
 
 def _split_kv_forward(query, key, value, problem: _Problem, prior_table: torch.Tensor, num_splits: Optional[int],
@@ -343,7 +341,7 @@ def _split_kv_forward(query, key, value, problem: _Problem, prior_table: torch.T
 
     kernels["_decode_split_kernel"][(num_splits, problem.batch * problem.kv_heads)](
         query, key, value, out_partial, lse_partial, prior_table, problem.positions, problem.qk_scale,
-        problem.bias_scale, _or(problem.key_valid, problem), _or(problem.document_ids, problem),
+        problem.bias_scale, problem.or_placeholder(problem.key_valid), problem.or_placeholder(problem.document_ids),
         *query.stride(), *key.stride(), *value.stride(),
         problem.heads, problem.group_size, problem.q_len, problem.k_len, keys_per_split, num_rows,
         HEAD_DIM=problem.head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -398,14 +396,14 @@ def _attention_backward(grad_out, query, key, value, out, lse, theta_alpha, thet
         HEAD_DIM=problem.head_dim, BLOCK_D=problem.block_d, HAS_KEY_VALID=problem.key_valid is not None,
         HAS_DOCS=problem.document_ids is not None, **_dot_options(query),
     )
-    side_inputs = (problem.positions, problem.qk_scale, problem.bias_scale, _or(problem.key_valid, problem),
-                   _or(problem.document_ids, problem))
+    side_inputs = (problem.positions, problem.qk_scale, problem.bias_scale,
+                   problem.or_placeholder(problem.key_valid), problem.or_placeholder(problem.document_ids))
 
     kernel, grid, meta = _attention_kernel("dkdv", problem.k_len, problem.batch * problem.kv_heads, "BLOCK_N",
                                            problem.block_d, query.dtype)
     kernel[grid](
         query, key, value, grad_out, grad_k, grad_v, lse, delta, tables, *side_inputs,
-        _or(problem.document_end, problem),
+        problem.or_placeholder(problem.document_end),
         *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *grad_k.stride(), *grad_v.stride(),
         problem.heads, problem.group_size, problem.q_len, problem.k_len, problem.length_bucket, **flags, **meta,
     )
@@ -413,7 +411,7 @@ def _attention_backward(grad_out, query, key, value, out, lse, theta_alpha, thet
                                            problem.block_d, query.dtype)
     kernel[grid](
         query, key, value, grad_out, grad_q, lse, delta, tables, *side_inputs,
-        _or(problem.document_start, problem), _or(problem.padding_end, problem), row_grads,
+        problem.or_placeholder(problem.document_start), problem.or_placeholder(problem.padding_end), row_grads,
         *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *grad_q.stride(),
         problem.heads, problem.group_size, problem.q_len, problem.k_len, num_rows, scaling, problem.length_bucket,
         PRIOR_GRADS=prior_grads, SSMAX_GRAD=ssmax_grad, SSMAX_PRIOR=ssmax_prior, **flags, **meta,
