@@ -5,7 +5,7 @@ triton wheel) in every configuration the launcher (`triton_bam.cuda_launch_confi
 config of the prefill kernels, each decode tile and combine split block, every supported head size and 16/32-bit
 dtype, and the flag sets (padding, documents, prior/SSMax gradients) given by --flags. So are the vLLM plugin's
 paged kernels (`bam_llama/serving/paged_kernels.py`: paged_prefill, paged_decode, paged_write), in the launches
-`paged_attention.cuda_launch_configs` lists for 1 to 16 query heads per key/value head, SSMax on or off.
+`paged_triton.cuda_launch_configs` lists for 1 to 16 query heads per key/value head, SSMax on or off.
 
 One JSON object per compiled variant goes to --json (keys: kernel, arch, dtype, head_dim, config, compiled,
 n_regs, n_spills, shared_bytes, shared_limit, loop_instructions) and a markdown table to stdout.
@@ -42,14 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bam_llama.model import triton_bam  # noqa: E402
-from bam_llama.model.triton_kernels_bam import _activate_kernels  # noqa: E402
-from bam_llama.serving import paged_attention, paged_kernels  # noqa: E402
+from bam_llama.model.triton_kernels_bam import activate_kernels  # noqa: E402
+from bam_llama.serving import paged_kernels, paged_triton  # noqa: E402
 
 ARCHS = (90, 80)
 SHARED_LIMIT = {90: 232448, 80: 166912}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HEAD_DIMS = (32, 48, 64, 80, 96, 128, 256)
-KERNELS = tuple(triton_bam.KERNEL_NAMES) + tuple(paged_attention.KERNEL_NAMES)
+KERNELS = tuple(triton_bam.KERNEL_NAMES) + tuple(paged_triton.KERNEL_NAMES)
 FLAG_NAMES = ("HAS_KEY_VALID", "HAS_DOCS", "PRIOR_GRADS", "SSMAX_GRAD", "SSMAX_PRIOR", "HAS_SSMAX")
 FLAG_SETS = {
     "all": {name: True for name in FLAG_NAMES},
@@ -90,10 +90,8 @@ def signature(kernel, dtype_name: str, constants: dict) -> tuple[dict, dict]:
 
 
 def kernel_constants(kernel, kind: str, dtype_name: str, head_dim: int, flags: dict, config) -> dict:
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
-    fp32 = dtype_name == "fp32"
-    values = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, UPCAST=fp32, DOT_PRECISION="ieee" if fp32 else "tf32",
-                  **flags, **dict(config.meta))
+    values = dict(HEAD_DIM=head_dim, BLOCK_D=triton_bam.dot_tile_size(head_dim),
+                  **triton_bam.dot_options(DTYPES[dtype_name]), **flags, **dict(config.meta))
     constants = {param.name: param.default for param in kernel.params  # constexpr defaults (HAS_PRIOR=True)
                  if param.is_constexpr and param.default is not inspect.Parameter.empty}
     constants.update({name: value for name, value in values.items() if name in kernel.arg_names})
@@ -145,16 +143,16 @@ def innermost_loop_sizes(sass: str) -> list[int]:
 def launch_configs(kind: str, head_dim: int, dtype: torch.dtype) -> list:
     """The launcher's configurations of one kernel (the model's kernels, or the serving plugin's paged ones); none
     for a head size the launcher does not run on a GPU."""
-    if kind in paged_attention.KERNEL_NAMES:
-        supported = head_dim <= paged_attention.MAX_HEAD_DIM[dtype]
-        return paged_attention.cuda_launch_configs(kind, head_dim, dtype) if supported else []
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
-    return triton_bam.cuda_launch_configs(kind, block_d, dtype) if triton_bam.head_dim_supported(head_dim, dtype) else []
+    if not triton_bam.head_dim_supported(head_dim, dtype):
+        return []
+    if kind in paged_triton.KERNEL_NAMES:
+        return paged_triton.cuda_launch_configs(kind, head_dim, dtype)
+    return triton_bam.cuda_launch_configs(kind, triton_bam.dot_tile_size(head_dim), dtype)
 
 
 def matrix(args):
-    kernels = {**_activate_kernels(), **paged_kernels.activate_kernels()}
-    names = {**triton_bam.KERNEL_NAMES, **paged_attention.KERNEL_NAMES}
+    kernels = {**activate_kernels(), **paged_kernels.activate_kernels()}
+    names = {**triton_bam.KERNEL_NAMES, **paged_triton.KERNEL_NAMES}
     for kind in args.kernel:
         for dtype_name in args.dtype:
             for head_dim in args.head_dim:

@@ -27,7 +27,7 @@ def test_entry_point_registers_bam_llama_with_vllm():
 
 def test_no_other_module_of_the_package_imports_vllm():
     """Statically for every module (some need extras this venv lacks), and at run time for the model's modules.
-    serving/paged_attention.py and paged_kernels.py take plain tensors: tests/serving/ runs them without vLLM."""
+    serving/paged_*.py take plain tensors: tests/serving/ runs them without vLLM."""
     package = Path(bam_llama.__file__).parent
     plugin = package / "serving" / "vllm_plugin.py"
     modules = sorted(path for path in package.rglob("*.py") if path != plugin)
@@ -50,4 +50,6 @@ def test_saved_remote_code_does_not_ship_the_plugin(tmp_path):
     folder = build_tiny_bam(tmp_path, seed=0)
     shipped = {path.name for path in folder.glob("*.py")}
     assert "modeling_bam.py" in shipped
-    assert not shipped & {"vllm_plugin.py", "paged_attention.py", "paged_kernels.py"}
+    serving = {"vllm_plugin.py", "paged_attention.py", "paged_batch.py", "paged_torch.py", "paged_triton.py",
+               "paged_kernels.py"}
+    assert not shipped & serving

@@ -7,11 +7,12 @@ from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.utils import logging
 
+from .prior_bam import PRIOR_FORMULAS, SCALE_OUTSIDE_POWER
+
 logger = logging.get_logger(__name__)
 
 
 PRIOR_SCOPES = ("global", "layer")
-PRIOR_FORMULAS = ("current", "legacy")
 THETA_ALPHA_SCHEMES = ("alibi",)
 THETA_BETA_SCHEMES = ("linear",)
 LOG_FLOAT32_MAX = math.log(3.4028234663852886e38)  # 88.72: exp of more overflows float32
@@ -81,7 +82,7 @@ class BamLlamaConfig(PreTrainedConfig):
         max_position_embeddings: int | None = None,
         train_context_length: int = 512,
         prior_scope: str = "global",
-        prior_formula: str = "current",
+        prior_formula: str = SCALE_OUTSIDE_POWER,
         theta_alpha_init: float | str = 0.0,
         theta_beta_init: float | str = 0.0,
         theta_mu_init: float = 0.0,
@@ -206,7 +207,7 @@ class BamLlamaConfig(PreTrainedConfig):
         mu = 2 * math.sinh(min(abs(float(self.theta_mu_init)), 700.0))
         spans = (self.prior_eps, longest + mu + self.prior_eps)  # extremes of |distance - mu| + eps
         log_prior = max(
-            alpha + beta * math.log(span) if self.prior_formula == "current"
+            alpha + beta * math.log(span) if self.prior_formula == SCALE_OUTSIDE_POWER
             else max(alpha, beta * math.log(math.exp(min(alpha, 700.0)) * span + self.prior_eps))
             for beta in betas for span in spans
         )

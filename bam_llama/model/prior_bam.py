@@ -15,6 +15,13 @@ PRIOR_PARAMETERS = ("theta_alpha", "theta_beta", "theta_mu")  # BamPrior
 SSMAX_PARAMETER = "scale"  # BamScalableSoftmax
 PRIOR_MODULES = ("prior", "ssmax")
 
+# The prior's formulas, by the names a config saves in `prior_formula` (saved folders hold them); d = j - i:
+# -exp(theta_alpha) * (|d - mu| + eps) ** theta_beta, the scale exp(theta_alpha) outside the power
+SCALE_OUTSIDE_POWER = "current"
+# -(|(d - mu) * exp(theta_alpha)| + eps) ** theta_beta, the scale inside the power: the reference code before May 2025
+SCALE_INSIDE_POWER = "legacy"
+PRIOR_FORMULAS = (SCALE_OUTSIDE_POWER, SCALE_INSIDE_POWER)
+
 
 def is_prior_parameter(name: str) -> bool:
     """True for the qualified name of a prior or SSMax parameter (`model.prior.theta_alpha`,
@@ -42,7 +49,7 @@ def ggd_bias(
     theta_alpha: torch.Tensor,
     theta_beta: torch.Tensor,
     theta_mu: torch.Tensor,
-    formula: str = "current",
+    formula: str = SCALE_OUTSIDE_POWER,
     eps: float = 1e-5,
 ) -> torch.Tensor:
     """GGD prior for every head at the given key-minus-query distances.
@@ -58,11 +65,11 @@ def ggd_bias(
     beta = theta_beta.float().view(view)
     mu = prior_offset(theta_mu.float()).view(view)
     shifted = distance.float().unsqueeze(0) - mu
-    if formula == "current":
+    if formula == SCALE_OUTSIDE_POWER:
         return -torch.exp(alpha) * (shifted.abs() + eps).pow(beta)
-    if formula == "legacy":
+    if formula == SCALE_INSIDE_POWER:
         return -((shifted * torch.exp(alpha)).abs() + eps).pow(beta)
-    raise ValueError(f"unknown prior formula {formula!r}; expected 'current' or 'legacy'")
+    raise ValueError(f"unknown prior formula {formula!r}; expected {' or '.join(map(repr, PRIOR_FORMULAS))}")
 
 
 def relative_distance(query_positions: torch.Tensor, key_length: int) -> torch.Tensor:

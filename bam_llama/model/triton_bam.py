@@ -27,17 +27,17 @@ the kernels opaque to torch.compile, and autograd.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .prior_bam import ggd_bias, ssmax_factor, visible_key_counts
-from .triton_kernels_bam import TRITON_AVAILABLE, _activate_kernels, _import_triton, _interpreting
+from .prior_bam import PRIOR_FORMULAS, SCALE_OUTSIDE_POWER, ggd_bias, ssmax_factor, visible_key_counts
+from .triton_kernels_bam import TRITON_AVAILABLE, activate_kernels, import_triton, interpreting
 
 PRIOR_LIMIT = 2.0**100  # bound of the prior tables: |x| ** beta stays finite for any beta
 
-FORMULAS = ("current", "legacy")
 DECODE_MAX_QUERIES = 16  # automatic split-KV decode for at most this many queries...
 DECODE_MAX_ROWS = 64  # ...when (query heads per kv head) x queries fits one tile
 
@@ -47,7 +47,7 @@ def triton_usable(tensor: torch.Tensor) -> bool:
     a GPU with a head size and dtype whose tiles fit (see MAX_HEAD_DIM; e.g. fp32 above 64 does not)."""
     if not TRITON_AVAILABLE:
         return False
-    if _interpreting():
+    if interpreting():
         return True
     return tensor.is_cuda and head_dim_supported(tensor.shape[-1], tensor.dtype)
 
@@ -58,6 +58,11 @@ def _cdiv(a: int, b: int) -> int:
 
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def dot_tile_size(n: int) -> int:
+    """The smallest tile side that holds n rows or channels: a power of two, at least 16 (`tl.dot`'s least)."""
+    return max(16, _next_power_of_2(n))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -155,12 +160,12 @@ def _attention_kernel(kind: str, grid_rows: int, grid_programs: int, block_rows:
     Under the interpreter the tile sizes are fixed; on CUDA the autotuner picks them per length bucket among
     `cuda_launch_configs`.
     """
-    kernels = _activate_kernels()
-    if _interpreting():
+    kernels = activate_kernels()
+    if interpreting():
         meta = INTERPRETER_BLOCKS[kind]
         return kernels[KERNEL_NAMES[kind]], (_cdiv(grid_rows, meta[block_rows]), grid_programs), meta
     if (kind, block_d, dtype) not in _AUTOTUNED:
-        triton = _import_triton()
+        triton = import_triton()
         configs = [triton.Config(dict(config.meta), num_warps=config.num_warps, num_stages=config.num_stages)
                    for config in cuda_launch_configs(kind, block_d, dtype)]
         _AUTOTUNED[kind, block_d, dtype] = triton.autotune(configs=configs, key=AUTOTUNE_KEY)(
@@ -168,7 +173,8 @@ def _attention_kernel(kind: str, grid_rows: int, grid_programs: int, block_rows:
     return _AUTOTUNED[kind, block_d, dtype], lambda meta: (_cdiv(grid_rows, meta[block_rows]), grid_programs), {}
 
 
-def _combine_block(num_splits: int) -> int:
+def combine_block(num_splits: int) -> int:
+    """The combine kernel's split block (BLOCK_S) for this many splits."""
     return next(block for block in COMBINE_BLOCKS if num_splits <= block)
 
 
@@ -179,18 +185,23 @@ def _decode_launch(block_m: int) -> dict:
 
 def _decode_block_n(block_m: int) -> int:
     """Keys per tile of the split-KV kernel: 64 for up to 16 query rows, 32 above (registers)."""
-    if _interpreting():
+    if interpreting():
         return INTERPRETER_DECODE_BLOCK_N
     return 64 if block_m <= 16 else 32
 
 
-def _auto_num_splits(batch_kv_heads: int, k_len: int, block_n: int, device: torch.device) -> int:
-    """Enough splits to give every SM about two programs, each split at least 4 key tiles long."""
+def decode_split_count(programs_per_split: int, k_len: int, block_n: int, device: torch.device) -> int:
+    """Splits of the keys for split-KV decode: enough to give every SM about two programs (`programs_per_split`
+    programs run each split), each split at least 4 key tiles long, at most MAX_SPLITS."""
     if device.type != "cuda":
         return 1
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = _cdiv(2 * sm_count, batch_kv_heads)
+    wanted = _cdiv(2 * multiprocessor_count(device), max(1, programs_per_split))
     return max(1, min(wanted, _cdiv(k_len, 4 * block_n), MAX_SPLITS))
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -224,15 +235,15 @@ class _Problem:
 
     @property
     def block_d(self) -> int:
-        return max(16, _next_power_of_2(self.head_dim))
+        return dot_tile_size(self.head_dim)
 
     @property
     def length_bucket(self) -> int:
         return _next_power_of_2(max(self.q_len, self.k_len))
 
-    def dummy(self) -> torch.Tensor:
-        """Stands for absent optional tensors; kernels never read it (a constexpr flag is off)."""
-        return self.positions
+    def or_placeholder(self, tensor: Optional[torch.Tensor]) -> torch.Tensor:
+        """`tensor`, or where it is absent a placeholder the kernels never read (a constexpr flag is off)."""
+        return self.positions if tensor is None else tensor
 
 
 def _document_bounds(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,7 +292,8 @@ def _prepare_problem(query, key, query_positions, key_valid, document_ids, ssmax
     )
 
 
-def _finite(values: torch.Tensor) -> torch.Tensor:
+def _clamped_to_prior_limit(values: torch.Tensor) -> torch.Tensor:
+    """NaN as 0, everything else (infinities too) clamped to [-PRIOR_LIMIT, PRIOR_LIMIT]."""
     return torch.nan_to_num(values, nan=0.0, posinf=PRIOR_LIMIT, neginf=-PRIOR_LIMIT).clamp(-PRIOR_LIMIT, PRIOR_LIMIT)
 
 
@@ -301,13 +313,13 @@ def _prior_tables(theta_alpha, theta_beta, theta_mu, table_len, formula, eps, wi
         for which in range(3):
             tangents = tuple(torch.ones_like(p) if i == which else torch.zeros_like(p) for i, p in enumerate(params))
             tables.append(torch.func.jvp(prior, params, tangents)[1])
-    return _finite(torch.stack(tables)).contiguous()
+    return _clamped_to_prior_limit(torch.stack(tables)).contiguous()
 
 
-def _dot_options(query: torch.Tensor) -> dict:
+def dot_options(dtype: torch.dtype) -> dict:
     """fp32 inputs use exact fp32 dots (no tf32); the interpreter computes everything in fp32."""
-    fp32 = query.dtype == torch.float32
-    return dict(UPCAST=fp32 or _interpreting(), DOT_PRECISION="ieee" if fp32 else "tf32")
+    fp32 = dtype == torch.float32
+    return dict(UPCAST=fp32 or interpreting(), DOT_PRECISION="ieee" if fp32 else "tf32")
 
 
 def _prefill_forward(query, key, value, problem: _Problem, prior_table: torch.Tensor, out, lse) -> None:
@@ -315,47 +327,44 @@ def _prefill_forward(query, key, value, problem: _Problem, prior_table: torch.Te
                                            problem.block_d, query.dtype)
     kernel[grid](
         query, key, value, out, lse, prior_table, problem.positions, problem.qk_scale, problem.bias_scale,
-        _or(problem.key_valid, problem), _or(problem.document_ids, problem), _or(problem.document_start, problem),
-        _or(problem.padding_end, problem), *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+        problem.or_placeholder(problem.key_valid), problem.or_placeholder(problem.document_ids),
+        problem.or_placeholder(problem.document_start), problem.or_placeholder(problem.padding_end),
+        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
         problem.heads, problem.group_size, problem.q_len, problem.k_len, problem.length_bucket,
         HEAD_DIM=problem.head_dim, BLOCK_D=problem.block_d,
         HAS_KEY_VALID=problem.key_valid is not None, HAS_DOCS=problem.document_ids is not None,
-        **_dot_options(query), **meta,
+        **dot_options(query.dtype), **meta,
     )
-
-
-def _or(tensor: Optional[torch.Tensor], problem: _Problem) -> torch.Tensor:
-    return problem.dummy() if tensor is None else tensor
 
 
 def _split_kv_forward(query, key, value, problem: _Problem, prior_table: torch.Tensor, num_splits: Optional[int],
                       out, lse) -> None:
-    kernels = _activate_kernels()
+    kernels = activate_kernels()
     rows_per_group = problem.group_size * problem.q_len
-    block_m = max(16, _next_power_of_2(rows_per_group))
+    block_m = dot_tile_size(rows_per_group)
     block_n = _decode_block_n(block_m)
     if num_splits is None:
-        num_splits = _auto_num_splits(problem.batch * problem.kv_heads, problem.k_len, block_n, query.device)
+        num_splits = decode_split_count(problem.batch * problem.kv_heads, problem.k_len, block_n, query.device)
     keys_per_split = _cdiv(_cdiv(problem.k_len, num_splits), block_n) * block_n
     num_rows = problem.batch * problem.heads * problem.q_len
     out_partial = _new_output(query.new_empty(num_splits, num_rows, problem.head_dim, dtype=torch.float32))
     lse_partial = _new_output(query.new_empty(num_splits, num_rows, dtype=torch.float32))
-    launch = {} if _interpreting() else _decode_launch(block_m)
+    launch = {} if interpreting() else _decode_launch(block_m)
 
     kernels["_decode_split_kernel"][(num_splits, problem.batch * problem.kv_heads)](
         query, key, value, out_partial, lse_partial, prior_table, problem.positions, problem.qk_scale,
-        problem.bias_scale, _or(problem.key_valid, problem), _or(problem.document_ids, problem),
+        problem.bias_scale, problem.or_placeholder(problem.key_valid), problem.or_placeholder(problem.document_ids),
         *query.stride(), *key.stride(), *value.stride(),
         problem.heads, problem.group_size, problem.q_len, problem.k_len, keys_per_split, num_rows,
         HEAD_DIM=problem.head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=problem.block_d, HAS_KEY_VALID=problem.key_valid is not None,
-        HAS_DOCS=problem.document_ids is not None, **_dot_options(query), **launch,
+        HAS_DOCS=problem.document_ids is not None, **dot_options(query.dtype), **launch,
     )
     kernels["_decode_combine_kernel"][(num_rows,)](
         out_partial, lse_partial, out, lse, *out.stride(),
         num_splits, problem.heads, problem.q_len, num_rows,
-        HEAD_DIM=problem.head_dim, BLOCK_S=_combine_block(num_splits), BLOCK_D=problem.block_d,
-        **({} if _interpreting() else COMBINE_LAUNCH),
+        HEAD_DIM=problem.head_dim, BLOCK_S=combine_block(num_splits), BLOCK_D=problem.block_d,
+        **({} if interpreting() else COMBINE_LAUNCH),
     )
 
 
@@ -397,16 +406,16 @@ def _attention_backward(grad_out, query, key, value, out, lse, theta_alpha, thet
     row_grads = _new_output(query.new_empty(4, num_rows, dtype=torch.float32))  # (4, B * H * Lq)
     flags = dict(
         HEAD_DIM=problem.head_dim, BLOCK_D=problem.block_d, HAS_KEY_VALID=problem.key_valid is not None,
-        HAS_DOCS=problem.document_ids is not None, **_dot_options(query),
+        HAS_DOCS=problem.document_ids is not None, **dot_options(query.dtype),
     )
-    side_inputs = (problem.positions, problem.qk_scale, problem.bias_scale, _or(problem.key_valid, problem),
-                   _or(problem.document_ids, problem))
+    side_inputs = (problem.positions, problem.qk_scale, problem.bias_scale,
+                   problem.or_placeholder(problem.key_valid), problem.or_placeholder(problem.document_ids))
 
     kernel, grid, meta = _attention_kernel("dkdv", problem.k_len, problem.batch * problem.kv_heads, "BLOCK_N",
                                            problem.block_d, query.dtype)
     kernel[grid](
         query, key, value, grad_out, grad_k, grad_v, lse, delta, tables, *side_inputs,
-        _or(problem.document_end, problem),
+        problem.or_placeholder(problem.document_end),
         *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *grad_k.stride(), *grad_v.stride(),
         problem.heads, problem.group_size, problem.q_len, problem.k_len, problem.length_bucket, **flags, **meta,
     )
@@ -414,7 +423,7 @@ def _attention_backward(grad_out, query, key, value, out, lse, theta_alpha, thet
                                            problem.block_d, query.dtype)
     kernel[grid](
         query, key, value, grad_out, grad_q, lse, delta, tables, *side_inputs,
-        _or(problem.document_start, problem), _or(problem.padding_end, problem), row_grads,
+        problem.or_placeholder(problem.document_start), problem.or_placeholder(problem.padding_end), row_grads,
         *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *grad_q.stride(),
         problem.heads, problem.group_size, problem.q_len, problem.k_len, num_rows, scaling, problem.length_bucket,
         PRIOR_GRADS=prior_grads, SSMAX_GRAD=ssmax_grad, SSMAX_PRIOR=ssmax_prior, **flags, **meta,
@@ -567,7 +576,7 @@ def ggd_attention(
     query_positions: torch.Tensor,
     *,
     scaling: float,
-    formula: str = "current",
+    formula: str = SCALE_OUTSIDE_POWER,
     eps: float = 1e-5,
     key_valid: Optional[torch.Tensor] = None,
     document_ids: Optional[torch.Tensor] = None,
@@ -617,8 +626,8 @@ def _autocast_inputs(query, key, value) -> tuple[torch.Tensor, torch.Tensor, tor
 def _check_inputs(query, key, value, theta_alpha, query_positions, formula, num_splits=None) -> None:
     if not TRITON_AVAILABLE:
         raise RuntimeError("ggd_attention needs the `triton` package, which is not installed")
-    if formula not in FORMULAS:
-        raise ValueError(f"unknown prior formula {formula!r}; expected one of {FORMULAS}")
+    if formula not in PRIOR_FORMULAS:
+        raise ValueError(f"unknown prior formula {formula!r}; expected one of {PRIOR_FORMULAS}")
     if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
         raise ValueError(f"expected query (B, H, Lq, D) and key/value (B, Hkv, Lk, D); got {query.shape}, "
                          f"{key.shape}, {value.shape}")
@@ -629,7 +638,7 @@ def _check_inputs(query, key, value, theta_alpha, query_positions, formula, num_
             or value.dtype != query.dtype:
         raise ValueError(f"expected fp16/bf16/fp32 query, key and value of one dtype; got {query.dtype}, "
                          f"{key.dtype}, {value.dtype}")
-    if not _interpreting() and not head_dim_supported(head_dim, query.dtype):  # the interpreter has no such limit
+    if not interpreting() and not head_dim_supported(head_dim, query.dtype):  # the interpreter has no such limit
         raise ValueError(f"head size {head_dim} is not supported for {query.dtype} inputs: the kernels' tiles "
                          f"would not fit a GPU's registers and shared memory (up to {MAX_HEAD_DIM[query.dtype]})")
     if num_splits is not None and num_splits > 0:

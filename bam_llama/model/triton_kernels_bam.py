@@ -33,7 +33,7 @@ contiguous runs of equal ids. They bound the loops and decide which tiles are in
 the other tiles use the exact positions and ids.
 
 CPU testing: with TRITON_INTERPRET=1 the kernels run in Triton's interpreter. Triton fixes that choice when it
-is imported, so this module imports it on first use (`_import_triton`) and reads the variable at call time:
+is imported, so this module imports it on first use (`import_triton`) and reads the variable at call time:
 it may be set after this module was imported, as long as nothing else imported triton before.
 """
 
@@ -52,7 +52,7 @@ def _triton_installed() -> bool:
 
 
 TRITON_AVAILABLE = _triton_installed()
-# `triton` and `triton.language as tl` are imported on first use (`_import_triton`), not here: Triton decides
+# `triton` and `triton.language as tl` are imported on first use (`import_triton`), not here: Triton decides
 # between its interpreter and its compiler when it is imported, so importing this module (with the package)
 # must not fix that choice before a test sets TRITON_INTERPRET=1.
 triton = None
@@ -62,7 +62,8 @@ tl = None
 KERNEL_CONSTANTS = {"LOG2E": 1.4426950408889634}
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels (TRITON_INTERPRET=1), read at call time."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -81,15 +82,15 @@ def _triton_function(function):
     return function
 
 
-def _activate_kernels() -> dict:
+def activate_kernels() -> dict:
     """The kernels wrapped by `triton.jit` for the TRITON_INTERPRET setting of this call.
 
     `triton.jit` decides between interpreter and compiler when it wraps a function, and a kernel finds the
     device functions it calls among this module's globals. Wrapping lazily, and swapping the globals when the
     setting changes, lets a process import this module before it sets TRITON_INTERPRET=1.
     """
-    _import_triton()
-    interpret = _interpreting()
+    import_triton()
+    interpret = interpreting()
     if interpret and not _interpreter_ready():
         raise RuntimeError(
             "TRITON_INTERPRET=1 was set after triton was imported: triton.language's own reductions (tl.max, "
@@ -104,7 +105,7 @@ def _activate_kernels() -> dict:
     return _JITTED[interpret]
 
 
-def _import_triton():
+def import_triton():
     """The `triton` module, imported on first use."""
     global triton, tl
     if triton is None:
@@ -121,7 +122,7 @@ def _interpreter_ready() -> bool:
     """Whether triton is (or will be) imported in interpreter mode: TRITON_INTERPRET=1 must be set before the
     first `import triton`, since triton.language's own reductions (tl.max, tl.sum) are wrapped on import."""
     if "triton.language" not in sys.modules:
-        return _interpreting()
+        return interpreting()
     import triton.language
     import triton.runtime
 

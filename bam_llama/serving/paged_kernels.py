@@ -1,4 +1,4 @@
-"""Triton kernels of BAM attention over vLLM's paged KV cache (`@triton.jit` code only; paged_attention.py launches
+"""Triton kernels of BAM attention over vLLM's paged KV cache (`@triton.jit` code only; paged_triton.py launches
 them). Per query head h, a query at absolute position p of its request and the request's keys j <= p:
 
     s_pj = q_p.k_j * QkScale_p + table[h, T - 1 - p + j] * BiasScale_p      (log2 domain, online softmax)
@@ -30,7 +30,7 @@ as the model's kernels).
 from __future__ import annotations  # kernel signatures say `tl.constexpr` before triton is imported
 
 from ..model import triton_kernels_bam as model_kernels
-from ..model.triton_kernels_bam import TRITON_AVAILABLE, _interpreting
+from ..model.triton_kernels_bam import TRITON_AVAILABLE, interpreting
 
 tl = None  # triton.language, set by `activate_kernels`
 REUSED = ("_online_softmax_step", "_finish_softmax", "_decode_combine_kernel")  # the model's device code
@@ -47,8 +47,8 @@ def activate_kernels() -> dict:
     """This module's kernels and the model's functions they call, wrapped by `triton.jit` for this call's
     TRITON_INTERPRET setting and put among this module's globals (where kernels find their device functions)."""
     global tl
-    model = model_kernels._activate_kernels()  # imports triton; refuses a wrongly imported interpreter
-    interpret = _interpreting()
+    model = model_kernels.activate_kernels()  # imports triton; refuses a wrongly imported interpreter
+    interpret = interpreting()
     if interpret not in _JITTED:
         _JITTED[interpret] = {name: model_kernels.triton.jit(fn) for name, fn in _FUNCTIONS.items()}
     tl = model_kernels.tl

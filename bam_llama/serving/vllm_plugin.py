@@ -7,10 +7,11 @@ vLLM's attention backends take no positional bias beyond ALiBi slopes, so BAM's 
 (`BamPagedAttention`, an `AttentionLayerBase` with its own backend `BamAttentionBackend`). Its work is one custom op,
 `vllm::bam_paged_attention` (opaque to torch.compile, and a splitting op wherever vLLM splits its graphs at
 attention): write the step's K/V into the paged cache, then attend with BAM's prior and Scalable Softmax through
-paged_attention.py (a fused CPU path, Triton kernels on CUDA). Query positions are absolute (each request's tokens
-in the cache, prefix-cache hits included), so chunked prefill and prefix caching see the same distances and SSMax
-counts n = position + 1 as one forward pass over the whole sequence. The prior is a per-head table over distances,
-built once the weights are loaded (`BamLlamaForCausalLM.process_weights_after_loading`).
+paged_attention.py (a fused CPU path, Triton kernels on CUDA), given the step's metadata and the layer's terms as
+paged_batch.py holds them. Query positions are absolute (each request's tokens in the cache, prefix-cache hits
+included), so chunked prefill and prefix caching see the same distances and SSMax counts n = position + 1 as one
+forward pass over the whole sequence. The prior is a per-head table over distances, built once the weights are
+loaded (`BamLlamaForCausalLM.process_weights_after_loading`).
 
 Shapes: T tokens of the step (all requests, flattened), H query heads and Hkv key/value heads on this tensor-parallel
 rank, D head size.
@@ -22,6 +23,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
+from vllm import ModelRegistry
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CompilationMode, VllmConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -42,7 +44,10 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout
 
-from .paged_attention import BamTerms, PagedBatch, paged_attention, prior_table, warm_up_flex, write_cache
+from ..registration import register_config
+from .paged_attention import paged_attention, write_cache
+from .paged_batch import BamTerms, PagedBatch, prior_table
+from .paged_torch import warm_up_flex
 
 ARCHITECTURE = "BamLlamaForCausalLM"
 ATTENTION_OP = "vllm::bam_paged_attention"
@@ -52,10 +57,6 @@ VLLM_ATTENTION_OP = "vllm::unified_attention_with_output"  # where vLLM splits i
 def register() -> None:
     """The `vllm.general_plugins` entry point: Transformers learns the `bam_llama` config (so no remote code is
     needed), vLLM learns the architecture."""
-    from vllm import ModelRegistry
-
-    from ..registration import register_config
-
     register_config()
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:BamLlamaForCausalLM")
@@ -239,7 +240,7 @@ class BamPriorParameters(nn.Module):
         return self.theta_alpha[self.heads], self.theta_beta[self.heads], self.theta_mu[self.heads]
 
     def table(self, config, max_len: int) -> torch.Tensor:
-        """(this rank's H, max_len) prior at distances -(max_len-1)..0 (paged_attention.prior_table)."""
+        """(this rank's H, max_len) prior at distances -(max_len-1)..0 (paged_batch.prior_table)."""
         return prior_table(*self.tensors(), config.prior_formula, config.prior_eps, max_len)
 
 

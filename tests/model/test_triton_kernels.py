@@ -400,7 +400,7 @@ def test_benchmark_smoke():
 def test_triton_usable_refuses_gpu_inputs_whose_tiles_do_not_fit(monkeypatch):
     """On a GPU the model must fall back to SDPA instead of reaching the kernels' ValueError: fp32 fits up to
     head size 64, fp16/bf16 up to 128 (the limits of the ahead-of-time readiness table)."""
-    monkeypatch.setattr(triton_bam, "_interpreting", lambda: False)
+    monkeypatch.setattr(triton_bam, "interpreting", lambda: False)
 
     class GpuTensor:
         is_cuda = True

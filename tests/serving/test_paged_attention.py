@@ -1,4 +1,4 @@
-"""BAM attention over a paged KV cache (bam_llama/serving/paged_attention.py) against the suite's float64 reference
+"""BAM attention over a paged KV cache (bam_llama/serving/paged_*.py) against the suite's float64 reference
 (tests/reference.py), without vLLM: every path (plain PyTorch, the CPU path with its in-place decode, blocked SDPA
 and FlexAttention, the Triton kernels through Triton's interpreter) on steps that mix decoding requests, chunks of
 prompts after cached tokens (chunk boundaries, prefix-cache hits) and whole prompts, over shuffled block tables in
@@ -13,24 +13,26 @@ import pytest
 import reference
 import torch
 
-from bam_llama.serving import paged_attention
-from bam_llama.serving.paged_attention import BamTerms, PagedBatch, prior_table
+from bam_llama.serving import paged_attention, paged_kernels, paged_torch, paged_triton
+from bam_llama.serving.paged_batch import BamTerms, PagedBatch, prior_table
 
 HEADS, HEAD_DIM, MAX_LEN = 4, 32, 1024
 PATHS = {
-    "reference": paged_attention.paged_attention_reference,
-    "cpu": paged_attention.paged_attention_cpu,
-    "triton": paged_attention.paged_attention_triton,
+    "reference": paged_torch.paged_attention_reference,
+    "cpu": paged_torch.paged_attention_cpu,
+    "triton": paged_triton.paged_attention_triton,
 }
 
 
 @pytest.fixture(autouse=True)
 def interpreter(monkeypatch):
-    """The Triton path runs in Triton's interpreter (tests/conftest.py imported triton for it)."""
+    """The Triton path runs in Triton's interpreter (tests/conftest.py imported triton for it); the kernels'
+    scratch buffers start as NaN, so that a partial result a kernel forgets to write fails."""
     if torch.cuda.is_available():
         pytest.skip("CPU tests: tests/model/test_triton_gpu.py's place on a GPU")
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(paged_triton, "_new_output", lambda tensor: tensor.fill_(float("nan")))  # unwritten: NaN
 
 
 # ------------------------------------------------------------------------------------------------- a step
@@ -186,7 +188,7 @@ def test_every_path_matches_the_reference_on_a_decoding_step(path, config):
 
 def test_triton_decode_kernel_runs_for_single_query_steps(monkeypatch):
     calls = []
-    monkeypatch.setattr(paged_attention, "_launch_prefill", lambda *args: calls.append("prefill"))
+    monkeypatch.setattr(paged_triton, "_launch_prefill", lambda *args: calls.append("prefill"))
     terms, _ = make_terms(ssmax="prior")
     run_path("triton", Step(DECODES, 2, 16), terms)
     assert calls == []
@@ -198,9 +200,9 @@ def test_cpu_path_reads_decoding_keys_in_place_and_gathers_prompts(monkeypatch, 
     scales the prior, blocked SDPA otherwise."""
     gathered, flex, blocked = [], [], []
     spy = lambda calls, function: lambda *args, **kwargs: calls.append(1) or function(*args, **kwargs)  # noqa: E731
-    monkeypatch.setattr(paged_attention, "_gather_keys", spy(gathered, paged_attention._gather_keys))
-    monkeypatch.setattr(paged_attention, "_flex_prefill", spy(flex, paged_attention._flex_prefill))
-    monkeypatch.setattr(paged_attention, "bam_attention_blocked", spy(blocked, paged_attention.bam_attention_blocked))
+    monkeypatch.setattr(paged_torch, "_gather_keys", spy(gathered, paged_torch._gather_keys))
+    monkeypatch.setattr(paged_torch, "_flex_prefill", spy(flex, paged_torch._flex_prefill))
+    monkeypatch.setattr(paged_torch, "bam_attention_blocked", spy(blocked, paged_torch.bam_attention_blocked))
     terms, witness = make_terms(ssmax=ssmax)
     step = Step(MIXED, 2, 16)
     assert_rows_match(run_path("cpu", step, terms), step, witness)
@@ -213,18 +215,18 @@ def test_cpu_path_on_the_blocks_outermost_layout():
     """vLLM's default layout (no strided view of a run of blocks per head): decoding requests gather instead."""
     terms, witness = make_terms(ssmax="logits")
     step = Step(MIXED, 2, 32, head_major=False)
-    assert paged_attention._head_major_tokens(step.kv_cache) is None
+    assert paged_torch._head_major_tokens(step.kv_cache) is None
     assert_rows_match(run_path("cpu", step, terms), step, witness)
 
 
 def test_flex_failure_falls_back_to_blocked_sdpa(monkeypatch, caplog):
     """An Inductor that cannot compile FlexAttention costs speed, not correctness: one warning, blocked SDPA."""
-    monkeypatch.setitem(paged_attention._FLEX, "failed", False)
-    monkeypatch.setitem(paged_attention._FLEX, "compiled", lambda *args, **kwargs: 1 / 0)
+    monkeypatch.setitem(paged_torch._FLEX, "failed", False)
+    monkeypatch.setitem(paged_torch._FLEX, "compiled", lambda *args, **kwargs: 1 / 0)
     terms, witness = make_terms(ssmax="prior")
     with caplog.at_level("WARNING"):
-        paged_attention.warm_up_flex(terms, 2, HEAD_DIM)
-    assert "FlexAttention does not compile here" in caplog.text and not paged_attention.flex_prefill_usable()
+        paged_torch.warm_up_flex(terms, 2, HEAD_DIM)
+    assert "FlexAttention does not compile here" in caplog.text and not paged_torch.flex_prefill_usable()
     step = Step(MIXED, 2, 16)
     assert_rows_match(run_path("cpu", step, terms), step, witness)
 
@@ -254,7 +256,7 @@ def test_write_cache_puts_each_token_in_its_slot(path, monkeypatch):
     """Keys and values as vLLM's fused qkv projection hands them over (rows strided), padding slots skipped,
     every other cell untouched."""
     if path == "torch":
-        monkeypatch.setattr(paged_attention.paged_kernels, "TRITON_AVAILABLE", False)
+        monkeypatch.setattr(paged_kernels, "TRITON_AVAILABLE", False)
     else:  # the launcher the plugin calls on CUDA
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda tensor: True))
     kv_heads, block_size, blocks = 2, 16, 6
