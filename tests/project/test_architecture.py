@@ -99,11 +99,8 @@ LAZY_ON_PURPOSE = ("bam_llama/__init__.py", "bam_llama/registration.py")  # `imp
 OPTIONAL_PACKAGES = {"triton", "vllm", "deepspeed", "datasets", "gguf", "lm_eval", "trl"}
 NOT_CONVERTED_YET = (
     "bam_llama/model/",
-    "bam_llama/serving/",
     "bam_llama/training/",
     "bam_llama/evaluation/",
-    "bam_llama/conversion/",
-    "bam_llama/hub/",
     "bam_llama/demo.py",
     "bam_llama/data/packing.py",
 )
