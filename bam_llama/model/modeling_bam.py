@@ -355,27 +355,12 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         if is_paged_cache(cache):  # continuous batching: positions come from what the cache holds for each request
             return self._paged_forward(inputs_embeds, cache, **kwargs)
-        kwargs.pop("cache_position", None)  # positions come from the cache length, read below
-
-        # Absolute query positions, read from the cache BEFORE any layer updates it.
-        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+        kwargs.pop("cache_position", None)  # positions come from the cache length (`_positions_and_mask`)
         sequence_parallel = active_sequence_parallel(self)
-        if sequence_parallel is not None:
-            # each rank holds one chunk of every sequence: masks, documents and positions are the whole sequence's
-            position_ids, attention_mask = sequence_parallel.gather_inputs(position_ids, attention_mask, past_seen_tokens)
-            mask_embeds = inputs_embeds[:, :1].expand(-1, position_ids.shape[1], -1)  # what the masks read
+        if sequence_parallel is not None:  # training only: no cache
             kwargs["sequence_parallel"], use_cache = sequence_parallel, False
-        else:
-            mask_embeds = inputs_embeds
-        query_positions = torch.arange(mask_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-        last_position = _last_query_position(past_seen_tokens, mask_embeds.shape[1])
-        if position_ids is None:  # positions the model numbers itself are one sequence a row: nothing is packed
-            position_ids, document_ids = query_positions.unsqueeze(0), None
-        else:
-            document_ids = self._packed_document_ids(mask_embeds, attention_mask, position_ids, cache)
-
-        causal_mask = create_bam_causal_mask(
-            self.config, mask_embeds, attention_mask, cache, position_ids, query_positions
+        query_positions, last_position, document_ids, causal_mask = self._positions_and_mask(
+            inputs_embeds, attention_mask, position_ids, cache, sequence_parallel
         )
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
@@ -412,6 +397,28 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
                 hidden_states, None, prior_table, shared_prior=self.prior, paged_requests=requests, cache=cache, **kwargs
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
+
+    def _positions_and_mask(self, inputs_embeds, attention_mask, position_ids, cache, sequence_parallel):
+        """The absolute query positions (Lq,), read from the cache BEFORE any layer updates it; the last one as an
+        int (see `_last_query_position`); each token's document where rows are packed, else None; the causal mask."""
+        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+        mask_embeds = inputs_embeds
+        if sequence_parallel is not None:
+            # each rank holds one chunk of every sequence: masks, documents and positions are the whole sequence's
+            position_ids, attention_mask = sequence_parallel.gather_inputs(
+                position_ids, attention_mask, past_seen_tokens
+            )
+            mask_embeds = inputs_embeds[:, :1].expand(-1, position_ids.shape[1], -1)  # what the masks read
+        query_positions = torch.arange(mask_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+        last_position = _last_query_position(past_seen_tokens, mask_embeds.shape[1])
+        if position_ids is None:  # positions the model numbers itself are one sequence a row: nothing is packed
+            position_ids, document_ids = query_positions.unsqueeze(0), None
+        else:
+            document_ids = self._packed_document_ids(mask_embeds, attention_mask, position_ids, cache)
+        causal_mask = create_bam_causal_mask(
+            self.config, mask_embeds, attention_mask, cache, position_ids, query_positions
+        )
+        return query_positions, last_position, document_ids, causal_mask
 
     @staticmethod
     def _packed_document_ids(inputs_embeds, attention_mask, position_ids, cache) -> torch.Tensor | None:
