@@ -18,8 +18,8 @@ from transformers.activations import ACT2FN
 
 from ..data.tokenizers import TOKENIZER_FILES
 from ..model.configuration_bam import PRIOR_SCOPES, BamLlamaConfig
-from ..model.modeling_bam import BamPrior, BamScalableSoftmax
 from ..model.prior_bam import is_prior_parameter
+from ..model.prior_modules_bam import BamPrior, BamScalableSoftmax
 from ..outputs import check_output_dir
 from .common import (
     ConversionError,

@@ -6,7 +6,8 @@ Attention logit for query i (absolute position p_i) and key j, head h:
     b_h(p, j) = -exp(theta_alpha_h) * (|(j - p) - mu_h| + eps) ** theta_beta_h
 
 with c_i = s_h * ln(n_i) under Scalable Softmax (n_i = keys visible to query i), else 1. The attention names the
-config keeps ("eager", "sdpa", "bam_triton") select BAM's own implementations, dispatched in dispatch_bam.py.
+config keeps ("eager", "sdpa", "bam_triton") select BAM's own implementations, dispatched in dispatch_bam.py. The
+prior's and Scalable Softmax's modules are prior_modules_bam.py's.
 """
 
 from collections.abc import Callable
@@ -34,14 +35,9 @@ from .dispatch_bam import (
     default_attn_implementation,
     register_bam_attention,
 )
-from .prior_bam import SSMAX_PARAMETER, alibi_slopes, ggd_bias, relative_distance, ssmax_factor
+from .prior_modules_bam import BamPrior, BamScalableSoftmax, apply_config_trainability
 from .sequence_parallel_bam import active_sequence_parallel
 from .triton_bam import TRITON_AVAILABLE
-
-try:
-    from transformers import initialization as hf_init
-except ImportError:  # older 5.x releases
-    hf_init = None
 
 
 logger = logging.get_logger(__name__)
@@ -95,125 +91,6 @@ class BamRMSNorm(nn.Module):
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * hidden_states.to(input_dtype)
-
-
-def initial_prior_values(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
-    """Per-head initial theta_alpha / theta_beta / theta_mu from the config's init schemes."""
-    heads = config.num_attention_heads
-    if config.theta_alpha_init == "alibi":
-        theta_alpha = alibi_slopes(heads).log()
-    else:
-        theta_alpha = torch.full((heads,), float(config.theta_alpha_init))
-    if config.theta_beta_init == "linear":
-        theta_beta = torch.linspace(0.0, 1.0, heads)
-    else:
-        theta_beta = torch.full((heads,), float(config.theta_beta_init))
-    theta_mu = torch.full((heads,), float(config.theta_mu_init))
-    return {"theta_alpha": theta_alpha, "theta_beta": theta_beta, "theta_mu": theta_mu}
-
-
-class BamPrior(nn.Module):
-    """The per-head GGD positional prior: three scalars per head.
-
-    A parameter the config freezes (`train_theta_mu=False` by default) is a buffer, not a Parameter: no wrapper
-    (PEFT's `modules_to_save`, TRL, Trainer, `requires_grad_(True)`) can make it trainable. It is saved and loaded
-    under the same name; `BamLlamaPreTrainedModel.apply_prior_trainability` follows a changed config.
-    """
-
-    def __init__(self, config: BamLlamaConfig):
-        super().__init__()
-        heads = config.num_attention_heads
-        self.formula = config.prior_formula
-        self.eps = config.prior_eps
-        for name, trainable in prior_trainability(config).items():
-            _register_prior_tensor(self, name, torch.zeros(heads), trainable)
-        self.reset_parameters(config)
-
-    @torch.no_grad()
-    def reset_parameters(self, config: BamLlamaConfig) -> None:
-        for name, value in initial_prior_values(config).items():
-            _copy_init(getattr(self, name), value)
-
-    def forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(theta_alpha, theta_beta, theta_mu), each (H,), on the device the prior computes on. Every use of the
-        prior reads them through this call, so that the hooks that bring offloaded or sharded weights in
-        (Accelerate's `device_map` offload, DeepSpeed ZeRO-3) run."""
-        return self.theta_alpha, self.theta_beta, self.theta_mu
-
-    def table(self, last_position: int) -> torch.Tensor:
-        """(H, P + 1) float32 prior at distances -P, ..., 0: every row of the bias is a window of it."""
-        theta_alpha, theta_beta, theta_mu = self()
-        distance = torch.arange(-last_position, 1, device=theta_alpha.device, dtype=torch.float32)
-        return ggd_bias(distance, theta_alpha, theta_beta, theta_mu, self.formula, self.eps)
-
-    def bias(self, query_positions: torch.Tensor, key_length: int) -> torch.Tensor:
-        """(1, H, Lq, Lk) float32 prior for queries at absolute positions (Lq,) and keys 0..Lk-1."""
-        theta_alpha, theta_beta, theta_mu = self()
-        distance = relative_distance(query_positions.to(theta_alpha.device), key_length)
-        return ggd_bias(distance, theta_alpha, theta_beta, theta_mu, self.formula, self.eps)[None]
-
-    def extra_repr(self) -> str:
-        return f"heads={self.theta_alpha.numel()}, formula={self.formula}, eps={self.eps}"
-
-
-class BamScalableSoftmax(nn.Module):
-    """Scalable Softmax: row factor c_i = s_h * ln(n_i), n_i the number of keys query i sees. A scale the config
-    freezes is a buffer (see `BamPrior`)."""
-
-    def __init__(self, config: BamLlamaConfig):
-        super().__init__()
-        self.prior_scaled = config.ssmax_prior
-        _register_prior_tensor(self, SSMAX_PARAMETER, torch.zeros(config.num_attention_heads), config.train_ssmax_scale)
-        self.reset_parameters(config)
-
-    @torch.no_grad()
-    def reset_parameters(self, config: BamLlamaConfig) -> None:
-        _copy_init(self.scale, torch.full_like(self.scale, float(config.ssmax_scale_init)))
-
-    def forward(self) -> torch.Tensor:
-        """(H,) scale s_h, read through a module call (see `BamPrior.forward`)."""
-        return self.scale
-
-    def row_factor(self, visible_counts: torch.Tensor) -> torch.Tensor:
-        """(B, Lq) counts -> (B, H, Lq, 1) float32 factor."""
-        return ssmax_factor(visible_counts, self())
-
-
-def prior_trainability(config: BamLlamaConfig) -> dict[str, bool]:
-    """Which prior parameters the config trains."""
-    return {
-        "theta_alpha": config.train_theta_alpha,
-        "theta_beta": config.train_theta_beta,
-        "theta_mu": config.train_theta_mu,
-    }
-
-
-def _register_prior_tensor(module: nn.Module, name: str, value: torch.Tensor, trainable: bool) -> None:
-    """`name` as a Parameter when it trains, else as a (saved) buffer: a frozen value no optimizer can reach."""
-    if trainable:
-        module.register_parameter(name, nn.Parameter(value))
-    else:
-        module.register_buffer(name, value)
-
-
-def _set_prior_trainability(module: nn.Module, name: str, trainable: bool) -> None:
-    """Turn `name` into a Parameter or a buffer as `trainable` says, keeping its value; a Parameter that stays one
-    is kept (an optimizer may hold it) and set to require gradients."""
-    if (name in module._parameters) == trainable:
-        if trainable:
-            module._parameters[name].requires_grad_(True)
-        return
-    value = getattr(module, name).detach()
-    delattr(module, name)
-    _register_prior_tensor(module, name, value, trainable)
-
-
-def _copy_init(parameter: torch.Tensor, value: torch.Tensor) -> None:
-    value = value.to(device=parameter.device, dtype=parameter.dtype)
-    if hf_init is not None:
-        hf_init.copy_(parameter, value)
-    elif parameter.device.type != "meta":
-        parameter.copy_(value)
 
 
 class BamMLP(nn.Module):
@@ -407,16 +284,8 @@ class BamLlamaPreTrainedModel(PreTrainedModel):
         change of `train_theta_*` / `train_ssmax_scale` (loading does it). Nothing else is needed under PEFT, TRL or
         Trainer: a frozen one is not a Parameter they could unfreeze. PEFT's `original_module` copies stay frozen."""
         for module_name, module in self.named_modules():
-            if isinstance(module, BamPrior):
-                flags = prior_trainability(self.config)
-            elif isinstance(module, BamScalableSoftmax):
-                flags = {SSMAX_PARAMETER: self.config.train_ssmax_scale}
-            else:
-                continue
-            for name, trainable in flags.items():
-                _set_prior_trainability(module, name, trainable)
-                if trainable and ".original_module" in module_name:
-                    getattr(module, name).requires_grad_(False)
+            if isinstance(module, (BamPrior, BamScalableSoftmax)):
+                apply_config_trainability(module, self.config, frozen_copy=".original_module" in module_name)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save weights, config and the remote code, with an `auto_map` for AutoConfig/AutoModel/AutoModelForCausalLM."""
@@ -486,27 +355,12 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         if is_paged_cache(cache):  # continuous batching: positions come from what the cache holds for each request
             return self._paged_forward(inputs_embeds, cache, **kwargs)
-        kwargs.pop("cache_position", None)  # positions come from the cache length, read below
-
-        # Absolute query positions, read from the cache BEFORE any layer updates it.
-        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+        kwargs.pop("cache_position", None)  # positions come from the cache length (`_positions_and_mask`)
         sequence_parallel = active_sequence_parallel(self)
-        if sequence_parallel is not None:
-            # each rank holds one chunk of every sequence: masks, documents and positions are the whole sequence's
-            position_ids, attention_mask = sequence_parallel.gather_inputs(position_ids, attention_mask, past_seen_tokens)
-            mask_embeds = inputs_embeds[:, :1].expand(-1, position_ids.shape[1], -1)  # what the masks read
+        if sequence_parallel is not None:  # training only: no cache
             kwargs["sequence_parallel"], use_cache = sequence_parallel, False
-        else:
-            mask_embeds = inputs_embeds
-        query_positions = torch.arange(mask_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-        last_position = _last_query_position(past_seen_tokens, mask_embeds.shape[1])
-        if position_ids is None:  # positions the model numbers itself are one sequence a row: nothing is packed
-            position_ids, document_ids = query_positions.unsqueeze(0), None
-        else:
-            document_ids = self._packed_document_ids(mask_embeds, attention_mask, position_ids, cache)
-
-        causal_mask = create_bam_causal_mask(
-            self.config, mask_embeds, attention_mask, cache, position_ids, query_positions
+        query_positions, last_position, document_ids, causal_mask = self._positions_and_mask(
+            inputs_embeds, attention_mask, position_ids, cache, sequence_parallel
         )
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
@@ -543,6 +397,28 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
                 hidden_states, None, prior_table, shared_prior=self.prior, paged_requests=requests, cache=cache, **kwargs
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
+
+    def _positions_and_mask(self, inputs_embeds, attention_mask, position_ids, cache, sequence_parallel):
+        """The absolute query positions (Lq,), read from the cache BEFORE any layer updates it; the last one as an
+        int (see `_last_query_position`); each token's document where rows are packed, else None; the causal mask."""
+        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+        mask_embeds = inputs_embeds
+        if sequence_parallel is not None:
+            # each rank holds one chunk of every sequence: masks, documents and positions are the whole sequence's
+            position_ids, attention_mask = sequence_parallel.gather_inputs(
+                position_ids, attention_mask, past_seen_tokens
+            )
+            mask_embeds = inputs_embeds[:, :1].expand(-1, position_ids.shape[1], -1)  # what the masks read
+        query_positions = torch.arange(mask_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+        last_position = _last_query_position(past_seen_tokens, mask_embeds.shape[1])
+        if position_ids is None:  # positions the model numbers itself are one sequence a row: nothing is packed
+            position_ids, document_ids = query_positions.unsqueeze(0), None
+        else:
+            document_ids = self._packed_document_ids(mask_embeds, attention_mask, position_ids, cache)
+        causal_mask = create_bam_causal_mask(
+            self.config, mask_embeds, attention_mask, cache, position_ids, query_positions
+        )
+        return query_positions, last_position, document_ids, causal_mask
 
     @staticmethod
     def _packed_document_ids(inputs_embeds, attention_mask, position_ids, cache) -> torch.Tensor | None:
@@ -669,7 +545,7 @@ __all__ = [
     "BamLlamaForCausalLM",
     "BamLlamaModel",
     "BamLlamaPreTrainedModel",
-    "BamPrior",
+    "BamPrior",  # prior_modules_bam.py's, the model's building blocks: importable from here as before
     "BamScalableSoftmax",
     "register_bam_attention",  # dispatch_bam.py's, importable from here as before
 ]

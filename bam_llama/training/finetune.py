@@ -171,7 +171,7 @@ def prepare_model(model: BamLlamaForCausalLM, args: FinetuneArguments):
 def prior_values(model: torch.nn.Module, state_dict: dict | None = None) -> dict[str, dict[str, list[float]]]:
     """The prior / SSMax values the model computes with, by BamLlama module name (PEFT's wrapping removed); read
     from `state_dict` when given (a sharded model's, gathered)."""
-    from ..model.modeling_bam import BamPrior, BamScalableSoftmax
+    from ..model.prior_modules_bam import BamPrior, BamScalableSoftmax
     from ..model.prior_bam import PRIOR_PARAMETERS, SSMAX_PARAMETER
 
     values: dict[str, dict[str, list[float]]] = {}

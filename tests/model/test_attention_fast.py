@@ -9,8 +9,9 @@ from helpers import tiny_config, tiny_model
 
 from bam_llama.model.blocked_bam import bam_attention_blocked
 from bam_llama.model.dispatch_bam import bam_sdpa_attention_forward
-from bam_llama.model.modeling_bam import BamAttention, BamPrior
+from bam_llama.model.modeling_bam import BamAttention
 from bam_llama.model.prior_bam import ggd_bias
+from bam_llama.model.prior_modules_bam import BamPrior
 
 HALF_TOLERANCE = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
 

@@ -24,6 +24,7 @@ SHIPPED_CODE = {
     "modeling_bam.py",
     "dispatch_bam.py",
     "prior_bam.py",
+    "prior_modules_bam.py",
     "reference_bam.py",
     "blocked_bam.py",
     "triton_bam.py",

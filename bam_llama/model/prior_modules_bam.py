@@ -1,0 +1,150 @@
+"""The prior's and Scalable Softmax's modules: `BamAttention`'s `prior` and `ssmax` submodules (`BamLlamaModel`'s
+`prior` for a global prior; PEFT's `modules_to_save=["prior", "ssmax"]` names them), their per-head tensors, initial
+values, and which of them the config trains. The math they compute is prior_bam.py's.
+"""
+
+import torch
+from torch import nn
+
+from .configuration_bam import BamLlamaConfig
+from .prior_bam import SSMAX_PARAMETER, alibi_slopes, ggd_bias, relative_distance, ssmax_factor
+
+try:
+    from transformers import initialization as hf_init
+except ImportError:  # older 5.x releases
+    hf_init = None
+
+
+def initial_prior_values(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
+    """Per-head initial theta_alpha / theta_beta / theta_mu from the config's init schemes."""
+    heads = config.num_attention_heads
+    if config.theta_alpha_init == "alibi":
+        theta_alpha = alibi_slopes(heads).log()
+    else:
+        theta_alpha = torch.full((heads,), float(config.theta_alpha_init))
+    if config.theta_beta_init == "linear":
+        theta_beta = torch.linspace(0.0, 1.0, heads)
+    else:
+        theta_beta = torch.full((heads,), float(config.theta_beta_init))
+    theta_mu = torch.full((heads,), float(config.theta_mu_init))
+    return {"theta_alpha": theta_alpha, "theta_beta": theta_beta, "theta_mu": theta_mu}
+
+
+class BamPrior(nn.Module):
+    """The per-head GGD positional prior: three scalars per head.
+
+    A parameter the config freezes (`train_theta_mu=False` by default) is a buffer, not a Parameter: no wrapper
+    (PEFT's `modules_to_save`, TRL, Trainer, `requires_grad_(True)`) can make it trainable. It is saved and loaded
+    under the same name; `BamLlamaPreTrainedModel.apply_prior_trainability` follows a changed config.
+    """
+
+    def __init__(self, config: BamLlamaConfig):
+        super().__init__()
+        heads = config.num_attention_heads
+        self.formula = config.prior_formula
+        self.eps = config.prior_eps
+        for name, trainable in prior_trainability(config).items():
+            _register_prior_tensor(self, name, torch.zeros(heads), trainable)
+        self.reset_parameters(config)
+
+    @torch.no_grad()
+    def reset_parameters(self, config: BamLlamaConfig) -> None:
+        for name, value in initial_prior_values(config).items():
+            _copy_init(getattr(self, name), value)
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(theta_alpha, theta_beta, theta_mu), each (H,), on the device the prior computes on. Every use of the
+        prior reads them through this call, so that the hooks that bring offloaded or sharded weights in
+        (Accelerate's `device_map` offload, DeepSpeed ZeRO-3) run."""
+        return self.theta_alpha, self.theta_beta, self.theta_mu
+
+    def table(self, last_position: int) -> torch.Tensor:
+        """(H, P + 1) float32 prior at distances -P, ..., 0: every row of the bias is a window of it."""
+        theta_alpha, theta_beta, theta_mu = self()
+        distance = torch.arange(-last_position, 1, device=theta_alpha.device, dtype=torch.float32)
+        return ggd_bias(distance, theta_alpha, theta_beta, theta_mu, self.formula, self.eps)
+
+    def bias(self, query_positions: torch.Tensor, key_length: int) -> torch.Tensor:
+        """(1, H, Lq, Lk) float32 prior for queries at absolute positions (Lq,) and keys 0..Lk-1."""
+        theta_alpha, theta_beta, theta_mu = self()
+        distance = relative_distance(query_positions.to(theta_alpha.device), key_length)
+        return ggd_bias(distance, theta_alpha, theta_beta, theta_mu, self.formula, self.eps)[None]
+
+    def extra_repr(self) -> str:
+        return f"heads={self.theta_alpha.numel()}, formula={self.formula}, eps={self.eps}"
+
+
+class BamScalableSoftmax(nn.Module):
+    """Scalable Softmax: row factor c_i = s_h * ln(n_i), n_i the number of keys query i sees. A scale the config
+    freezes is a buffer (see `BamPrior`)."""
+
+    def __init__(self, config: BamLlamaConfig):
+        super().__init__()
+        self.prior_scaled = config.ssmax_prior
+        _register_prior_tensor(self, SSMAX_PARAMETER, torch.zeros(config.num_attention_heads), config.train_ssmax_scale)
+        self.reset_parameters(config)
+
+    @torch.no_grad()
+    def reset_parameters(self, config: BamLlamaConfig) -> None:
+        _copy_init(self.scale, torch.full_like(self.scale, float(config.ssmax_scale_init)))
+
+    def forward(self) -> torch.Tensor:
+        """(H,) scale s_h, read through a module call (see `BamPrior.forward`)."""
+        return self.scale
+
+    def row_factor(self, visible_counts: torch.Tensor) -> torch.Tensor:
+        """(B, Lq) counts -> (B, H, Lq, 1) float32 factor."""
+        return ssmax_factor(visible_counts, self())
+
+
+def prior_trainability(config: BamLlamaConfig) -> dict[str, bool]:
+    """Which prior parameters the config trains."""
+    return {
+        "theta_alpha": config.train_theta_alpha,
+        "theta_beta": config.train_theta_beta,
+        "theta_mu": config.train_theta_mu,
+    }
+
+
+def apply_config_trainability(
+    module: BamPrior | BamScalableSoftmax, config: BamLlamaConfig, frozen_copy: bool
+) -> None:
+    """Make each of `module`'s tensors a trainable Parameter or a frozen buffer, as the config says. A `frozen_copy`
+    (PEFT's `original_module`, which the trained copy replaces) keeps its Parameters without gradient."""
+    if isinstance(module, BamPrior):
+        flags = prior_trainability(config)
+    else:
+        flags = {SSMAX_PARAMETER: config.train_ssmax_scale}
+    for name, trainable in flags.items():
+        _set_prior_trainability(module, name, trainable)
+        if trainable and frozen_copy:
+            getattr(module, name).requires_grad_(False)
+
+
+def _register_prior_tensor(module: nn.Module, name: str, value: torch.Tensor, trainable: bool) -> None:
+    """`name` as a Parameter when it trains, else as a (saved) buffer: a frozen value no optimizer can reach."""
+    if trainable:
+        module.register_parameter(name, nn.Parameter(value))
+    else:
+        module.register_buffer(name, value)
+
+
+def _set_prior_trainability(module: nn.Module, name: str, trainable: bool) -> None:
+    """Turn `name` into a Parameter or a buffer as `trainable` says, keeping its value; a Parameter that stays one
+    is kept (an optimizer may hold it) and set to require gradients."""
+    if (name in module._parameters) == trainable:
+        if trainable:
+            module._parameters[name].requires_grad_(True)
+        return
+    value = getattr(module, name).detach()
+    delattr(module, name)
+    _register_prior_tensor(module, name, value, trainable)
+
+
+def _copy_init(parameter: torch.Tensor, value: torch.Tensor) -> None:
+    value = value.to(device=parameter.device, dtype=parameter.dtype)
+    if hf_init is not None:
+        hf_init.copy_(parameter, value)
+    elif parameter.device.type != "meta":
+        parameter.copy_(value)
+
