@@ -10,6 +10,7 @@ config keeps ("eager", "sdpa", "bam_triton") select BAM's own implementations, d
 prior's and Scalable Softmax's modules are prior_modules_bam.py's.
 """
 
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -296,8 +297,6 @@ class BamLlamaPreTrainedModel(PreTrainedModel):
         """Upload config, weights, remote code and the BamLlama model card (`bam_llama.hub.publish`) in one commit.
         Where `bam_llama` is not installed (this file loaded as remote code), Transformers' generic card is used.
         The publisher is imported by name, not relatively, so save_pretrained does not ship it as remote code."""
-        import importlib
-
         try:
             publish = importlib.import_module("bam_llama.hub.publish")
         except ImportError:

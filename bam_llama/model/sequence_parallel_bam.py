@@ -26,6 +26,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .prior_bam import ssmax_factor
 
@@ -166,8 +167,6 @@ def refuse_context_parallel() -> None:
 def refuse_unhandled_attention_wrapper(name: str) -> None:
     """A function registered in Transformers' attention registry under the model's attention name, from outside
     Transformers, is a wrapper (sequence parallelism, ...) that expects the model to call it; BamLlama never does."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     wrapper = ALL_ATTENTION_FUNCTIONS.get(name)
     if wrapper is None or getattr(wrapper, "__module__", "").startswith("transformers."):
         return
@@ -183,8 +182,6 @@ def _deepspeed_ulysses(name: str):
     wrapper, a closure over that object, into Transformers' registry), or None."""
     if "deepspeed.runtime.sequence_parallel.ulysses_sp" not in sys.modules:
         return None
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     wrapper = ALL_ATTENTION_FUNCTIONS.get(name)
     ulysses_class = sys.modules["deepspeed.runtime.sequence_parallel.ulysses_sp"].UlyssesSPAttentionHF
     for cell in getattr(wrapper, "__closure__", None) or ():

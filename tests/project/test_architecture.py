@@ -98,7 +98,6 @@ def test_the_directions_have_no_cycle():
 LAZY_ON_PURPOSE = ("bam_llama/__init__.py", "bam_llama/registration.py")  # `import bam_llama` loads no PyTorch
 OPTIONAL_PACKAGES = {"triton", "vllm", "deepspeed", "datasets", "gguf", "lm_eval", "trl"}
 NOT_CONVERTED_YET = (
-    "bam_llama/model/",
     "bam_llama/training/",
     "bam_llama/evaluation/",
     "bam_llama/demo.py",
