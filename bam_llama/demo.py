@@ -33,6 +33,7 @@ from .evaluation.passkey import (
     save_passkey_template,
 )
 from .evaluation.plots import plot_prior
+from .first_screen import keep_first_screen_quiet
 from .outputs import OutputError, staged_output_dir
 
 if TYPE_CHECKING:  # torch, Transformers and the model are imported where used, so that --help does not load them
@@ -345,12 +346,13 @@ def _model_job(name, args, settings, folder, position) -> dict:
 def _start_worker() -> None:
     """A model process ignores Ctrl-C (the parent stops it), and its progress bars lock with a thread lock: tqdm's
     default is a multiprocessing semaphore, which a terminated worker cannot release, so the resource tracker would
-    warn of it after the parent's last line."""
+    warn of it after the parent's last line. Its first screen is kept as quiet as the parent's."""
     import signal
     import threading
 
     from tqdm import tqdm
 
+    keep_first_screen_quiet()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     tqdm.set_lock(threading.RLock())
 

@@ -7,6 +7,7 @@ import sys
 from ..demo_settings import DEFAULT_MODELS, MODEL_NAMES, default_settings
 from ..outputs import OutputError, exit_on_sigterm
 from .arguments import device_name, length_list, positive_float, positive_int
+from ..first_screen import keep_first_screen_quiet
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,6 +94,7 @@ def run_demo(argv: list[str] | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """bam-demo. Ctrl-C: one line (on a line of its own, after any progress bar) and exit 130 (128 + SIGINT), the staged output already removed; SIGTERM: 143."""
     exit_on_sigterm()
+    keep_first_screen_quiet()
     try:
         run_demo(argv)
     except OutputError as error:

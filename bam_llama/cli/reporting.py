@@ -10,12 +10,14 @@ Outputs are staged (`outputs.py`), so whatever stops a command leaves no partial
 import sys
 
 from ..outputs import os_error_message
+from ..first_screen import keep_first_screen_quiet
 
 PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
 
 
 def run_reported(prog: str, function, *args, bad_input: tuple = (ValueError,), failures: tuple = ()) -> int:
     """Run `function(*args)` and return the command's exit status (0 when it returns)."""
+    keep_first_screen_quiet()
     try:
         function(*args)
     except KeyboardInterrupt:

@@ -16,6 +16,7 @@ ALLOWED = {
     "model": set(),
     "registration": {"model"},
     "outputs": set(),
+    "first_screen": set(),
     "model_folders": set(),
     "data": {"model", "outputs", "model_folders"},
     "evaluation": {"model", "data", "outputs", "model_folders", "registration"},
@@ -23,9 +24,9 @@ ALLOWED = {
     "training": {"model", "data", "evaluation", "hub", "outputs", "model_folders", "registration"},
     "conversion": {"model", "data", "hub", "outputs", "model_folders"},
     "demo_settings": {"data"},
-    "demo": {"model", "data", "evaluation", "outputs", "model_folders", "demo_settings"},
+    "demo": {"model", "data", "evaluation", "outputs", "model_folders", "demo_settings", "first_screen"},
     "serving": {"model", "registration"},
-    "cli": {"model", "data", "evaluation", "hub", "training", "conversion", "demo", "demo_settings", "outputs", "model_folders"},
+    "cli": {"model", "data", "evaluation", "hub", "training", "conversion", "demo", "demo_settings", "outputs", "model_folders", "first_screen"},
     "__init__": {"model", "registration"},
 }
 
