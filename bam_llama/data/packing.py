@@ -8,8 +8,10 @@ document's previous token; the pieces, the remainders in particular, fill gaps i
 
 Packing sorts the pieces by length, longest first (equal lengths in data order), and puts each into the fullest row
 it still fits, opening a row when none has room. Rows come out in data order of their first piece, with their
-pieces in data order and their padding at the end. Rows run over 95% full on real text (the Python corpus with
-the byte tokenizer: 99.9% at 128 tokens, 99.7% at 512).
+pieces in data order and their padding at the end. On real text rows are nearly full (the Python corpus with the
+byte tokenizer: 99.99% at 128 tokens and at 512). Two pieces over half a row long never share a row, so a mix of
+many fills less: the real-text benchmark's at 128 tokens (passkey and needle documents of 23 to 128 tokens) fills
+92.7%, where its 62,243 pieces over 64 tokens allow at most 94.0%.
 
 `position_ids` restart at 0 for every piece (and the padding) and rows carry no `attention_mask`: from the restarts
 the model masks attention per document (a query sees only keys of its own piece). The first token of each piece
@@ -61,7 +63,8 @@ def document_pieces(document: int, length: int, context_length: int) -> list[Pie
 def best_fit_decreasing(pieces: list[Piece], context_length: int) -> list[list[Piece]]:
     """Rows of pieces: the longest piece first (ties in data order), each into the row with the least room that
     still holds it, a new row when none does. Rows are found by their free room: a sorted list of the room values
-    some row has, and for each value its rows, first opened first; O(n log n) in the pieces."""
+    some row has (at most `context_length` of them, searched by bisection), and for each value its rows, first
+    opened first. The sort dominates: O(n log n) in the pieces (100,000 documents placed in about a second)."""
     rows: list[list[Piece]] = []
     rows_by_room: dict[int, deque[int]] = {}
     rooms: list[int] = []  # sorted, each with at least one row
