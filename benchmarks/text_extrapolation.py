@@ -214,7 +214,8 @@ def passkey_document(rng: random.Random, max_fillers: int) -> str:
 
 def check_passkey_documents(tokenizer, train_length: int) -> None:
     """The passkey pieces must tokenize the same one by one (evaluation prompts) as whole (training documents), and
-    the longest document must fit in one training row (split over two, its answer would lose its key)."""
+    the longest passkey document must fit in one training row: packing (`pack_documents`) keeps a document that fits
+    whole in one row, so every passkey document is trained with its key in view of its answer."""
     template = TEXT_TEMPLATE
     fillers = max_passkey_fillers(train_length)
     pieces = [template.info.format(passkey="12345"), *[template.filler] * fillers, template.question, " 12345"]
@@ -225,7 +226,8 @@ def check_passkey_documents(tokenizer, train_length: int) -> None:
     if len(whole) + 2 > train_length:
         raise ValueError(
             f"a passkey document of {fillers} fillers has {len(whole)} tokens plus BOS and EOS, more than the "
-            f"training length {train_length}: the tokenizer splits the pieces finer than {FILLER_TOKENS} tokens a filler"
+            f"training length {train_length}: packing would cut it into pieces and train its answer without its key "
+            f"in view (the tokenizer splits the pieces finer than {FILLER_TOKENS} tokens a filler)"
         )
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..data.documents import load_documents, tokenize_documents
-from ..data.packing import PackedRows, collate_packed_rows, pack_documents, split_eval_rows
+from ..data.packing import PackedRows, collate_packed_rows, pack_documents, packing_fill, split_eval_rows
 from ..data.tokenizers import load_tokenizer
 from ..model_folders import check_finite_model, check_finite_weights, check_model_path, check_safetensors_files
 from ..outputs import staged_output_dir
@@ -265,7 +265,7 @@ def build_training_data(args: FinetuneArguments, tokenizer, pad_token_id: int, s
     tokenized = tokenize_documents(documents, tokenizer, show_progress)
     rows = pack_documents(tokenized, args.context_length, pad_token_id)
     train_rows, eval_rows, eval_split = split_eval_rows(rows, args.eval_rows)
-    return len(documents), PackedRows(train_rows), eval_rows, eval_split
+    return len(documents), packing_fill(tokenized, len(rows), args.context_length), PackedRows(train_rows), eval_rows, eval_split
 
 
 # What a run leaves in --output-dir: a later run continues it (--resume-from-checkpoint) or replaces it
@@ -303,7 +303,7 @@ def _finetune(args: FinetuneArguments, hold: OutputDirHold) -> FinetuneSummary:
 
     tokenizer = load_tokenizer(args.model, base_config)
     pad_token_id = check_tokenizer(tokenizer, base_config)
-    documents, train_data, eval_rows, eval_split = build_training_data(args, tokenizer, pad_token_id, show_progress)
+    documents, fill, train_data, eval_rows, eval_split = build_training_data(args, tokenizer, pad_token_id, show_progress)
 
     set_seed(args.seed)
     model = load_model(args)
@@ -352,6 +352,7 @@ def _finetune(args: FinetuneArguments, hold: OutputDirHold) -> FinetuneSummary:
         train_rows=len(train_data),
         eval_rows=len(eval_rows),
         eval_split=eval_split,
+        **fill._asdict(),
         steps=trainer.state.global_step,
         resumed_from_step=resumed_from_step,
         tokens_seen=int(trainer.state.num_input_tokens_seen),

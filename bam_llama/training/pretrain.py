@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from ..data.documents import load_documents, looks_like_a_local_path, tokenize_documents
-from ..data.packing import PackedRows, collate_packed_rows, pack_documents, split_eval_rows
+from ..data.packing import PackedRows, collate_packed_rows, pack_documents, packing_fill, split_eval_rows
 from ..model_folders import check_finite_weights
 from ..outputs import staged_output_dir
 from .arguments import (
@@ -301,7 +301,10 @@ def _run_pretraining(args: PretrainArguments, hold: OutputDirHold, started: floa
         with training_args.main_process_first(desc="tokenizer"):
             tokenizer = bpe_tokenizer(args, documents, checkpoint, is_main)
     token_ids = special_token_ids(tokenizer)
-    rows = pack_documents(tokenize_documents(documents, tokenizer, show_progress), args.context_length, token_ids["pad_token_id"])
+    tokenized = tokenize_documents(documents, tokenizer, show_progress)
+    rows = pack_documents(tokenized, args.context_length, token_ids["pad_token_id"])
+    fill = packing_fill(tokenized, len(rows), args.context_length)
+    del tokenized
     train_rows, eval_rows, eval_split = split_eval_rows(rows, args.eval_rows)
 
     set_seed(args.seed)
@@ -350,6 +353,7 @@ def _run_pretraining(args: PretrainArguments, hold: OutputDirHold, started: floa
         train_rows=len(train_rows),
         eval_rows=len(eval_rows),
         eval_split=eval_split,
+        **fill._asdict(),
         steps=trainer.state.global_step,
         resumed_from_step=resumed_from_step,
         tokens_seen=int(trainer.state.num_input_tokens_seen),

@@ -18,9 +18,11 @@ class TrainingSummary:
     output_dir: str
     context_length: int
     documents: int
+    split_documents: int  # longer than a row, so cut into pieces (the others are whole in one row)
     train_rows: int
     eval_rows: int
     eval_split: str
+    padding_share: float  # of the rows' tokens
     steps: int
     resumed_from_step: int
     tokens_seen: int
@@ -41,7 +43,8 @@ def training_rows(summary: TrainingSummary) -> list[tuple[str, str]]:
     return [
         ("steps", f"{summary.steps}{resumed}"),
         ("tokens seen", f"{summary.tokens_seen:,}"),
-        ("documents / rows", f"{summary.documents} documents, {summary.train_rows} train + {summary.eval_rows} eval rows"),
+        ("documents / rows", f"{summary.documents} documents ({summary.split_documents} longer than a row, cut), "
+         f"{summary.train_rows} train + {summary.eval_rows} eval rows, {summary.padding_share:.2%} padding"),
         (f"loss ({summary.eval_split} rows)", f"{summary.loss_before:.4f} -> {summary.loss_after:.4f}"),
         ("train loss", "-" if summary.train_loss is None else f"{summary.train_loss:.4f}"),
         ("processes", str(summary.world_size)),

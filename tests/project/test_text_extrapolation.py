@@ -116,6 +116,15 @@ def test_training_passkey_documents_tokenize_like_the_evaluation_prompts():
     benchmark.check_passkey_documents(tokenizer, 128)
 
 
+def test_a_passkey_document_longer_than_a_training_row_is_refused():
+    """Bytes are finer than the BPE the recipe counts on: the longest passkey document would not fit in one row,
+    and packing would cut it, its answer trained away from its key."""
+    from bam_llama.data.tokenizers import build_byte_tokenizer
+
+    with pytest.raises(ValueError, match="packing would cut it into pieces and train its answer without its key"):
+        load_benchmark().check_passkey_documents(build_byte_tokenizer(), 128)
+
+
 def test_perplexity_uses_the_same_prefix_of_long_held_out_files_at_every_length():
     from dataclasses import replace
 

@@ -95,13 +95,15 @@ def lora_run(workspace):
 
 
 def test_packing_restarts_positions_per_document_and_masks_document_starts():
+    """Whole documents where they fit: the 6-token one is cut into 5 tokens and a piece opening on the 5th token
+    (context, not a target), which fills the 3-token document's row."""
     rows = pack_documents([[1, 5, 6, 2], [1, 7, 2], [1, 8, 9, 10, 11, 2]], context_length=5, pad_token_id=0)
-    assert [row["input_ids"] for row in rows] == [[1, 5, 6, 2, 1], [7, 2, 1, 8, 9], [10, 11, 2, 0, 0]]
-    assert [row["position_ids"] for row in rows] == [[0, 1, 2, 3, 0], [0, 1, 0, 1, 2], [0, 1, 2, 0, 1]]
+    assert [row["input_ids"] for row in rows] == [[1, 5, 6, 2, 0], [1, 7, 2, 11, 2], [1, 8, 9, 10, 11]]
+    assert [row["position_ids"] for row in rows] == [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]
     assert [row["labels"] for row in rows] == [
         [-100, 5, 6, 2, -100],
-        [-100, 2, -100, 8, 9],
-        [-100, 11, 2, -100, -100],
+        [-100, 7, 2, -100, 2],
+        [-100, 8, 9, 10, 11],
     ]
     batch = collate_packed_rows(rows)
     assert set(batch) == {"input_ids", "position_ids", "labels"}
@@ -251,7 +253,7 @@ def test_lora_run_lowers_the_loss_and_writes_the_summary(lora_run):
     args, summary = lora_run
     assert summary.steps == 12 and summary.resumed_from_step == 0
     assert summary.loss_after < summary.loss_before - 0.2
-    assert summary.tokens_seen == 12 * 4 * TARGET_LENGTH
+    assert 12 * 4 * TARGET_LENGTH / 2 < summary.tokens_seen <= 12 * 4 * TARGET_LENGTH  # 12 batches of 4 rows, less padding
     assert summary.context_length == TARGET_LENGTH and summary.train_context_length_before == TRAIN_LENGTH
     written = json.loads((Path(args.output_dir) / "summary.json").read_text())
     assert written["loss_after"] == pytest.approx(summary.loss_after)
@@ -261,6 +263,13 @@ def test_lora_run_lowers_the_loss_and_writes_the_summary(lora_run):
     }
     table = summary.format_table()
     assert "tokens seen" in table and "head   3  theta_alpha" in table and "scale" in table
+    # The packing's fill: byte tokens with <s> and </s>; each document over a row is two pieces sharing one token
+    lengths = [len(text.encode()) + 2 for text in Path(args.data).read_text().strip().split("\n\n")]
+    split = sum(length > TARGET_LENGTH for length in lengths)
+    assert max(lengths) < 2 * TARGET_LENGTH and written["split_documents"] == split > 0
+    rows = written["train_rows"] + written["eval_rows"]
+    assert written["padding_share"] == pytest.approx(1 - (sum(lengths) + split) / (rows * TARGET_LENGTH))
+    assert f"({split} longer than a row, cut)" in table and f"{summary.padding_share:.2%} padding" in table
     assert not any(name.startswith(".") for name in os.listdir(args.output_dir)), "staging folders left behind"
 
 
@@ -325,7 +334,7 @@ def test_resume_continues_from_the_saved_step(lora_run, tmp_path):
     output_dir = tmp_path / "resumed"
     summary = finetune(resume_from_step_6(lora_run, output_dir))
     assert summary.resumed_from_step == 6 and summary.steps == 12
-    assert summary.tokens_seen == 12 * 4 * TARGET_LENGTH  # restored from the checkpoint, then 6 more steps
+    assert summary.tokens_seen == lora_run[1].tokens_seen  # restored from the checkpoint, then 6 more steps
     uninterrupted = load_file(Path(args.output_dir) / "adapter" / "adapter_model.safetensors")
     resumed = load_file(output_dir / "adapter" / "adapter_model.safetensors")
     assert set(resumed) == set(uninterrupted)

@@ -102,6 +102,8 @@ def test_each_positional_choice_learns_and_saves_a_folder_that_reloads(data, tmp
     summary, model, _ = run_pretraining(args)
     assert summary.steps == 12
     assert summary.loss_after < summary.loss_before - 1.0, (summary.loss_before, summary.loss_after)
+    lengths = [len(text.encode()) + 2 for text in data.read_text().strip().split("\n\n")]  # bytes, <s> and </s>
+    assert summary.split_documents == sum(length > CONTEXT_LENGTH for length in lengths) and 0 < summary.padding_share < 1
     folder = tmp_path / "run" / "model"
     config = json.loads((folder / "config.json").read_text())
     assert config["train_context_length"] == CONTEXT_LENGTH
