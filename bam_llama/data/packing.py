@@ -15,18 +15,16 @@ many fills less: the real-text benchmark's at 128 tokens (passkey and needle doc
 
 `position_ids` restart at 0 for every piece (and the padding) and rows carry no `attention_mask`: from the restarts
 the model masks attention per document (a query sees only keys of its own piece). The first token of each piece
-and the padding carry label -100. Shared by `bam-finetune` and `bam-pretrain`; PyTorch loads only where a batch is
-built.
+and the padding carry label -100. Shared by `bam-finetune` and `bam-pretrain`.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
 
 IGNORE_INDEX = -100
@@ -120,8 +118,6 @@ def packing_fill(documents: list[list[int]], rows: int, context_length: int) -> 
 
 def collate_packed_rows(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     """Stack packed rows: input_ids, position_ids and labels, and deliberately no attention_mask."""
-    import torch
-
     return {key: torch.tensor([row[key] for row in rows], dtype=torch.long) for key in ("input_ids", "position_ids", "labels")}
 
 

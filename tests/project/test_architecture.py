@@ -102,7 +102,6 @@ NOT_CONVERTED_YET = (
     "bam_llama/training/",
     "bam_llama/evaluation/",
     "bam_llama/demo.py",
-    "bam_llama/data/packing.py",
 )
 LIGHT_ON_PURPOSE = "Light on purpose"  # in the docstring of a module the commands import before they parse
 
