@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from ..conversion.common import DEFAULT_MAX_SHARD_SIZE, DTYPES, ConversionError, parse_size
-from ..conversion.llama import LLAMA_PRIOR_INITS, convert_llama_checkpoint
+from ..conversion.llama import convert_llama_checkpoint
 from ..conversion.reference import (
     PRIOR_NAME_GENERATIONS,
     VARIANTS,
@@ -22,6 +22,7 @@ from ..conversion.reference import (
     convert_reference_checkpoint,
 )
 from ..outputs import exit_on_sigterm
+from ..positional_variants import PRIOR_INITS, describe_prior_inits
 from .reporting import run_reported
 
 
@@ -77,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     llama.add_argument("llama_dir", metavar="LLAMA_DIR", help="folder with config.json and safetensors weights, or a .gguf file")
     llama.add_argument("out_dir", metavar="OUT_DIR", help="BamLlama folder to create")
     llama.add_argument(
-        "--prior", choices=list(LLAMA_PRIOR_INITS), default="uniform",
-        help="prior initialisation: uniform (theta 0, no positional preference; default) or alibi (beta 1, ALiBi slopes)",
+        "--prior", choices=list(PRIOR_INITS), default="uniform",
+        help=f"prior initialisation: {describe_prior_inits('uniform')}",
     )
     llama.add_argument(
         "--prior-scope", default="global", help="global: one prior for all layers (default), or layer: one per layer"

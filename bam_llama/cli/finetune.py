@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from ..training.finetune import FinetuneArguments, finetune
+from ..training.arguments import FinetuneArguments
 from .arguments import (
     add_data_arguments,
     add_dataset_arguments,
@@ -46,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_training("bam-finetune", finetune, FinetuneArguments(**vars(build_parser().parse_args(argv))))
+    args = FinetuneArguments(**vars(build_parser().parse_args(argv)))
+    from ..training.finetune import finetune  # after parsing: --help loads no PyTorch
+
+    return run_training("bam-finetune", finetune, args)
 
 
 if __name__ == "__main__":

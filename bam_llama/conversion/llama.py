@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..data.tokenizers import TOKENIZER_FILES
 from ..outputs import check_output_dir, staged_output_dir
+from ..positional_variants import PRIOR_INITS
 from .common import (
     DEFAULT_MAX_SHARD_SIZE,
     ConversionError,
@@ -39,12 +40,6 @@ if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used
     from transformers import LlamaConfig
 
     from ..model.configuration_bam import BamLlamaConfig
-
-
-LLAMA_PRIOR_INITS = {
-    "uniform": dict(theta_alpha_init=0.0, theta_beta_init=0.0),  # bias -1 everywhere: no positional preference
-    "alibi": dict(theta_alpha_init="alibi", theta_beta_init=1.0),  # bias -slope_h * |j - i|: ALiBi
-}
 
 
 ROTARY_BUFFER_KEY = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -82,8 +77,8 @@ def bam_config_from_llama(
 ) -> BamLlamaConfig:
     from ..model.configuration_bam import PRIOR_SCOPES, BamLlamaConfig
 
-    if prior not in LLAMA_PRIOR_INITS:
-        raise ConversionError(f"unknown prior initialisation {prior!r}; expected one of {', '.join(LLAMA_PRIOR_INITS)}")
+    if prior not in PRIOR_INITS:
+        raise ConversionError(f"unknown prior initialisation {prior!r}; expected one of {', '.join(PRIOR_INITS)}")
     if prior_scope not in PRIOR_SCOPES:
         raise ConversionError(f"unknown prior scope {prior_scope!r}; expected one of {PRIOR_SCOPES}")
     train_context_length = train_context_length or llama.max_position_embeddings
@@ -108,7 +103,7 @@ def bam_config_from_llama(
             prior_scope=prior_scope,
             ssmax=ssmax,
             ssmax_scale_init=ssmax_scale_init,
-            **LLAMA_PRIOR_INITS[prior],
+            **PRIOR_INITS[prior].config,
         )
     except (ValueError, TypeError) as error:
         raise ConversionError(f"the Llama config gives an invalid BamLlama config: {error}") from None

@@ -1,6 +1,41 @@
-"""The run settings `bam-finetune` and `bam-pretrain` share (their flags: `cli/arguments.py`)."""
+"""The run settings of `bam-finetune` and `bam-pretrain` (their flags: `cli/arguments.py`, `cli/finetune.py`,
+`cli/pretrain.py`), with the paper's model sizes.
+
+Standard library only: the commands read the defaults here for --help without loading PyTorch.
+"""
+
+from __future__ import annotations
 
 import dataclasses
+
+# hidden size, layers, heads of the paper's models (the reference code's presets); SwiGLU width 2x hidden.
+PRESETS = {
+    "l6": (512, 6, 16),
+    "l8": (768, 8, 16),
+    "l12": (768, 12, 16),
+    "l15": (1152, 15, 24),
+    "l18": (1536, 18, 32),
+    "l24": (2048, 24, 64),
+}
+DEFAULT_PRESET = "l12"
+PRIOR_SCOPES = ("global", "layer")  # BamLlamaConfig's; written out, so that --help loads no transformers
+REFERENCE_ROPE_THETA = 500_000.0  # the reference's RoPE baselines (and Llama 3); Transformers' LlamaConfig: 10,000
+
+
+def describe_preset(name: str, vocab_sizes: tuple[int, ...] = ()) -> str:
+    """"768 hidden, 12 layers, 16 heads", with the parameter count of the preset's model at each vocabulary size."""
+    hidden, layers, heads = PRESETS[name]
+    text = f"{hidden} hidden, {layers} layers, {heads} heads"
+    for vocab_size in vocab_sizes:
+        text += f"; {preset_parameters(name, vocab_size) / 1e6:.0f}M parameters with {vocab_size} tokens"
+    return text
+
+
+def preset_parameters(name: str, vocab_size: int) -> int:
+    """Parameters of a preset's model (multi-head attention, SwiGLU of 2x the width, untied embeddings)."""
+    hidden, layers, _ = PRESETS[name]
+    per_layer = 4 * hidden * hidden + 3 * hidden * (2 * hidden) + 2 * hidden
+    return layers * per_layer + 2 * vocab_size * hidden + hidden
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -30,3 +65,85 @@ class TrainingRunArguments:
     disable_progress_bars: bool = False
 
 
+@dataclasses.dataclass
+class FinetuneArguments(TrainingRunArguments):
+    """What `bam-finetune` needs; the CLI flags are these names with dashes."""
+
+    model: str
+    data: str
+    output_dir: str
+    context_length: int
+    lora: bool = True
+    lora_mlp: bool = False
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    learning_rate: float | None = None
+    prior_learning_rate: float = 1e-2
+    weight_decay: float = 0.0
+    max_steps: int = 256
+    per_device_train_batch_size: int = 1
+    save_steps: int = 64
+    merge: bool = False
+    logging_steps: int = 8
+
+    @property
+    def resolved_learning_rate(self) -> float:
+        if self.learning_rate is not None:
+            return self.learning_rate
+        return 2e-4 if self.lora else 2e-5
+
+
+@dataclasses.dataclass
+class PretrainArguments(TrainingRunArguments):
+    """What `bam-pretrain` needs; the CLI flags are these names with dashes (`--layers`, `--heads`, `--kv-heads`
+    for the three size fields)."""
+
+    data: str
+    output_dir: str
+    context_length: int = 512
+    positional: str = "bam"  # a name of positional_variants.POSITIONAL_VARIANTS
+    ssmax: bool = False
+    ssmax_prior: bool | None = None  # --ssmax only; None: the config's default (True: the factor scales the prior)
+    ssmax_scale_init: float | None = None  # --ssmax only; None: the config's default (1.0)
+    ssmax_learning_rate: float | None = None  # --ssmax only; None: the prior's learning rate
+    prior_scope: str = "global"
+    rope_theta: float | None = None  # RoPE only; None: REFERENCE_ROPE_THETA
+    preset: str | None = None
+    hidden_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    intermediate_size: int | None = None
+    tokenizer: str = "byte"
+    vocab_size: int = 8192
+    learning_rate: float = 1e-3
+    prior_learning_rate: float | None = None
+    weight_decay: float = 0.1
+    max_steps: int = 1000
+    per_device_train_batch_size: int = 8
+    save_steps: int = 250
+    report_to: str = "none"
+    logging_steps: int = 25
+
+    @property
+    def resolved_learning_rate(self) -> float:
+        return self.learning_rate
+
+    @property
+    def resolved_prior_learning_rate(self) -> float:
+        return self.learning_rate if self.prior_learning_rate is None else self.prior_learning_rate
+
+    def model_sizes(self) -> dict[str, int]:
+        """hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size: the preset's
+        (default l12) with every size flag given replacing its field."""
+        hidden, layers, heads = PRESETS[self.preset or DEFAULT_PRESET]
+        hidden = self.hidden_size or hidden
+        heads = self.num_attention_heads or heads
+        return {
+            "hidden_size": hidden,
+            "num_hidden_layers": self.num_hidden_layers or layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": self.num_key_value_heads or heads,
+            "intermediate_size": self.intermediate_size or 2 * hidden,
+        }

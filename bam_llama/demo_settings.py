@@ -1,0 +1,63 @@
+"""bam-demo's settings: the data, the training recipe, the model size and the evaluation, with their defaults and
+those of --quick; which positional variants it trains.
+
+Imports nothing: `bam-demo --help` shows these defaults without loading PyTorch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODEL_NAMES = ("bam", "rope", "alibi")  # the positional variants (`positional_variants`) the demo trains
+DEFAULT_MODELS = ("bam", "rope")
+
+
+@dataclass
+class DataConfig:
+    train_length: int = 128
+    passkey_fraction: float = 1.0
+    answer_only_loss: bool = True
+    add_bos: bool = True
+    num_digits: int = 5
+
+
+@dataclass
+class ModelSize:
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    intermediate_size: int | None = None
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1500
+    batch_size: int = 32
+    lr: float = 2e-3
+    # The prior has a handful of scalars per head that must travel several units (theta_alpha ~ 2, theta_beta ~ -2
+    # for a sharp head): at the weights' rate they barely move in a short run.
+    prior_lr: float | None = 5e-2
+    warmup_fraction: float = 0.1
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class DemoSettings:
+    data: DataConfig
+    train: TrainConfig
+    size: ModelSize
+    lengths: list[int]
+    num_depths: int
+
+
+def default_settings(quick: bool) -> DemoSettings:
+    if quick:
+        return DemoSettings(
+            data=DataConfig(train_length=64),
+            train=TrainConfig(steps=8, batch_size=4),
+            size=ModelSize(hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
+            lengths=[64, 128],
+            num_depths=2,
+        )
+    return DemoSettings(data=DataConfig(), train=TrainConfig(), size=ModelSize(), lengths=[128, 256, 512, 1024, 2048, 4096, 8192], num_depths=20)
