@@ -7,19 +7,20 @@ which of its parameters train) or one of Transformers' own models (`transformers
 docs/pretraining.md ("Adding a positional variant") and its expected attention in
 tests/model/test_positional_variants.py.
 
-Imports nothing, so every command's --help reads it without loading PyTorch.
+Imports nothing of the package, nor `dataclasses` (it loads `inspect`): every command's --help reads this table.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class PriorInit:
+class PriorInit(NamedTuple):
     """Where BAM's prior starts: BamLlamaConfig's `theta_alpha_init` and `theta_beta_init` (theta_mu stays 0)."""
 
-    config: dict
+    config: Mapping
     description: str
 
 
@@ -42,13 +43,12 @@ def prior(init: str, trained: bool) -> dict:
     return {**PRIOR_INITS[init].config, "train_theta_alpha": trained, "train_theta_beta": trained}
 
 
-@dataclass(frozen=True)
-class PositionalVariant:
+class PositionalVariant(NamedTuple):
     """One positional encoding: BamLlama with `config`, or Transformers' `transformers_model` with `config`."""
 
     label: str  # in tables and plot titles
     description: str  # one line, in --help
-    config: dict = field(default_factory=dict)
+    config: Mapping = MappingProxyType({})  # none
     transformers_model: str | None = None
     sliding_window: bool = False  # each query sees only the last training-length tokens, at any length
 
