@@ -15,15 +15,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import random
+import signal
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm as tqdm_base
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
 from .data.packing import IGNORE_INDEX
-from .data.tokenizers import encode
-from .demo_settings import DataConfig, DemoSettings, ModelSize, TrainConfig, default_settings
+from .data.special_tokens import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
+from .data.tokenizers import build_byte_tokenizer, encode
+from .demo_settings import MODEL_NAMES, DataConfig, DemoSettings, ModelSize, TrainConfig, default_settings
 from .evaluation.passkey import (
     PasskeyResults,
     PasskeyTemplate,
@@ -34,13 +42,10 @@ from .evaluation.passkey import (
 )
 from .evaluation.plots import plot_prior
 from .first_screen import keep_first_screen_quiet
+from .model.prior_bam import is_prior_parameter
 from .outputs import OutputError, staged_output_dir
-
-if TYPE_CHECKING:  # torch, Transformers and the model are imported where used, so that --help does not load them
-    import torch
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-
+from .positional_models import variant_config, variant_model
+from .positional_variants import POSITIONAL_VARIANTS
 
 # A short member of the paper's prompt family (same structure, shorter pieces), so that a document fits a
 # 128-token training context with room for several fillers.
@@ -99,8 +104,6 @@ def training_batch(
     batch_size: int,
 ) -> dict[str, torch.Tensor]:
     """Right-padded batch; padding comes after every real token, so causal attention never sees it."""
-    import torch
-
     examples = [
         (passkey_example if rng.random() < data.passkey_fraction else filler_example)(rng, tokenizer, template, data)
         for _ in range(batch_size)
@@ -117,35 +120,38 @@ def training_batch(
 # ----------------------------------------------------------------------------------------------- models
 
 
+def llama_fields(size: ModelSize) -> dict:
+    """Config fields every model of the demo shares: `size` and the byte tokenizer's vocabulary and special tokens."""
+    return dict(
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=size.hidden_size,
+        intermediate_size=size.intermediate_size or 2 * size.hidden_size,
+        num_hidden_layers=size.num_hidden_layers,
+        num_attention_heads=size.num_attention_heads,
+        pad_token_id=PAD_TOKEN_ID,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
 def build_model(name: str, size: ModelSize, train_length: int, **bam_overrides) -> PreTrainedModel:
-    """"bam" (uniform prior, alpha and beta trained), "alibi" (fixed linear prior) or "rope" (Transformers' Llama)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from .model.configuration_bam import BamLlamaConfig
-    from .model.modeling_bam import BamLlamaForCausalLM
-
-    if name == "rope":
-        config = LlamaConfig(**size.llama_fields(), max_position_embeddings=1 << 16)
-        return LlamaForCausalLM(config)
-    if name == "bam":
-        prior = dict(theta_alpha_init=0.0, theta_beta_init=0.0, train_theta_alpha=True, train_theta_beta=True)
-    elif name == "alibi":
-        prior = dict(theta_alpha_init="alibi", theta_beta_init=1.0, train_theta_alpha=False, train_theta_beta=False)
+    """A fresh model of the positional variant `name` (`MODEL_NAMES`: "bam", uniform prior with alpha and beta
+    trained; "alibi", fixed linear prior; "rope", Transformers' Llama with rotary embeddings for 64k positions);
+    bam_overrides: BamLlamaConfig fields."""
+    if name not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; expected {', '.join(MODEL_NAMES[:-1])} or {MODEL_NAMES[-1]}")
+    fields = llama_fields(size)
+    if POSITIONAL_VARIANTS[name].is_bam_llama:
+        fields.update(bam_overrides)
     else:
-        raise ValueError(f"unknown model {name!r}; expected bam, rope or alibi")
-    prior.update(bam_overrides)
-    config = BamLlamaConfig(**size.llama_fields(), train_context_length=train_length, **prior)
-    return BamLlamaForCausalLM(config)
+        fields["max_position_embeddings"] = 1 << 16
+    return variant_model(variant_config(name, train_length, **fields))
 
 
 # --------------------------------------------------------------------------------------------- training
 
 
 def optimizer_for(model: PreTrainedModel, train: TrainConfig) -> torch.optim.Optimizer:
-    import torch
-
-    from .model.prior_bam import is_prior_parameter
-
     prior, rest = [], []
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
@@ -177,9 +183,6 @@ def train_model(
 ) -> list[float]:
     """Train in place on freshly generated batches (the same batches for every model given the same seed).
     `progress_position`: the line of the progress bar where several models train at once."""
-    import torch
-    from tqdm.auto import tqdm
-
     model.to(device).train()
     optimizer = optimizer_for(model, train)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -205,7 +208,7 @@ def train_model(
 # ------------------------------------------------------------------------------------------------- main
 
 
-MODEL_LABELS = {"bam": "BAM (GGD prior)", "rope": "RoPE (Llama)", "alibi": "ALiBi"}
+MODEL_LABELS = {name: POSITIONAL_VARIANTS[name].label for name in MODEL_NAMES}
 
 
 def settings_from_args(args: argparse.Namespace) -> DemoSettings:
@@ -248,8 +251,6 @@ def run(args: argparse.Namespace) -> dict[str, PasskeyResults]:
     interrupted run leaves no partial result, and an earlier complete one survives it."""
     output_dir = Path(args.output_dir)
     check_replaceable(output_dir)
-    import torch  # after parsing: --help and bad arguments need none of the model stack
-
     torch.use_deterministic_algorithms(True, warn_only=True)
     start = time.perf_counter()
     with staged_output_dir(output_dir, force=True) as staging:
@@ -292,11 +293,6 @@ def train_and_evaluate(
 ) -> PasskeyResults:
     """One model: seeded, trained, evaluated on `args.threads` torch threads; its heatmap (and for BAM the model and
     its prior plot) written to `folder`."""
-    import torch
-    from transformers import set_seed
-
-    from .data.tokenizers import build_byte_tokenizer
-
     torch.set_num_threads(args.threads)
     tokenizer = build_byte_tokenizer()
     train_length = settings.data.train_length
@@ -320,9 +316,11 @@ def train_in_processes(names, args, settings, folder: Path, jobs: int) -> dict[s
     """`train_and_evaluate` of every model in a pool of `jobs` processes (spawned: a fresh PyTorch each), in the
     order given. The workers ignore Ctrl-C; this process stops them (terminate) on Ctrl-C, SIGTERM or an error, so
     nothing outlives the run."""
-    import multiprocessing
-
-    pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_start_worker)
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: each worker ignores Ctrl-C from its start
+    try:
+        pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_start_worker)
+    finally:
+        signal.signal(signal.SIGINT, handler)
     try:
         pending = {
             name: pool.apply_async(_model_job, (name, args, settings, folder, position))
@@ -337,24 +335,16 @@ def train_in_processes(names, args, settings, folder: Path, jobs: int) -> dict[s
 
 
 def _model_job(name, args, settings, folder, position) -> dict:
-    import torch
-
     torch.use_deterministic_algorithms(True, warn_only=True)
     return train_and_evaluate(name, args, settings, folder, progress_position=position).to_dict()
 
 
 def _start_worker() -> None:
-    """A model process ignores Ctrl-C (the parent stops it), and its progress bars lock with a thread lock: tqdm's
-    default is a multiprocessing semaphore, which a terminated worker cannot release, so the resource tracker would
-    warn of it after the parent's last line. Its first screen is kept as quiet as the parent's."""
-    import signal
-    import threading
-
-    from tqdm import tqdm
-
+    """A model process's progress bars lock with a thread lock: tqdm's default is a multiprocessing semaphore, which
+    a terminated worker cannot release, so the resource tracker would warn of it after the parent's last line. Its
+    first screen is kept as quiet as the parent's."""
+    tqdm_base.set_lock(threading.RLock())  # the class every progress bar's lock comes from
     keep_first_screen_quiet()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    tqdm.set_lock(threading.RLock())
 
 
 DEMO_RESULT_MARKER = "results.json"

@@ -1,11 +1,14 @@
-"""The demo's settings: its data, model sizes, training recipe and models, at full size and with --quick (the run:
-`demo.py`). Light on purpose: `bam-demo --help` shows these defaults."""
+"""bam-demo's settings: the data, the training recipe, the model size and the evaluation, with their defaults and
+those of --quick; which positional variants it trains.
+
+Light on purpose (it imports nothing): `bam-demo --help` shows these defaults without loading PyTorch.
+"""
+
+from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .data.special_tokens import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
-
-MODEL_NAMES = ("bam", "rope", "alibi")
+MODEL_NAMES = ("bam", "rope", "alibi")  # the positional variants (`positional_variants`) the demo trains
 DEFAULT_MODELS = ("bam", "rope")
 
 
@@ -24,18 +27,6 @@ class ModelSize:
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     intermediate_size: int | None = None
-
-    def llama_fields(self) -> dict:
-        return dict(
-            vocab_size=BYTE_VOCAB_SIZE,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size or 2 * self.hidden_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            pad_token_id=PAD_TOKEN_ID,
-            bos_token_id=BOS_TOKEN_ID,
-            eos_token_id=EOS_TOKEN_ID,
-        )
 
 
 @dataclass

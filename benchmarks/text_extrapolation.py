@@ -63,12 +63,14 @@ from bam_llama.data.corpus import Document, corpus_statistics, python_documents,
 from bam_llama.evaluation.needle_tasks import NEEDLE_KINDS, NeedleTask  # noqa: E402
 from bam_llama.evaluation.passkey import PasskeyTemplate, random_passkey  # noqa: E402
 from bam_llama.outputs import exit_on_sigterm, staged_output_dir  # noqa: E402
+from bam_llama.positional_variants import POSITIONAL_VARIANTS  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One trained model: bam-pretrain's --positional and Scalable Softmax settings, and what it changes."""
+    """One trained model: bam-pretrain's --positional (a `POSITIONAL_VARIANTS` name) and Scalable Softmax settings,
+    and what it changes."""
 
     positional: str
     ssmax: bool = False
@@ -93,7 +95,7 @@ class Variant:
     @property
     def has_prior(self) -> bool:
         """A BamLlama whose prior carries position (BAM, ALiBi): evaluated to 512x and on the needles."""
-        return self.positional in ("bam", "alibi")
+        return POSITIONAL_VARIANTS[self.positional].prior_carries_position
 
 
 MODELS = {
@@ -344,7 +346,7 @@ def perplexity_stream(heldout: list[Document], tokenizer, tokens: int) -> list[i
 
 def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe):
     """(saved folder, training summary with the learned prior and SSMax scales)."""
-    from bam_llama.training.pretrain import ROTARY_POSITIONALS, PretrainArguments, run_pretraining
+    from bam_llama.training.pretrain import PretrainArguments, run_pretraining
 
     variant = MODELS[name]
     args = PretrainArguments(
@@ -354,7 +356,7 @@ def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe
         warmup_steps=recipe.warmup_steps, per_device_train_batch_size=recipe.batch_size,
         save_steps=max(recipe.steps * variant.steps_factor, 1), save_total_limit=1,
         logging_steps=max(recipe.steps // 10, 1), seed=recipe.seed, disable_progress_bars=True, eval_rows=8,
-        **({} if variant.positional in ROTARY_POSITIONALS else {"prior_scope": recipe.prior_scope}),
+        **({"prior_scope": recipe.prior_scope} if POSITIONAL_VARIANTS[variant.positional].is_bam_llama else {}),
         **variant.pretrain_overrides(recipe),
     )
     started = time.perf_counter()

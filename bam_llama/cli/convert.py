@@ -16,12 +16,12 @@ from pathlib import Path
 from ..conversion.options import (
     DEFAULT_MAX_SHARD_SIZE,
     DTYPES,
-    LLAMA_PRIOR_INITS,
     PRIOR_NAME_GENERATIONS,
     VARIANTS,
     parse_size,
 )
 from ..outputs import exit_on_sigterm
+from ..positional_variants import PRIOR_INITS, describe_prior_inits
 from .reporting import run_reported
 
 
@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     llama.add_argument("llama_dir", metavar="LLAMA_DIR", help="folder with config.json and safetensors weights, or a .gguf file")
     llama.add_argument(
-        "--prior", choices=list(LLAMA_PRIOR_INITS), default="uniform",
-        help="prior initialisation: uniform (theta 0, no positional preference; default) or alibi (beta 1, ALiBi slopes)",
+        "--prior", choices=list(PRIOR_INITS), default="uniform",
+        help=f"prior initialisation: {describe_prior_inits('uniform')}",
     )
     llama.add_argument(
         "--prior-scope", default="global", help="global: one prior for all layers (default), or layer: one per layer"

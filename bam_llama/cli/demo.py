@@ -22,7 +22,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--output-dir", default="bam-demo-output", help="(default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="a few seconds for CI; the numbers mean nothing")
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated subset of bam,rope,alibi (default: %(default)s)")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated subset of {','.join(MODEL_NAMES)} (default: %(default)s)")
     parser.add_argument("--device", type=device_name, default="cpu", help="e.g. cpu, cuda (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument(
@@ -84,7 +84,7 @@ def usable_cores() -> int:
 
 
 def run_demo(argv: list[str] | None = None) -> dict:
-    """Train, evaluate and save as the command line says; returns each model's `PasskeyResults` (`demo.run`)."""
+    """Train, evaluate and save as the command line says; returns each model's passkey results (`demo.run`)."""
     args = parse_args(argv)
     from ..demo import run
 

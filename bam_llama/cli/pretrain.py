@@ -4,9 +4,9 @@ import argparse
 import sys
 
 from ..data.special_tokens import BYTE_VOCAB_SIZE
+from ..positional_variants import POSITIONAL_VARIANTS, describe_variants
 from ..training.arguments import (
     DEFAULT_PRESET,
-    POSITIONALS,
     PRESETS,
     PRIOR_SCOPES,
     REFERENCE_ROPE_THETA,
@@ -39,9 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_data_arguments(parser)
     parser.add_argument("--context-length", type=positive_int, default=defaults.context_length, help="training length in tokens")
-    parser.add_argument("--positional", choices=POSITIONALS, default=defaults.positional,
-                        help="bam: learned GGD prior (paper init); alibi / nope: the prior fixed to ALiBi / flat; rope: Llama; "
-                        "rope-local: RoPE with a sliding window of the training length (Mistral)")
+    parser.add_argument("--positional", choices=tuple(POSITIONAL_VARIANTS), default=defaults.positional,
+                        help=describe_variants())
     parser.add_argument("--ssmax", action="store_true", help="Scalable Softmax (BamLlama models only)")
     parser.add_argument("--ssmax-prior", action=argparse.BooleanOptionalAction, default=None,
                         help="with --ssmax: the factor s*ln(n) scales the prior too, c*(q.k/sqrt(d) + b), the reference's "

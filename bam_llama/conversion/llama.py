@@ -21,6 +21,7 @@ from ..model.configuration_bam import PRIOR_SCOPES, BamLlamaConfig
 from ..model.prior_bam import is_prior_parameter
 from ..model.prior_modules_bam import BamPrior, BamScalableSoftmax
 from ..outputs import check_output_dir
+from ..positional_variants import PRIOR_INITS
 from .common import (
     ConversionError,
     cast_weight,
@@ -34,7 +35,7 @@ from .common import (
     safetensors_shapes,
     saved_parameter_shapes,
 )
-from .options import DEFAULT_MAX_SHARD_SIZE, LLAMA_PRIOR_INITS, parse_size
+from .options import DEFAULT_MAX_SHARD_SIZE, parse_size
 from .writing import write_bam_folder
 
 ROTARY_BUFFER_KEY = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -67,8 +68,8 @@ def bam_config_from_llama(
     prior_scope: str,
     ssmax_scale_init: float,
 ) -> BamLlamaConfig:
-    if prior not in LLAMA_PRIOR_INITS:
-        raise ConversionError(f"unknown prior initialisation {prior!r}; expected one of {', '.join(LLAMA_PRIOR_INITS)}")
+    if prior not in PRIOR_INITS:
+        raise ConversionError(f"unknown prior initialisation {prior!r}; expected one of {', '.join(PRIOR_INITS)}")
     if prior_scope not in PRIOR_SCOPES:
         raise ConversionError(f"unknown prior scope {prior_scope!r}; expected one of {PRIOR_SCOPES}")
     train_context_length = train_context_length or llama.max_position_embeddings
@@ -93,7 +94,7 @@ def bam_config_from_llama(
             prior_scope=prior_scope,
             ssmax=ssmax,
             ssmax_scale_init=ssmax_scale_init,
-            **LLAMA_PRIOR_INITS[prior],
+            **PRIOR_INITS[prior].config,
         )
     except (ValueError, TypeError) as error:
         raise ConversionError(f"the Llama config gives an invalid BamLlama config: {error}") from None

@@ -1,5 +1,6 @@
 """What the conversions accept: the weights dtypes, shard sizes, the reference variants and prior-parameter name
-generations, and the Llama prior initialisations. Light on purpose: `bam-convert --help` reads it."""
+generations (a converted Llama's prior: `positional_variants.PRIOR_INITS`). Light on purpose: `bam-convert --help`
+reads it."""
 
 from __future__ import annotations
 
@@ -17,11 +18,6 @@ VARIANTS = ("bam", "bam_ssmax")  # the reference code's GGD-BAM `position_encodi
 PRIOR_NAME_GENERATIONS = {
     "shape-scale-loc": {"shape": "theta_beta", "scale": "theta_alpha", "loc": "theta_mu"},
     "theta": {"theta_beta": "theta_beta", "theta_alpha": "theta_alpha", "theta_mu": "theta_mu"},
-}
-
-LLAMA_PRIOR_INITS = {
-    "uniform": dict(theta_alpha_init=0.0, theta_beta_init=0.0),  # bias -1 everywhere: no positional preference
-    "alibi": dict(theta_alpha_init="alibi", theta_beta_init=1.0),  # bias -slope_h * |j - i|: ALiBi
 }
 
 

@@ -1,7 +1,41 @@
-"""The run settings of `bam-finetune` and `bam-pretrain` (their flags: `cli/arguments.py`), with the paper's size presets
-and the positional encodings `bam-pretrain` offers. Light on purpose: both commands' --help read it."""
+"""The run settings of `bam-finetune` and `bam-pretrain` (their flags: `cli/arguments.py`, `cli/finetune.py`,
+`cli/pretrain.py`), with the paper's model sizes.
+
+Light on purpose (standard library only): the commands read the defaults here for --help without loading PyTorch.
+"""
+
+from __future__ import annotations
 
 import dataclasses
+
+# hidden size, layers, heads of the paper's models (the reference code's presets); SwiGLU width 2x hidden.
+PRESETS = {
+    "l6": (512, 6, 16),
+    "l8": (768, 8, 16),
+    "l12": (768, 12, 16),
+    "l15": (1152, 15, 24),
+    "l18": (1536, 18, 32),
+    "l24": (2048, 24, 64),
+}
+DEFAULT_PRESET = "l12"
+PRIOR_SCOPES = ("global", "layer")  # BamLlamaConfig's; written out, so that --help loads no transformers
+REFERENCE_ROPE_THETA = 500_000.0  # the reference's RoPE baselines (and Llama 3); Transformers' LlamaConfig: 10,000
+
+
+def describe_preset(name: str, vocab_sizes: tuple[int, ...] = ()) -> str:
+    """"768 hidden, 12 layers, 16 heads", with the parameter count of the preset's model at each vocabulary size."""
+    hidden, layers, heads = PRESETS[name]
+    text = f"{hidden} hidden, {layers} layers, {heads} heads"
+    for vocab_size in vocab_sizes:
+        text += f"; {preset_parameters(name, vocab_size) / 1e6:.0f}M parameters with {vocab_size} tokens"
+    return text
+
+
+def preset_parameters(name: str, vocab_size: int) -> int:
+    """Parameters of a preset's model (multi-head attention, SwiGLU of 2x the width, untied embeddings)."""
+    hidden, layers, _ = PRESETS[name]
+    per_layer = 4 * hidden * hidden + 3 * hidden * (2 * hidden) + 2 * hidden
+    return layers * per_layer + 2 * vocab_size * hidden + hidden
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -68,7 +102,7 @@ class PretrainArguments(TrainingRunArguments):
     data: str
     output_dir: str
     context_length: int = 512
-    positional: str = "bam"
+    positional: str = "bam"  # a name of positional_variants.POSITIONAL_VARIANTS
     ssmax: bool = False
     ssmax_prior: bool | None = None  # --ssmax only; None: the config's default (True: the factor scales the prior)
     ssmax_scale_init: float | None = None  # --ssmax only; None: the config's default (1.0)
@@ -113,37 +147,3 @@ class PretrainArguments(TrainingRunArguments):
             "num_key_value_heads": self.num_key_value_heads or heads,
             "intermediate_size": self.intermediate_size or 2 * hidden,
         }
-
-
-# hidden size, layers, heads of the paper's models (the reference code's presets); SwiGLU width 2x hidden.
-PRESETS = {
-    "l6": (512, 6, 16),
-    "l8": (768, 8, 16),
-    "l12": (768, 12, 16),
-    "l15": (1152, 15, 24),
-    "l18": (1536, 18, 32),
-    "l24": (2048, 24, 64),
-}
-DEFAULT_PRESET = "l12"
-
-
-def describe_preset(name: str, vocab_sizes: tuple[int, ...] = ()) -> str:
-    """"768 hidden, 12 layers, 16 heads", with the parameter count of the preset's model at each vocabulary size."""
-    hidden, layers, heads = PRESETS[name]
-    text = f"{hidden} hidden, {layers} layers, {heads} heads"
-    for vocab_size in vocab_sizes:
-        text += f"; {preset_parameters(name, vocab_size) / 1e6:.0f}M parameters with {vocab_size} tokens"
-    return text
-
-
-def preset_parameters(name: str, vocab_size: int) -> int:
-    """Parameters of a preset's model (multi-head attention, SwiGLU of 2x the width, untied embeddings)."""
-    hidden, layers, _ = PRESETS[name]
-    per_layer = 4 * hidden * hidden + 3 * hidden * (2 * hidden) + 2 * hidden
-    return layers * per_layer + 2 * vocab_size * hidden + hidden
-
-
-POSITIONALS = ("bam", "alibi", "nope", "rope", "rope-local")
-ROTARY_POSITIONALS = ("rope", "rope-local")  # Transformers' own models: Llama, and Mistral for its sliding window
-PRIOR_SCOPES = ("global", "layer")  # BamLlamaConfig.prior_scope; not imported, so --help loads no transformers
-REFERENCE_ROPE_THETA = 500_000.0  # the reference's RoPE baselines (and Llama 3); Transformers' LlamaConfig: 10,000

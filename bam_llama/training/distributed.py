@@ -14,6 +14,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+try:
+    from torch.distributed.fsdp import fully_shard  # public from PyTorch 2.6
+except ImportError:  # PyTorch 2.5, which the package supports
+    from torch.distributed._composable.fsdp import fully_shard
+try:  # Accelerate's Ulysses sequence parallelism, in newer releases only
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+except ImportError:
+    ParallelismConfig = DeepSpeedSequenceParallelConfig = None
+
+from ..outputs import staged_output_dir
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -26,8 +39,6 @@ def shard_fsdp2(model: torch.nn.Module, mesh=None, **options) -> torch.nn.Module
 
     options: passed to `fully_shard` (mp_policy, reshard_after_forward, ...). Returns `model`, now an FSDPModule.
     """
-    from torch.distributed.fsdp import fully_shard
-
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"shard_fsdp2: {type(model).__name__} holds no BamDecoderLayer")
@@ -39,8 +50,6 @@ def shard_fsdp2(model: torch.nn.Module, mesh=None, **options) -> torch.nn.Module
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole (unsharded) state dict of an FSDP2 model, on the CPU, on rank 0 (empty elsewhere). Collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -49,8 +58,6 @@ def save_sharded_pretrained(model: torch.nn.Module, output_dir: str | Path, toke
 
     Collective: every rank calls it. Rank 0 writes into a staging folder that becomes `output_dir` when complete.
     """
-    from ..outputs import staged_output_dir
-
     state = full_state_dict(model)
     if dist.get_rank() == 0:
         with staged_output_dir(Path(output_dir), force=True) as staging:
@@ -144,9 +151,8 @@ def parallel_training_arguments(
         else:
             raise ValueError(f"--deepspeed {deepspeed!r}: expected zero2, zero3 or a DeepSpeed JSON config file")
     if sp_size > 1:
-        from accelerate.parallelism_config import ParallelismConfig
-        from accelerate.utils import DeepSpeedSequenceParallelConfig
-
+        if ParallelismConfig is None:
+            raise ValueError("--sp-size needs an Accelerate release with ParallelismConfig: pip install -U accelerate")
         handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
         fields["parallelism_config"] = ParallelismConfig(sp_backend="deepspeed", sp_size=sp_size, sp_handler=handler)
     return fields

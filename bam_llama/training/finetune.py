@@ -22,31 +22,28 @@ and renamed into place, so a crash never leaves a half-written one.
 from __future__ import annotations
 
 import dataclasses
-import logging
-import math
 import re
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, PreTrainedModel, TrainingArguments
 
 from ..data.documents import load_documents, tokenize_documents
-from ..data.packing import PackedRows, collate_packed_rows, pack_documents, packing_fill, split_eval_rows
+from ..data.packing import pack_documents, split_eval_rows
 from ..data.tokenizers import load_tokenizer
-from ..model_folders import check_finite_model, check_finite_weights, check_model_path, check_safetensors_files
+from ..hub.card import write_model_card
+from ..model.configuration_bam import BamLlamaConfig
+from ..model.modeling_bam import BamLlamaForCausalLM, BamPrior, BamScalableSoftmax
+from ..model.prior_bam import PRIOR_PARAMETERS, SSMAX_PARAMETER
+from ..model_folders import check_finite_model, check_model_path, check_safetensors_files
 from ..outputs import staged_output_dir
+from ..registration import register
 from .arguments import FinetuneArguments
-from .checkpoints import checkpoint_step, resolve_checkpoint
-from .lock import OutputDirHold, hold_output_dir, resumes_in
-from .summary import TrainingSummary, format_rows, training_rows, write_summary
-
-if TYPE_CHECKING:  # PyTorch, Transformers and the model are imported where used, so that --help does not load them
-    import torch
-
-    from ..model.configuration_bam import BamLlamaConfig
-    from ..model.modeling_bam import BamLlamaForCausalLM
-
-
-logger = logging.getLogger(__name__)
+from .lock import OutputDirHold
+from .run import TrainingCommand, TrainingData, run_training
+from .summary import TrainingSummary, format_rows, training_rows
+from .trainer import training_arguments
 
 LORA_ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -95,11 +92,6 @@ def check_arguments(args: FinetuneArguments) -> None:
 
 def check_model_config(model: str, context_length: int) -> BamLlamaConfig:
     """Read the config of `model`; refuse models that are not BamLlama and lengths below the training length."""
-    from transformers import AutoConfig
-
-    from ..model.configuration_bam import BamLlamaConfig
-    from ..registration import register
-
     register()
     try:
         check_model_path(model)
@@ -131,10 +123,6 @@ def check_tokenizer(tokenizer, config: BamLlamaConfig) -> int:
 
 
 def load_model(args: FinetuneArguments) -> BamLlamaForCausalLM:
-    import torch
-
-    from ..model.modeling_bam import BamLlamaForCausalLM
-
     check_safetensors_files(args.model)
     model = BamLlamaForCausalLM.from_pretrained(
         args.model, dtype=torch.float32, attn_implementation=args.attn_implementation
@@ -151,8 +139,6 @@ def prepare_model(model: BamLlamaForCausalLM, args: FinetuneArguments):
     """
     config = model.config
     if args.lora:
-        from peft import LoraConfig, get_peft_model
-
         targets = list(LORA_ATTENTION_MODULES) + (list(LORA_MLP_MODULES) if args.lora_mlp else [])
         lora_config = LoraConfig(
             r=args.lora_rank,
@@ -171,9 +157,6 @@ def prepare_model(model: BamLlamaForCausalLM, args: FinetuneArguments):
 def prior_values(model: torch.nn.Module, state_dict: dict | None = None) -> dict[str, dict[str, list[float]]]:
     """The prior / SSMax values the model computes with, by BamLlama module name (PEFT's wrapping removed); read
     from `state_dict` when given (a sharded model's, gathered)."""
-    from ..model.prior_modules_bam import BamPrior, BamScalableSoftmax
-    from ..model.prior_bam import PRIOR_PARAMETERS, SSMAX_PARAMETER
-
     values: dict[str, dict[str, list[float]]] = {}
     for name, module in model.named_modules():
         if not isinstance(module, (BamPrior, BamScalableSoftmax)) or ".original_module" in name:
@@ -232,8 +215,6 @@ def check_no_stale_merged_model(args: FinetuneArguments, replaced: list[str]) ->
 
 def write_finetuned_card(model_dir: str, args: FinetuneArguments, train_context_length_before: int) -> None:
     """The BAM model card of a fine-tuned folder: base model, data and what the fine-tune did."""
-    from ..hub.card import write_model_card
-
     mode = "LoRA (merged) with the prior trained in full" if args.lora else "full fine-tuning"
     description = (
         f"Context extension of `{args.model}` with `bam-finetune` ({mode}): trained at "
@@ -256,119 +237,74 @@ def record_extension(config: BamLlamaConfig, args: FinetuneArguments) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Entry points
+# The run
 # --------------------------------------------------------------------------------------------------------
 
 
-def build_training_data(args: FinetuneArguments, tokenizer, pad_token_id: int, show_progress: bool):
-    documents = load_documents(args.data, args.text_field, args.dataset_split, args.dataset_config)
-    tokenized = tokenize_documents(documents, tokenizer, show_progress)
-    rows = pack_documents(tokenized, args.context_length, pad_token_id)
-    train_rows, eval_rows, eval_split = split_eval_rows(rows, args.eval_rows)
-    return len(documents), packing_fill(tokenized, len(rows), args.context_length), PackedRows(train_rows), eval_rows, eval_split
+class Finetuning(TrainingCommand):
+    """`bam-finetune`'s part of the run: the base model's config and tokenizer checked, LoRA (or everything) made
+    trainable, the adapter or model saved (and merged), and the prior before and after in the summary."""
 
+    name = "bam-finetune"
+    # What a run leaves in --output-dir: a later run continues it (--resume-from-checkpoint) or replaces it
+    # (--overwrite-output-dir), never writes over it silently (see `training.lock`).
+    results = ("checkpoint-*", "adapter", "model", "merged", "summary.json")
+    summary_class = FinetuneSummary
 
-# What a run leaves in --output-dir: a later run continues it (--resume-from-checkpoint) or replaces it
-# (--overwrite-output-dir), never writes over it silently (see `training.lock`).
-FINETUNE_RESULTS = ("checkpoint-*", "adapter", "model", "merged", "summary.json")
+    def check_arguments(self) -> None:
+        check_arguments(self.args)
+
+    def check_inputs(self, hold: OutputDirHold) -> None:
+        self.base_config = check_model_config(self.args.model, self.args.context_length)
+        check_no_stale_merged_model(self.args, hold.replaced)
+
+    def training_arguments(self) -> TrainingArguments:
+        return training_arguments(self.args, merge=self.args.lora and self.args.merge)
+
+    def load_data(self, checkpoint: str | None, training_args: TrainingArguments, hold: OutputDirHold,
+                  show_progress: bool) -> TrainingData:
+        args = self.args
+        tokenizer = load_tokenizer(args.model, self.base_config)
+        pad_token_id = check_tokenizer(tokenizer, self.base_config)
+        documents = load_documents(args.data, args.text_field, args.dataset_split, args.dataset_config)
+        rows = pack_documents(tokenize_documents(documents, tokenizer, show_progress), args.context_length, pad_token_id)
+        return TrainingData(tokenizer, len(documents), *split_eval_rows(rows, args.eval_rows))
+
+    def build_model(self, data: TrainingData) -> PreTrainedModel:
+        model = load_model(self.args)
+        self.prior_before = prior_values(model)
+        model = prepare_model(model, self.args)
+        self.trainable = sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
+        return model
+
+    def description(self) -> str:
+        return f"fine-tuning {self.args.model} ({'LoRA' if self.args.lora else 'full'}, {self.trainable} trainable parameters)"
+
+    def learning_rates(self) -> dict[str, float | None]:
+        return {"prior_learning_rate": self.args.prior_learning_rate}
+
+    def summary_fields(self, data: TrainingData, model: PreTrainedModel, state_dict: dict | None,
+                       reads_weights: bool) -> dict:
+        return dict(
+            model=self.args.model,
+            mode="lora" if self.args.lora else "full",
+            train_context_length_before=self.base_config.train_context_length,
+            trainable_parameters=self.trainable,
+            prior_before=self.prior_before,
+            prior_after=prior_values(model, state_dict) if reads_weights else {},
+        )
+
+    def final_folders(self) -> dict[str, str | None]:
+        return {"final_dir": str(Path(self.args.output_dir) / ("adapter" if self.args.lora else "model")), "merged_dir": None}
+
+    def save(self, model: PreTrainedModel, tokenizer, state_dict: dict | None) -> dict[str, str | None]:
+        final_dir, merged_dir = save_final(model, tokenizer, self.args, self.base_config.train_context_length, state_dict)
+        return {"final_dir": final_dir, "merged_dir": merged_dir}
 
 
 def finetune(args: FinetuneArguments) -> FinetuneSummary:
     """Fine-tune `args.model` at `args.context_length` on `args.data`; returns (and on rank 0 writes and prints)
     the summary. The output folder is held for the run: a second live run into it, or a new run over an earlier
     run's results, is refused before anything loads."""
-    check_arguments(args)
-    continuing = resumes_in(args.output_dir, args.resume_from_checkpoint)
-    overwrite = args.overwrite_output_dir
-    with hold_output_dir(args.output_dir, "bam-finetune", FINETUNE_RESULTS, continuing, overwrite) as hold:
-        return _finetune(args, hold)
-
-
-def _finetune(args: FinetuneArguments, hold: OutputDirHold) -> FinetuneSummary:
-    from transformers import set_seed
-
-    from .distributed import gathered_state_dict, parameters_sharded
-    from .trainer import BamTrainer, mean_token_loss, training_arguments
-
-    started = time.perf_counter()
-    base_config = check_model_config(args.model, args.context_length)
-    checkpoint = resolve_checkpoint(args)
-    if checkpoint is not None:
-        check_finite_weights(checkpoint)
-    resumed_from_step = 0 if checkpoint is None else checkpoint_step(checkpoint)  # rotation may delete it later
-    check_no_stale_merged_model(args, hold.replaced)
-    training_args = training_arguments(args, merge=args.lora and args.merge)
-    is_main = training_args.process_index == 0
-    show_progress = is_main and not args.disable_progress_bars
-
-    tokenizer = load_tokenizer(args.model, base_config)
-    pad_token_id = check_tokenizer(tokenizer, base_config)
-    documents, fill, train_data, eval_rows, eval_split = build_training_data(args, tokenizer, pad_token_id, show_progress)
-
-    set_seed(args.seed)
-    model = load_model(args)
-    prior_before = prior_values(model)
-    model = prepare_model(model, args)
-    trainable = sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
-    if is_main:
-        logger.info(
-            "fine-tuning %s (%s, %d trainable parameters) at %d tokens: %d documents, %d train rows, %d %s eval rows",
-            args.model, "LoRA" if args.lora else "full", trainable, args.context_length, documents,
-            len(train_data), len(eval_rows), eval_split,
-        )
-
-    trainer = BamTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_data,
-        data_collator=collate_packed_rows,
-        processing_class=tokenizer,
-        before_saving=hold.ensure_held,
-        prior_learning_rate=args.prior_learning_rate,
-    )
-    evaluate = lambda: mean_token_loss(  # noqa: E731
-        model, eval_rows, args.per_device_train_batch_size, training_args.device, training_args.bf16, show_progress
-    )
-    loss_before = evaluate() if is_main else math.nan
-    hold.clear_earlier_results()  # --overwrite-output-dir: only now that every input has loaded
-    train_output = trainer.train(resume_from_checkpoint=checkpoint)
-    sharded = parameters_sharded(trainer)  # FSDP / ZeRO-3: forward and state dict need every rank
-    loss_after = evaluate() if is_main or sharded else math.nan
-    state_dict = gathered_state_dict(trainer)
-
-    final_dir, merged_dir = str(Path(args.output_dir) / ("adapter" if args.lora else "model")), None
-    prior_after = prior_values(model, state_dict) if is_main or not sharded else {}
-    if is_main:
-        hold.ensure_held()
-        final_dir, merged_dir = save_final(model, tokenizer, args, base_config.train_context_length, state_dict)
-    summary = FinetuneSummary(
-        model=args.model,
-        data=args.data,
-        output_dir=args.output_dir,
-        mode="lora" if args.lora else "full",
-        train_context_length_before=base_config.train_context_length,
-        context_length=args.context_length,
-        documents=documents,
-        train_rows=len(train_data),
-        eval_rows=len(eval_rows),
-        eval_split=eval_split,
-        **fill._asdict(),
-        steps=trainer.state.global_step,
-        resumed_from_step=resumed_from_step,
-        tokens_seen=int(trainer.state.num_input_tokens_seen),
-        train_loss=train_output.training_loss,
-        loss_before=loss_before,
-        loss_after=loss_after,
-        world_size=training_args.world_size,
-        runtime_seconds=time.perf_counter() - started,
-        final_dir=final_dir,
-        merged_dir=merged_dir,
-        trainable_parameters=trainable,
-        prior_before=prior_before,
-        prior_after=prior_after,
-    )
-    if is_main:
-        write_summary(summary, args.output_dir)
-        print(summary.format_table(), flush=True)
-    trainer.accelerator.wait_for_everyone()
+    summary, _, _ = run_training(Finetuning(args))
     return summary

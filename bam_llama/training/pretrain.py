@@ -2,7 +2,8 @@
 
 The paper's evidence comes from models trained from scratch at a short length. This command trains one on the
 same data sources as `bam-finetune` (`data.documents`), packed with per-document masking (`data.packing`), through the
-same Trainer set-up (`training.trainer`), with one recipe for every positional encoding so that baselines compare:
+same run as `bam-finetune` (`training.run`), with one recipe for every positional encoding of
+`positional_variants` so that baselines compare:
 
 * `bam`: BamLlama with the paper's init (uniform prior: theta_alpha = theta_beta = 0), alpha and beta trained,
   mu frozen; `--ssmax` adds Scalable Softmax (its order, scale's init and learning rate: `--ssmax-prior` /
@@ -26,28 +27,25 @@ written to a temporary folder and renamed into place.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
-import time
 from pathlib import Path
 
-from ..data.documents import load_documents, looks_like_a_local_path, tokenize_documents
-from ..data.packing import PackedRows, collate_packed_rows, pack_documents, packing_fill, split_eval_rows
-from ..model_folders import check_finite_weights
-from ..outputs import staged_output_dir
-from .arguments import (
-    POSITIONALS,
-    PRESETS,
-    PRIOR_SCOPES,
-    REFERENCE_ROPE_THETA,
-    ROTARY_POSITIONALS,
-    PretrainArguments,
-)
-from .checkpoints import checkpoint_step, resolve_checkpoint
-from .lock import OutputDirHold, hold_output_dir, resumes_in
-from .summary import TrainingSummary, format_rows, training_rows, write_summary
+import torch
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedModel, TrainingArguments
+from transformers.integrations import get_available_reporting_integrations
 
-logger = logging.getLogger(__name__)
+from ..data.documents import load_documents, looks_like_a_local_path, tokenize_documents
+from ..data.packing import pack_documents, split_eval_rows
+from ..data.tokenizers import build_byte_tokenizer, train_bpe_tokenizer
+from ..model.configuration_bam import PRIOR_SCOPES
+from ..outputs import staged_output_dir
+from ..positional_models import variant_config, variant_model
+from ..positional_variants import POSITIONAL_VARIANTS
+from .arguments import PRESETS, REFERENCE_ROPE_THETA, PretrainArguments
+from .lock import OutputDirHold
+from .run import TrainingCommand, TrainingData, run_training
+from .summary import TrainingSummary, format_rows, training_rows
+from .trainer import training_arguments
 
 BUILT_IN_TOKENIZERS = ("byte", "bpe")
 LLAMA_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -56,11 +54,11 @@ SMALLEST_BPE_VOCABULARY = 3 + 256  # <pad>, <s>, </s> and every byte, as data.to
 
 def check_arguments(args: PretrainArguments) -> None:
     """A ValueError naming the first bad setting; reads no data and no weights."""
-    if args.positional not in POSITIONALS:
-        raise ValueError(f"--positional must be one of {', '.join(POSITIONALS)}, got {args.positional!r}")
+    if args.positional not in POSITIONAL_VARIANTS:
+        raise ValueError(f"--positional must be one of {', '.join(POSITIONAL_VARIANTS)}, got {args.positional!r}")
     if args.preset is not None and args.preset not in PRESETS:
         raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {args.preset!r}")
-    rotary = args.positional in ROTARY_POSITIONALS
+    rotary = not POSITIONAL_VARIANTS[args.positional].is_bam_llama
     if args.ssmax and rotary:
         raise ValueError(f"--ssmax is a BamLlama option; --positional {args.positional} trains a Transformers model")
     for flag, value in (("--ssmax-prior", args.ssmax_prior), ("--ssmax-scale-init", args.ssmax_scale_init),
@@ -110,8 +108,6 @@ def check_report_to(report_to: str) -> None:
     names = [name.strip() for name in report_to.split(",") if name.strip()]
     if names in (["none"], ["all"]):
         return
-    from transformers.integrations import get_available_reporting_integrations
-
     available = get_available_reporting_integrations()
     for name in names:
         if name in ("none", "all") or name not in available:
@@ -154,10 +150,6 @@ class PretrainSummary(TrainingSummary):
 
 def named_tokenizer(choice: str):
     """`--tokenizer byte` or a tokenizer folder / Hub id; loaded before any data, so a bad one stops the run early."""
-    from transformers import AutoTokenizer
-
-    from ..data.tokenizers import build_byte_tokenizer
-
     if choice == "byte":
         return build_byte_tokenizer()
     try:
@@ -169,10 +161,6 @@ def named_tokenizer(choice: str):
 def bpe_tokenizer(args: PretrainArguments, documents: list[str], checkpoint: str | None, is_main: bool):
     """A BPE trained on the training documents by the main process and saved in OUTPUT_DIR/tokenizer, where the
     other processes read it; a resumed run reads the checkpoint's own."""
-    from transformers import AutoTokenizer
-
-    from ..data.tokenizers import train_bpe_tokenizer
-
     if checkpoint is not None:
         return AutoTokenizer.from_pretrained(checkpoint)
     folder = Path(args.output_dir) / "tokenizer"
@@ -189,51 +177,24 @@ def special_token_ids(tokenizer) -> dict[str, int | None]:
     return {"pad_token_id": pad, "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
 
 
-def build_config(args: PretrainArguments, vocab_size: int, token_ids: dict[str, int | None]):
-    """A fresh BamLlamaConfig (bam, alibi, nope), LlamaConfig (rope) or MistralConfig (rope-local) of the run's
-    sizes."""
-    common = dict(vocab_size=vocab_size, tie_word_embeddings=False, **args.model_sizes(), **token_ids)
-    if args.positional in ROTARY_POSITIONALS:
-        rotary = dict(
-            max_position_embeddings=args.context_length,
-            rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta or REFERENCE_ROPE_THETA}, **common,
-        )
-        if args.positional == "rope":
-            from transformers import LlamaConfig
-
-            config = LlamaConfig(attention_bias=False, mlp_bias=False, **rotary)
-        else:  # the paper's "RoPE local": each query sees the last context-length tokens, at any length
-            from transformers import MistralConfig
-
-            config = MistralConfig(sliding_window=args.context_length, **rotary)
-        config.train_context_length = args.context_length
-        return config
-    from ..model.configuration_bam import BamLlamaConfig
-
-    prior = {
-        "bam": dict(theta_alpha_init=0.0, theta_beta_init=0.0, train_theta_alpha=True, train_theta_beta=True),
-        "alibi": dict(theta_alpha_init="alibi", theta_beta_init=1.0, train_theta_alpha=False, train_theta_beta=False),
-        "nope": dict(theta_alpha_init=0.0, theta_beta_init=0.0, train_theta_alpha=False, train_theta_beta=False),
-    }[args.positional]
-    ssmax = {name: value for name, value in (("ssmax_prior", args.ssmax_prior), ("ssmax_scale_init", args.ssmax_scale_init))
-             if value is not None}
-    return BamLlamaConfig(
-        train_context_length=args.context_length, theta_mu_init=0.0, train_theta_mu=False, ssmax=args.ssmax,
-        prior_scope=args.prior_scope, **prior, **ssmax, **common
-    )
-
-
-def build_model(args: PretrainArguments, config):
-    import torch
-
-    if args.positional in ROTARY_POSITIONALS:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn_implementation or "sdpa", dtype=torch.float32)
+def build_config(args: PretrainArguments, vocab_size: int, token_ids: dict[str, int | None]) -> PretrainedConfig:
+    """A fresh config of the run's positional variant and sizes: BamLlamaConfig (bam, alibi, nope), LlamaConfig
+    (rope) or MistralConfig (rope-local)."""
+    fields = dict(vocab_size=vocab_size, tie_word_embeddings=False, **args.model_sizes(), **token_ids)
+    if POSITIONAL_VARIANTS[args.positional].is_bam_llama:
+        ssmax = {name: value for name, value in (("ssmax_prior", args.ssmax_prior), ("ssmax_scale_init", args.ssmax_scale_init))
+                 if value is not None}
+        fields.update(ssmax=args.ssmax, prior_scope=args.prior_scope, **ssmax)
     else:
-        from ..model.modeling_bam import BamLlamaForCausalLM
+        rope = {"rope_type": "default", "rope_theta": args.rope_theta or REFERENCE_ROPE_THETA}
+        fields.update(max_position_embeddings=args.context_length, rope_parameters=rope)
+    return variant_config(args.positional, args.context_length, **fields)
 
-        model = BamLlamaForCausalLM._from_config(config, attn_implementation=args.attn_implementation, dtype=torch.float32)
+
+def build_model(args: PretrainArguments, config: PretrainedConfig) -> PreTrainedModel:
+    """In float32, with the asked attention (Transformers' models: sdpa by default)."""
+    default_attention = None if POSITIONAL_VARIANTS[args.positional].is_bam_llama else "sdpa"
+    model = variant_model(config, attn_implementation=args.attn_implementation or default_attention, dtype=torch.float32)
     model.config.use_cache = False  # no cache while training; restored before saving
     return model
 
@@ -255,8 +216,62 @@ def save_final(model, tokenizer, args: PretrainArguments, state_dict: dict | Non
 
 
 # --------------------------------------------------------------------------------------------------------
-# Entry points
+# The run
 # --------------------------------------------------------------------------------------------------------
+
+
+class Pretraining(TrainingCommand):
+    """`bam-pretrain`'s part of the run: a tokenizer (a BPE trained on the data where asked), a fresh model of the
+    positional variant, and the model folder."""
+
+    name = "bam-pretrain"
+    # What a run leaves in its output folder: a new run does not write over it unless it resumes that run or is told
+    # to (--overwrite-output-dir), and two live runs never share the folder (see `training.lock`).
+    results = ("checkpoint-*", "tokenizer", "model", "summary.json")
+    summary_class = PretrainSummary
+
+    def check_arguments(self) -> None:
+        check_arguments(self.args)
+
+    def training_arguments(self) -> TrainingArguments:
+        return training_arguments(self.args, report_to=report_to_value(self.args.report_to))
+
+    def load_data(self, checkpoint: str | None, training_args: TrainingArguments, hold: OutputDirHold,
+                  show_progress: bool) -> TrainingData:
+        args = self.args
+        tokenizer = None if args.tokenizer == "bpe" else named_tokenizer(args.tokenizer)
+        documents = load_documents(args.data, args.text_field, args.dataset_split, args.dataset_config)
+        hold.clear_earlier_results()  # --overwrite-output-dir: only once the data loaded, before the tokenizer is written
+        if tokenizer is None:
+            with training_args.main_process_first(desc="tokenizer"):
+                tokenizer = bpe_tokenizer(args, documents, checkpoint, training_args.process_index == 0)
+        pad_token_id = special_token_ids(tokenizer)["pad_token_id"]
+        rows = pack_documents(tokenize_documents(documents, tokenizer, show_progress), args.context_length, pad_token_id)
+        return TrainingData(tokenizer, len(documents), *split_eval_rows(rows, args.eval_rows))
+
+    def build_model(self, data: TrainingData) -> PreTrainedModel:
+        model = build_model(self.args, build_config(self.args, len(data.tokenizer), special_token_ids(data.tokenizer)))
+        self.parameters = sum(parameter.numel() for parameter in model.parameters())
+        return model
+
+    def description(self) -> str:
+        return f"pretraining {self.args.positional} ({self.parameters} parameters)"
+
+    def learning_rates(self) -> dict[str, float | None]:
+        return {"prior_learning_rate": self.args.resolved_prior_learning_rate,
+                "ssmax_learning_rate": self.args.ssmax_learning_rate}
+
+    def final_folders(self) -> dict[str, str | None]:
+        return {"final_dir": str(Path(self.args.output_dir) / "model")}
+
+    def save(self, model: PreTrainedModel, tokenizer, state_dict: dict | None) -> dict[str, str | None]:
+        return {"final_dir": save_final(model, tokenizer, self.args, state_dict)}
+
+    def summary_fields(self, data: TrainingData, model: PreTrainedModel, state_dict: dict | None,
+                       reads_weights: bool) -> dict:
+        args = self.args
+        return dict(positional=args.positional, ssmax=args.ssmax, sizes=args.model_sizes(), parameters=self.parameters,
+                    tokenizer=args.tokenizer, vocab_size=len(data.tokenizer))
 
 
 def pretrain(args: PretrainArguments) -> PretrainSummary:
@@ -266,106 +281,6 @@ def pretrain(args: PretrainArguments) -> PretrainSummary:
     return summary
 
 
-# What a run leaves in its output folder: a new run does not write over it unless it resumes that run or is told to
-# (--overwrite-output-dir), and two live runs never share the folder (see `training.lock`).
-PRETRAIN_RESULTS = ("checkpoint-*", "tokenizer", "model", "summary.json")
-
-
 def run_pretraining(args: PretrainArguments):
     """`pretrain`, also returning the trained model and its tokenizer: (summary, model, tokenizer)."""
-    started = time.perf_counter()
-    check_arguments(args)
-    continuing = resumes_in(args.output_dir, args.resume_from_checkpoint)
-    with hold_output_dir(args.output_dir, "bam-pretrain", PRETRAIN_RESULTS, continuing, args.overwrite_output_dir) as hold:
-        return _run_pretraining(args, hold, started)
-
-
-def _run_pretraining(args: PretrainArguments, hold: OutputDirHold, started: float):
-    from transformers import set_seed
-
-    from .distributed import gathered_state_dict, parameters_sharded
-    from .trainer import BamTrainer, mean_token_loss, training_arguments
-
-    checkpoint = resolve_checkpoint(args)
-    if checkpoint is not None:
-        check_finite_weights(checkpoint)
-    resumed_from_step = 0 if checkpoint is None else checkpoint_step(checkpoint)
-    training_args = training_arguments(args, report_to=report_to_value(args.report_to))
-    is_main = training_args.process_index == 0
-    show_progress = is_main and not args.disable_progress_bars
-
-    tokenizer = None if args.tokenizer == "bpe" else named_tokenizer(args.tokenizer)
-    documents = load_documents(args.data, args.text_field, args.dataset_split, args.dataset_config)
-    hold.clear_earlier_results()  # --overwrite-output-dir: only once the data loaded, before the tokenizer is written
-    if tokenizer is None:
-        with training_args.main_process_first(desc="tokenizer"):
-            tokenizer = bpe_tokenizer(args, documents, checkpoint, is_main)
-    token_ids = special_token_ids(tokenizer)
-    tokenized = tokenize_documents(documents, tokenizer, show_progress)
-    rows = pack_documents(tokenized, args.context_length, token_ids["pad_token_id"])
-    fill = packing_fill(tokenized, len(rows), args.context_length)
-    del tokenized
-    train_rows, eval_rows, eval_split = split_eval_rows(rows, args.eval_rows)
-
-    set_seed(args.seed)
-    config = build_config(args, len(tokenizer), token_ids)
-    model = build_model(args, config)
-    parameters = sum(parameter.numel() for parameter in model.parameters())
-    if is_main:
-        logger.info(
-            "pretraining %s (%d parameters) at %d tokens: %d documents, %d train rows, %d %s eval rows",
-            args.positional, parameters, args.context_length, len(documents), len(train_rows), len(eval_rows), eval_split,
-        )
-    trainer = BamTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=PackedRows(train_rows),
-        data_collator=collate_packed_rows,
-        processing_class=tokenizer,
-        before_saving=hold.ensure_held,
-        prior_learning_rate=args.resolved_prior_learning_rate,
-        ssmax_learning_rate=args.ssmax_learning_rate,
-    )
-    evaluate = lambda: mean_token_loss(  # noqa: E731
-        model, eval_rows, args.per_device_train_batch_size, training_args.device, training_args.bf16, show_progress
-    )
-    loss_before = evaluate() if is_main else math.nan
-    train_output = trainer.train(resume_from_checkpoint=checkpoint)
-    sharded = parameters_sharded(trainer)  # FSDP / ZeRO-3: forward and state dict need every rank
-    loss_after = evaluate() if is_main or sharded else math.nan
-    state_dict = gathered_state_dict(trainer)
-
-    final_dir = str(Path(args.output_dir) / "model")
-    if is_main:
-        hold.ensure_held()
-        final_dir = save_final(model, tokenizer, args, state_dict)
-    summary = PretrainSummary(
-        data=args.data,
-        output_dir=args.output_dir,
-        positional=args.positional,
-        ssmax=args.ssmax,
-        sizes=args.model_sizes(),
-        parameters=parameters,
-        tokenizer=args.tokenizer,
-        vocab_size=len(tokenizer),
-        context_length=args.context_length,
-        documents=len(documents),
-        train_rows=len(train_rows),
-        eval_rows=len(eval_rows),
-        eval_split=eval_split,
-        **fill._asdict(),
-        steps=trainer.state.global_step,
-        resumed_from_step=resumed_from_step,
-        tokens_seen=int(trainer.state.num_input_tokens_seen),
-        train_loss=train_output.training_loss,
-        loss_before=loss_before,
-        loss_after=loss_after,
-        world_size=training_args.world_size,
-        runtime_seconds=time.perf_counter() - started,
-        final_dir=final_dir,
-    )
-    if is_main:
-        write_summary(summary, args.output_dir)
-        print(summary.format_table(), flush=True)
-    trainer.accelerator.wait_for_everyone()
-    return summary, model, tokenizer
+    return run_training(Pretraining(args))

@@ -325,9 +325,9 @@ def test_an_earlier_run_is_kept_unless_overwritten_and_a_held_folder_is_refused(
 
 def test_prior_scope_choices_are_the_configs():
     from bam_llama.model.configuration_bam import PRIOR_SCOPES
-    from bam_llama.training import pretrain as pretrain_bam
+    from bam_llama.training import arguments
 
-    assert pretrain_bam.PRIOR_SCOPES == PRIOR_SCOPES
+    assert arguments.PRIOR_SCOPES == PRIOR_SCOPES
 
 
 @pytest.mark.parametrize("theta", [None, 1000.0])
