@@ -30,7 +30,6 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, PreTrainedModel, TrainingArguments
 
 from ..data.documents import load_documents, tokenize_documents
-from ..data.packing import pack_documents, split_eval_rows
 from ..data.tokenizers import load_tokenizer
 from ..hub.card import write_model_card
 from ..model.configuration_bam import BamLlamaConfig
@@ -41,7 +40,7 @@ from ..outputs import staged_output_dir
 from ..registration import register
 from .arguments import FinetuneArguments
 from .lock import OutputDirHold
-from .run import TrainingCommand, TrainingData, run_training
+from .run import TrainingCommand, TrainingData, packed_training_data, run_training
 from .summary import TrainingSummary, format_rows, training_rows
 from .trainer import training_arguments
 
@@ -267,8 +266,8 @@ class Finetuning(TrainingCommand):
         tokenizer = load_tokenizer(args.model, self.base_config)
         pad_token_id = check_tokenizer(tokenizer, self.base_config)
         documents = load_documents(args.data, args.text_field, args.dataset_split, args.dataset_config)
-        rows = pack_documents(tokenize_documents(documents, tokenizer, show_progress), args.context_length, pad_token_id)
-        return TrainingData(tokenizer, len(documents), *split_eval_rows(rows, args.eval_rows))
+        tokenized = tokenize_documents(documents, tokenizer, show_progress)
+        return packed_training_data(tokenizer, tokenized, args.context_length, pad_token_id, args.eval_rows)
 
     def build_model(self, data: TrainingData) -> PreTrainedModel:
         model = load_model(self.args)

@@ -35,7 +35,6 @@ from transformers import AutoTokenizer, PretrainedConfig, PreTrainedModel, Train
 from transformers.integrations import get_available_reporting_integrations
 
 from ..data.documents import load_documents, looks_like_a_local_path, tokenize_documents
-from ..data.packing import pack_documents, split_eval_rows
 from ..data.tokenizers import build_byte_tokenizer, train_bpe_tokenizer
 from ..model.configuration_bam import PRIOR_SCOPES
 from ..outputs import staged_output_dir
@@ -43,7 +42,7 @@ from ..positional_models import variant_config, variant_model
 from ..positional_variants import POSITIONAL_VARIANTS
 from .arguments import PRESETS, REFERENCE_ROPE_THETA, PretrainArguments
 from .lock import OutputDirHold
-from .run import TrainingCommand, TrainingData, run_training
+from .run import TrainingCommand, TrainingData, packed_training_data, run_training
 from .summary import TrainingSummary, format_rows, training_rows
 from .trainer import training_arguments
 
@@ -246,8 +245,8 @@ class Pretraining(TrainingCommand):
             with training_args.main_process_first(desc="tokenizer"):
                 tokenizer = bpe_tokenizer(args, documents, checkpoint, training_args.process_index == 0)
         pad_token_id = special_token_ids(tokenizer)["pad_token_id"]
-        rows = pack_documents(tokenize_documents(documents, tokenizer, show_progress), args.context_length, pad_token_id)
-        return TrainingData(tokenizer, len(documents), *split_eval_rows(rows, args.eval_rows))
+        tokenized = tokenize_documents(documents, tokenizer, show_progress)
+        return packed_training_data(tokenizer, tokenized, args.context_length, pad_token_id, args.eval_rows)
 
     def build_model(self, data: TrainingData) -> PreTrainedModel:
         model = build_model(self.args, build_config(self.args, len(data.tokenizer), special_token_ids(data.tokenizer)))

@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainingArguments, set_seed
 
-from ..data.packing import PackedRows, collate_packed_rows
+from ..data.packing import PackedRows, PackingFill, collate_packed_rows, pack_documents, packing_fill, split_eval_rows
 from ..model_folders import check_finite_weights
 from .checkpoints import checkpoint_step, resolve_checkpoint
 from .distributed import gathered_state_dict, parameters_sharded
@@ -30,9 +30,18 @@ class TrainingData:
 
     tokenizer: PreTrainedTokenizerBase
     documents: int
+    fill: PackingFill
     train_rows: list[dict]
     eval_rows: list[dict]
     eval_split: str
+
+
+def packed_training_data(tokenizer: PreTrainedTokenizerBase, tokenized: list[list[int]], context_length: int,
+                         pad_token_id: int, eval_rows: int) -> TrainingData:
+    """The tokenized documents packed whole into rows (`data.packing`), some held out for the loss before/after."""
+    rows = pack_documents(tokenized, context_length, pad_token_id)
+    fill = packing_fill(tokenized, len(rows), context_length)
+    return TrainingData(tokenizer, len(tokenized), fill, *split_eval_rows(rows, eval_rows))
 
 
 class TrainingCommand:
@@ -157,6 +166,7 @@ def _run_training(command: TrainingCommand, hold: OutputDirHold, started: float)
         loss_after=loss_after,
         world_size=training_args.world_size,
         runtime_seconds=time.perf_counter() - started,
+        **data.fill._asdict(),
         **own_fields,
         **folders,
     )
