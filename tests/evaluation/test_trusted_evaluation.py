@@ -219,3 +219,24 @@ def test_position_matched_perplexity_counts_exactly_the_named_positions():
             assert result["past_training_length"]["tokens"] == 2 * (length - train_length)
     with pytest.raises(ValueError, match="b"):
         position_matched_perplexity(model, tokenizer, documents, 32, train_length)  # b has 20 tokens
+
+
+def test_position_matched_perplexity_of_a_real_model_is_that_of_plain_forwards():
+    """A tiny BamLlama, chunked through its cache: each document behind BOS in one uncached forward, the losses of
+    positions [4, 12) and [8, 12) averaged over both documents."""
+    from helpers import tiny_model
+
+    tokenizer = build_byte_tokenizer()
+    model = tiny_model("eager", vocab_size=len(tokenizer))
+    generator = torch.Generator().manual_seed(5)
+    documents = {name: torch.randint(3, len(tokenizer), (size,), generator=generator).tolist() for name, size in (("a", 12), ("b", 20))}
+    past, window = [], []
+    with torch.no_grad():
+        for tokens in documents.values():
+            sequence = torch.tensor([[tokenizer.bos_token_id, *tokens[:12]]])
+            losses = torch.nn.functional.cross_entropy(model(input_ids=sequence).logits[0, :-1].double(), sequence[0, 1:], reduction="none")
+            past += losses[4:].tolist()
+            window += losses[8:].tolist()
+    result = position_matched_perplexity(model, tokenizer, documents, 12, 4, chunk_size=5)
+    assert result["past_training_length"]["perplexity"] == pytest.approx(math.exp(sum(past) / len(past)), rel=1e-5)
+    assert result["last_window"]["perplexity"] == pytest.approx(math.exp(sum(window) / len(window)), rel=1e-5)
