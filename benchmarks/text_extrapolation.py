@@ -553,7 +553,7 @@ def tables(results: dict, recipe: Recipe, documents: dict[str, list[int]]) -> st
         f"{value:.2f}" if (value := window_perplexity(result, length, "past_training_length")) else None)
     window = lambda result, length: f"{value:.2f}" if (value := window_perplexity(result, length)) else None  # noqa: E731
     sections = [
-        (f"Perplexity of the positions past the training length ({recipe.train_length}) ({on}; "
+        (f"Perplexity of the positions past the training length {recipe.train_length} ({on}; "
          f"{len(documents)} x (length - {recipe.train_length}) tokens)", table(results, every_length[1:], past)),
         (f"Perplexity of the last {recipe.train_length} positions of each length ({on}; "
          f"{len(documents) * recipe.train_length} tokens at every length)", table(results, every_length, window)),
