@@ -697,23 +697,33 @@ def plot_perplexity(results: dict, recipe: Recipe, path: Path, documents: int) -
     axes.axvline(recipe.train_length, color="gray", linestyle="--", label=f"training length {recipe.train_length}")
     axes.set_xlabel("sequence length (tokens)")
     axes.set_ylabel("perplexity")
-    axes.set_title(f"Position-matched perplexity on {documents} never-trained documents, trained at {recipe.train_length}")
+    axes.set_title(f"Position-matched perplexity on {documents} never-trained documents,\ntrained at {recipe.train_length} tokens",
+                   fontsize=10)
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
-def plot_rates(axes, by_length: dict, label: str) -> None:
-    """Found rates (%) against length with their 95% Clopper-Pearson intervals as error bars."""
-    lengths = list(by_length)
-    rates, below, above = [], [], []
-    for hits, prompts in by_length.values():
-        low, high = clopper_pearson(hits, prompts)
-        rates.append(100 * hits / prompts)
-        below.append(rates[-1] - 100 * low)
-        above.append(100 * high - rates[-1])
-    axes.errorbar(lengths, rates, yerr=[below, above], marker="o", capsize=3, label=label)
+def plot_rates(axes, rates: dict[str, dict], recipe: Recipe, title: str, ylabel: str) -> None:
+    """Found rates (%) against length, one line per model (`rates`: name -> {length: (found, prompts)}), with their
+    95% Clopper-Pearson intervals as error bars."""
+    for name, by_length in rates.items():
+        points, below, above = [], [], []
+        for hits, prompts in by_length.values():
+            low, high = clopper_pearson(hits, prompts)
+            points.append(100 * hits / prompts)
+            below.append(points[-1] - 100 * low)
+            above.append(100 * high - points[-1])
+        axes.errorbar(list(by_length), points, yerr=[below, above], marker="o", capsize=3, label=name)
+    axes.set_xscale("log", base=2)
+    axes.set_ylim(-5, 105)
+    axes.axvline(recipe.train_length, color="gray", linestyle="--")
+    axes.set_title(title, fontsize=10)
+    axes.set_xlabel("prompt length (tokens)")
+    axes.set_ylabel(ylabel)
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8)
 
 
 def plot_passkey(results: dict, recipe: Recipe, path: Path) -> None:
@@ -722,16 +732,9 @@ def plot_passkey(results: dict, recipe: Recipe, path: Path) -> None:
 
     figure = Figure(figsize=(11, 4.5))
     for axes, (score, title) in zip(figure.subplots(1, 2).flat, (("correct", "strict"), ("teacher_forced", "teacher-forced"))):
-        for name, result in results.items():
-            plot_rates(axes, {length: found(value, score) for length, value in result["passkey"].items()}, name)
-        axes.set_xscale("log", base=2)
-        axes.set_ylim(-5, 105)
-        axes.axvline(recipe.train_length, color="gray", linestyle="--")
-        axes.set_title(f"passkey, {title} (95% intervals)", fontsize=10)
-        axes.set_xlabel("prompt length (tokens)")
-        axes.set_ylabel("keys found (%)")
-        axes.grid(True, alpha=0.3)
-        axes.legend(fontsize=8)
+        rates = {name: {length: found(value, score) for length, value in result["passkey"].items()}
+                 for name, result in results.items()}
+        plot_rates(axes, rates, recipe, f"passkey, {title} (95% intervals)", "keys found (%)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
@@ -742,18 +745,9 @@ def plot_needles(results: dict, recipe: Recipe, path: Path) -> None:
 
     figure = Figure(figsize=(11, 7))
     for axes, kind in zip(figure.subplots(2, 2).flat, NEEDLE_KINDS):
-        for name, result in results.items():
-            by_length = result.get("needles", {}).get(kind, {})
-            if by_length:
-                plot_rates(axes, {length: found(value) for length, value in by_length.items()}, name)
-        axes.set_xscale("log", base=2)
-        axes.set_ylim(-5, 105)
-        axes.axvline(recipe.train_length, color="gray", linestyle="--")
-        axes.set_title(f"{kind}: {recipe.needle_task(kind).describe()}", fontsize=10)
-        axes.set_xlabel("prompt length (tokens)")
-        axes.set_ylabel("exact answers (%)")
-        axes.grid(True, alpha=0.3)
-        axes.legend(fontsize=8)
+        rates = {name: {length: found(value) for length, value in result["needles"][kind].items()}
+                 for name, result in results.items() if result.get("needles", {}).get(kind)}
+        plot_rates(axes, rates, recipe, f"{kind}: {recipe.needle_task(kind).describe()}", "exact answers (%)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
