@@ -4,7 +4,7 @@ Builds a byte-level tokenizer and synthetic passkey documents, trains a tiny Bam
 RoPE Llama from Transformers, and ALiBi as BamLlama with a fixed linear prior) with the same recipe at a short
 context, then measures passkey retrieval far beyond it.
 
-    bam-demo                                  # BAM against RoPE, ~10 minutes on 2 CPU cores
+    bam-demo                                  # BAM against RoPE to 512x (64K bytes), ~25 minutes on 2 CPU cores
     bam-demo --models bam,rope,alibi          # also the ALiBi baseline
     bam-demo --quick                          # seconds, for CI (the numbers mean nothing)
     bam-demo --device cuda --steps 4000 --train-length 256 --lengths 256,1024,4096,16384
@@ -32,7 +32,9 @@ from .data.packing import IGNORE_INDEX
 from .data.special_tokens import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
 from .data.tokenizers import build_byte_tokenizer, encode
 from .demo_settings import MODEL_NAMES, DataConfig, DemoSettings, ModelSize, TrainConfig, default_settings
+from .evaluation.intervals import interval_text
 from .evaluation.passkey import (
+    PasskeyKeys,
     PasskeyResults,
     PasskeyTemplate,
     build_passkey_prompt,
@@ -68,14 +70,17 @@ def answer_text(passkey: str) -> str:
 
 
 def passkey_example(
-    rng: random.Random, tokenizer: PreTrainedTokenizerBase, template: PasskeyTemplate, data: DataConfig
+    rng: random.Random, tokenizer: PreTrainedTokenizerBase, template: PasskeyTemplate, data: DataConfig,
+    trained_keys: set[str] | None = None,
 ) -> tuple[list[int], list[int]]:
     """The evaluation's prompt at a random length and depth, followed by the answer (`answer_text`): (input_ids,
-    labels).
+    labels). Its key is added to `trained_keys` (the evaluation draws none of them).
 
     Prompt and answer together fit in `train_length` tokens.
     """
     passkey = random_passkey(rng, data.num_digits)
+    if trained_keys is not None:
+        trained_keys.add(passkey)
     answer = encode(tokenizer, answer_text(passkey))
     bos = int(data.add_bos and tokenizer.bos_token_id is not None)  # a prompt of `length` tokens has BOS before them
     shortest = len(build_passkey_prompt(tokenizer, 0, 0.0, passkey, template))
@@ -86,7 +91,8 @@ def passkey_example(
 
 
 def filler_example(
-    rng: random.Random, tokenizer: PreTrainedTokenizerBase, template: PasskeyTemplate, data: DataConfig
+    rng: random.Random, tokenizer: PreTrainedTokenizerBase, template: PasskeyTemplate, data: DataConfig,
+    trained_keys: set[str] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Task and fillers only, at most `train_length` tokens; trained on every token."""
     bos = [tokenizer.bos_token_id] if data.add_bos else []
@@ -102,10 +108,12 @@ def training_batch(
     template: PasskeyTemplate,
     data: DataConfig,
     batch_size: int,
+    trained_keys: set[str] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Right-padded batch; padding comes after every real token, so causal attention never sees it."""
+    """Right-padded batch; padding comes after every real token, so causal attention never sees it. Its passkeys
+    are added to `trained_keys`."""
     examples = [
-        (passkey_example if rng.random() < data.passkey_fraction else filler_example)(rng, tokenizer, template, data)
+        (passkey_example if rng.random() < data.passkey_fraction else filler_example)(rng, tokenizer, template, data, trained_keys)
         for _ in range(batch_size)
     ]
     width = max(len(ids) for ids, _ in examples)
@@ -180,9 +188,11 @@ def train_model(
     device: str = "cpu",
     desc: str = "train",
     progress_position: int | None = None,
+    trained_keys: set[str] | None = None,
 ) -> list[float]:
-    """Train in place on freshly generated batches (the same batches for every model given the same seed).
-    `progress_position`: the line of the progress bar where several models train at once."""
+    """Train in place on freshly generated batches (the same batches for every model given the same seed), adding
+    their passkeys to `trained_keys`. `progress_position`: the line of the progress bar where several models train
+    at once."""
     model.to(device).train()
     optimizer = optimizer_for(model, train)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -192,7 +202,7 @@ def train_model(
     losses = []
     progress = tqdm(range(train.steps), desc=desc, position=progress_position, mininterval=1.0 if progress_position is not None else 0.1)
     for _ in progress:
-        batch = {key: value.to(device) for key, value in training_batch(rng, tokenizer, template, data, train.batch_size).items()}
+        batch = {key: value.to(device) for key, value in training_batch(rng, tokenizer, template, data, train.batch_size, trained_keys).items()}
         loss = model(**batch, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
@@ -233,14 +243,16 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
 
 
 def accuracy_table(results: dict[str, PasskeyResults], train_length: int) -> str:
-    """Markdown table: one row per model, one column per length (with its multiple of the training length)."""
-    lengths = next(iter(results.values())).lengths
-    header = "| model | " + " | ".join(f"{length} ({length / train_length:g}x)" for length in lengths) + " |"
-    rule = "|---|" + "---:|" * len(lengths)
+    """Markdown table: one row per model, one column per length (with its multiple of the training length and its
+    prompts), each cell the keys found (strict) and their 95% Clopper-Pearson interval."""
+    first = next(iter(results.values()))
+    header = "| model | " + " | ".join(
+        f"{length} ({length / train_length:g}x, {count})" for length, count in zip(first.lengths, first.depth_counts())) + " |"
+    rule = "|---|" + "---:|" * len(first.lengths)
     rows = []
     for name, result in results.items():
-        accuracy = result.accuracy_by_length()
-        rows.append(f"| {MODEL_LABELS[name]} | " + " | ".join(f"{accuracy[length]:.0%}" for length in lengths) + " |")
+        cells = [f"{sum(row) / len(row):.0%} ({interval_text(sum(row), len(row))})" for row in result.correct]
+        rows.append(f"| {MODEL_LABELS[name]} | " + " | ".join(cells) + " |")
     return "\n".join([header, rule, *rows])
 
 
@@ -273,8 +285,10 @@ def train_evaluate_and_save(args: argparse.Namespace, folder: Path, start: float
 
     train_length = settings.data.train_length
     table = accuracy_table(results, train_length)
-    summary = (f"Passkey retrieval accuracy, trained at {train_length} tokens ({minutes:.1f} min on {args.device}, "
-               f"{thread_description(args.threads, jobs)}):")
+    keys = next(iter(results.values()))
+    summary = (f"Passkey retrieval accuracy (strict: the greedy answer is the key; in brackets the 95% interval; the "
+               f"header gives each length's prompts), trained at {train_length} tokens ({minutes:.1f} min on "
+               f"{args.device}, {thread_description(args.threads, jobs)}). Evaluation keys: {keys.describe_keys()}:")
     (folder / "results.md").write_text(f"{summary}\n\n{table}\n")
     run = {"minutes": minutes, "device": args.device, "threads": args.threads, "jobs": jobs, "argv": args.argv,
            "settings": asdict(settings)}
@@ -299,11 +313,13 @@ def train_and_evaluate(
     set_seed(args.seed)  # identical initialization stream and identical batches for every model
     bam_overrides = dict(prior_scope=args.prior_scope, ssmax=args.ssmax)
     model = build_model(name, settings.size, train_length, **(bam_overrides if name == "bam" else {}))
+    trained_keys = set()
     train_model(model, tokenizer, DEMO_TEMPLATE, settings.data, settings.train, args.seed, args.device, f"train {name}",
-                progress_position)
+                progress_position, trained_keys)
     result = evaluate_passkey(
-        model, tokenizer, settings.lengths, num_depths=settings.num_depths, seed=args.seed,
-        template=DEMO_TEMPLATE, add_bos=settings.data.add_bos, progress=progress_position is None,
+        model, tokenizer, settings.lengths, num_depths=settings.num_depths, template=DEMO_TEMPLATE,
+        add_bos=settings.data.add_bos, progress=progress_position is None,
+        keys=PasskeyKeys(args.seed, settings.data.num_digits, excluded=trained_keys),
     )
     result.save_heatmap(folder / f"passkey-{name}.png", title=f"{MODEL_LABELS[name]}, trained at {train_length} tokens")
     if name == "bam":

@@ -1,12 +1,15 @@
 """bam-demo's settings: the data, the training recipe, the model size and the evaluation, with their defaults and
 those of --quick; which positional variants it trains.
 
-Light on purpose (it imports nothing): `bam-demo --help` shows these defaults without loading PyTorch.
+Light on purpose (it imports only the light `evaluation/depth_plan.py`): `bam-demo --help` shows these defaults
+without loading PyTorch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .evaluation.depth_plan import DepthPlan
 
 MODEL_NAMES = ("bam", "rope", "alibi")  # the positional variants (`positional_variants`) the demo trains
 DEFAULT_MODELS = ("bam", "rope")
@@ -48,7 +51,13 @@ class DemoSettings:
     train: TrainConfig
     size: ModelSize
     lengths: list[int]
-    num_depths: int
+    num_depths: DepthPlan  # prompts per length, fewer at the longest (where one costs the most)
+
+
+# 1x-64x at 20 prompts, then 10, 6 and 5 prompts at 128x, 256x and 512x of the 128-byte training length: one prompt
+# at 64K bytes takes about 100 s on one thread (against 1.8 s at 8K), so 512x at 20 prompts would take 33 min alone.
+LENGTHS = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
+DEPTHS = DepthPlan(20, {16384: 10, 32768: 6, 65536: 5})
 
 
 def default_settings(quick: bool) -> DemoSettings:
@@ -58,6 +67,6 @@ def default_settings(quick: bool) -> DemoSettings:
             train=TrainConfig(steps=8, batch_size=4),
             size=ModelSize(hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
             lengths=[64, 128],
-            num_depths=2,
+            num_depths=DepthPlan(2),
         )
-    return DemoSettings(data=DataConfig(), train=TrainConfig(), size=ModelSize(), lengths=[128, 256, 512, 1024, 2048, 4096, 8192], num_depths=20)
+    return DemoSettings(data=DataConfig(), train=TrainConfig(), size=ModelSize(), lengths=list(LENGTHS), num_depths=DEPTHS)

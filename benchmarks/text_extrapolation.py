@@ -10,19 +10,31 @@ passkey documents (the prompt `bam-demo` trains on, answer included) and needle 
 `bam_llama.evaluation.needles`, their haystack from the training split) mixed into the training split, so the same
 models answer every question. Then, for every model:
 
-* perplexity of whole held-out sequences of 1x, 2x, ..., 64x the training length, always of the same tokens: the
-  first 64x tokens of each of the first 8 held-out files that long, cut into non-overlapping sequences of each
-  length (so a sequence never spans two files), each behind BOS; and the same over the positions past the
-  training length only;
-* passkey retrieval at the same lengths, 20 depths each (`bam_llama.evaluation.passkey.evaluate_passkey`);
+* position-matched perplexity at 1x, 2x, ..., 64x the training length, on the same documents at every length and
+  for every model (`perplexity_documents`): each document's first tokens as one sequence of its own behind BOS
+  (no sequence crosses documents), read at (1) the positions past the training length and (2) the last
+  training-length window (the same number of tokens at every length, as the paper plots it), with the counts of
+  documents and tokens. The documents are never trained on: held-out files first, then the standard library's
+  test suites (which the corpus leaves out; no held-out file reaches 128x), minus generated tables
+  (`is_generated_table`: the codec tables `encodings/cp*.py`, `mac_*.py` and the like);
+* passkey retrieval at the same lengths, 50 prompts each (50 depths, a key of its own at each), scored strict
+  (greedy: the key and no further digit) and teacher-forced (the reference code's scoring: the key's first digit
+  given, every later digit the argmax given the true ones before it), each with its 95% Clopper-Pearson interval.
+  The keys come from a stream of their own (`PasskeyKeys`, not the training documents' `random.Random(seed)`),
+  none twice in a model's evaluation, and none that occurs as a digit string in the training texts (redrawn);
+  results.json records how many evaluation keys the training data holds (0) and how many draws were redrawn;
 * RoPE also with Transformers' dynamic-NTK and YaRN `rope_parameters` set to each evaluation length;
 
 and for the BamLlama priors (the BAM variants and ALiBi; NoPE and RoPE fail by 4x):
 
 * the four needle tasks at every length (`evaluate_needles`, held-out haystack, exact answers);
-* 128x, 256x and 512x too (16K, 32K, 64K tokens): passkey and needles at fewer depths there (`Recipe.long_depths`,
-  `long_needle_depths`), and perplexity on one stream of held-out documents (the first 512x tokens, each document
-  ending with EOS) cut into whole sequences of every length, 1x to 512x: the same tokens at every length.
+* 128x, 256x and 512x too (16K, 32K, 64K tokens): position-matched perplexity on the same documents, passkey at
+  20 prompts a length there (`Recipe.long_depths`) and needles at fewer depths (`long_needle_depths`).
+
+Cost of the evaluation (the tiny models' measured seconds per 1-thread prompt: 1.9 s at 8K, 7.4 s at 16K, 27 s at
+32K, 100 s at 64K tokens; a document's perplexity forward costs about one prompt): 1x-64x about 5 min a model
+(50 prompts a length, 8 documents); 128x-512x about 45 min of passkey (20 prompts a length, against 12 min with
+the earlier 10/6/5) and 20 min of perplexity (8 documents) a model with a prior, besides the needles.
 
 Every length's seconds and peak RSS are recorded; the learned SSMax scales (and priors) of every BamLlama model
 are read back after training.
@@ -33,10 +45,10 @@ are read back after training.
     python benchmarks/text_extrapolation.py --jobs 2 --threads 1 --models bam,alibi,bam-ssmax-qk --long-models bam,alibi
 
 `--jobs 2 --threads 1` trains and evaluates two models at once (the results are those of one at a time on 1
-thread); `--long-models` names the models with a prior that go on to 128x-512x, the costly part (a 1-thread 4-layer
-model spent 24-37 min at 512x alone, 5-6 min at 1x-64x).
+thread); `--long-models` names the models with a prior that go on to 128x-512x, the costly part (with the earlier
+5 prompts at 512x, a 1-thread 4-layer model spent 24-37 min at 512x alone, 5-6 min at 1x-64x).
 
-Results (results.md, results.json, perplexity*.png, passkey-*.png, needles.png) are written to a temporary folder
+Results (results.md, results.json, perplexity.png, passkey.png, passkey-*.png, needles.png) are written to a temporary folder
 beside the output folder and renamed into place after every model, marked partial until the last one is done.
 `--resume` continues such a run: the models it left are kept, the others trained (same recipe but for --models,
 --long-models and --jobs, same machine, threads and versions, or it says what differs).
@@ -49,8 +61,10 @@ import json
 import math
 import platform
 import random
+import re
 import resource
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -61,7 +75,9 @@ sys.path.insert(0, str(REPOSITORY))
 
 from bam_llama.data.corpus import Document, corpus_statistics, python_documents, split_documents  # noqa: E402
 from bam_llama.evaluation.needle_tasks import NEEDLE_KINDS, NeedleTask  # noqa: E402
-from bam_llama.evaluation.passkey import PasskeyTemplate, random_passkey  # noqa: E402
+from bam_llama.evaluation.intervals import clopper_pearson, interval_text  # noqa: E402
+from bam_llama.evaluation.passkey import PasskeyKeys, PasskeyTemplate, keys_in_texts, random_passkey  # noqa: E402
+from bam_llama.evaluation.perplexity import position_matched_perplexity  # noqa: E402
 from bam_llama.outputs import exit_on_sigterm, staged_output_dir  # noqa: E402
 from bam_llama.positional_variants import POSITIONAL_VARIANTS  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
@@ -146,9 +162,9 @@ class Recipe:
     prior_scope: str = "layer"  # BamLlama models: one prior per layer and head
     heldout_fraction: float = 0.05
     max_train_characters: int | None = None  # None: the whole training split
-    perplexity_documents: int = 8  # at most: held-out files with at least the longest short length of tokens
-    num_depths: int = 20  # passkey depths up to the longest short scale
-    long_depths: dict = field(default_factory=lambda: {128: 10, 256: 6, 512: 5})  # passkey depths by long scale
+    perplexity_documents: int = 8  # at most: never-trained documents with at least the longest length of tokens
+    num_depths: int = 50  # passkey prompts (depths, a key each) per length up to the longest short scale
+    long_depths: dict = field(default_factory=lambda: {128: 20, 256: 20, 512: 20})  # passkey prompts by long scale
     needle_depths: int = 10
     long_needle_depths: dict = field(default_factory=lambda: {128: 4, 256: 3, 512: 2})
     needles: bool = True
@@ -166,6 +182,11 @@ class Recipe:
     def long_lengths(self) -> list[int]:
         """The lengths only the models with a prior are evaluated at."""
         return [self.train_length * scale for scale in self.long_scales]
+
+    @property
+    def perplexity_length(self) -> int:
+        """The tokens every perplexity document holds: the longest length any model is evaluated at."""
+        return max(self.lengths + self.long_lengths)
 
     def goes_long(self, name: str) -> bool:
         """Whether model `name` (one with a prior) is evaluated at the long scales too."""
@@ -314,31 +335,45 @@ def training_data(train: list[Document], recipe: Recipe):
     return with_needle_documents(texts, needles, recipe.seed), tokenizer, needles
 
 
-def perplexity_documents(heldout: list[Document], tokenizer, recipe: Recipe) -> dict[str, list[int]]:
-    """The first `perplexity_documents` held-out files (name order) with at least the longest evaluation length of
-    tokens (of `recipe.scales`), each cut to that many tokens: every length is measured on these same tokens."""
-    longest = max(recipe.lengths)
+# A file is a generated table (a codec's mapping, an opcode list) rather than text when more than this share of its
+# non-blank lines open with a literal (a digit, a quote, a bracket) instead of a name, a keyword or a comment: the
+# codec tables `encodings/cp*.py` and `mac_*.py` have 85-93%, the held-out code files at most 25%.
+GENERATED_TABLE_SHARE = 0.5
+LITERAL_LINE = re.compile(r"\s*[\d'\"(\[{-]")
+
+
+def is_generated_table(text: str) -> bool:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return bool(lines) and sum(bool(LITERAL_LINE.match(line)) for line in lines) > GENERATED_TABLE_SHARE * len(lines)
+
+
+def python_test_suites() -> list[Document]:
+    """The standard library's test suites (`test/`, name order), which `python_documents` leaves out, so never
+    trained on: the only never-trained Python files long enough for 128x-512x. Empty on a Python shipped without
+    them."""
+    folder = Path(sysconfig.get_paths()["stdlib"]) / "test"
+    return [Document("test/" + path.relative_to(folder).as_posix(), path.read_text(encoding="utf-8", errors="replace"))
+            for path in sorted(folder.rglob("*.py"))]
+
+
+def perplexity_documents(heldout: list[Document], tokenizer, recipe: Recipe,
+                         never_trained: list[Document] = ()) -> dict[str, list[int]]:
+    """The first `perplexity_documents` documents with at least `recipe.perplexity_length` tokens, generated tables
+    left out: held-out files first, then `never_trained` ones (the test suites), each in name order and cut to that
+    many tokens. Every length and every model is measured on these same documents."""
+    longest = recipe.perplexity_length
     documents = {}
-    for document in heldout:
+    for document in [*heldout, *never_trained]:
+        if len(documents) == recipe.perplexity_documents:
+            break
+        if len(document.text) < longest or is_generated_table(document.text):
+            continue  # a token holds at least one character
         tokens = tokenizer(document.text, add_special_tokens=False)["input_ids"]
         if len(tokens) >= longest:
             documents[document.name] = tokens[:longest]
-        if len(documents) == recipe.perplexity_documents:
-            break
     if not documents:
-        raise ValueError(f"no held-out file has {longest} tokens: evaluate shorter lengths or hold out more files")
+        raise ValueError(f"no never-trained document has {longest} tokens: evaluate shorter lengths or hold out more files")
     return documents
-
-
-def perplexity_stream(heldout: list[Document], tokenizer, tokens: int) -> list[int]:
-    """The first `tokens` tokens of the held-out documents in name order, each ending with EOS: for the long
-    lengths, which no single held-out file reaches."""
-    stream = []
-    for document in heldout:
-        stream += tokenizer(document.text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        if len(stream) >= tokens:
-            return stream[:tokens]
-    raise ValueError(f"the held-out documents have {len(stream)} tokens, fewer than the {tokens} of the longest length")
 
 
 # ------------------------------------------------------------------------------------------------- models
@@ -399,77 +434,43 @@ def load(folder: Path, extension: str | None, length: int, train_length: int):
     return AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32).eval()
 
 
-def sequence_perplexity(model, tokenizer, documents: dict[str, list[int]], length: int, train_length: int) -> dict:
-    """Each document cut into whole sequences of `length` tokens, each behind BOS (as a document starts in
-    training) and run in one chunked forward. `perplexity`: exp of the mean loss over all their tokens (the paper's
-    measure); `past_training_length`: the same over the positions past `train_length` only (None at 1x), where a
-    positional encoding meets distances it never trained on."""
-    from bam_llama.evaluation.perplexity import evaluate_perplexity
-
-    whole, past = [], []
-    for tokens in documents.values():
-        result = evaluate_perplexity(
-            model, tokenizer, tokens, [length], window=train_length, chunk_size=1024, max_sequences=None,
-            add_bos=True, progress=False,
-        )
-        whole.append(math.log(result.perplexity[0]))
-        past_windows = [math.log(value) for value in result.window_perplexity[0][1:]]  # windows of equal size
-        past.append(sum(past_windows) / len(past_windows) if past_windows else None)
-
-    def mean_exp(logs: list[float]) -> float:  # every document has the same number of tokens
-        return math.exp(sum(logs) / len(logs))
-
-    return {"perplexity": mean_exp(whole), "past_training_length": None if None in past else mean_exp(past)}
-
-
-def stream_perplexity(model, tokenizer, stream: list[int], length: int) -> dict:
-    """The stream cut into whole sequences of `length` tokens, each behind BOS; exp of the mean loss of all."""
-    from bam_llama.evaluation.perplexity import evaluate_perplexity
-
-    result = evaluate_perplexity(
-        model, tokenizer, stream, [length], window=length, chunk_size=1024, max_sequences=None, add_bos=True,
-        progress=False,
-    )
-    return {"perplexity": result.perplexity[0], "sequences": result.num_sequences[0]}
+PASSKEY_DIGITS = 5  # the training documents' keys (`passkey_document`) and the evaluation's
 
 
 @dataclass
 class EvaluationData:
     """What every model is evaluated on."""
 
-    documents: dict[str, list[int]]  # held-out files for perplexity up to the longest short length
-    stream: list[int] | None  # held-out stream for perplexity at every length, with the long lengths
+    documents: dict[str, list[int]]  # never-trained documents for position-matched perplexity, each of the longest length
     haystack: object | None  # the held-out needle haystack (`needles.Haystack`)
+    training_keys: frozenset[str]  # every 5-digit string of the training texts: no evaluation key is one of them
 
 
 def evaluate(folder: Path, extension: str | None, data: EvaluationData, tokenizer, recipe: Recipe, name: str) -> dict:
-    """Perplexity, passkey and (models with a prior) needles and the stream perplexity per length, each length's
-    seconds and peak RSS; the long lengths for the models with a prior that `recipe.goes_long`. A RoPE extension is
-    set per length."""
+    """Position-matched perplexity, passkey (strict and teacher-forced) and, for the models with a prior, needles
+    per length, each length's seconds and peak RSS; the long lengths for the models with a prior that
+    `recipe.goes_long`. A RoPE extension is set per length. One key drawer for all lengths: a key is never used
+    twice, and every model gets the same keys at the same length and depth."""
     from bam_llama.evaluation.costs import measured
     from bam_llama.evaluation.needles import evaluate_needles
     from bam_llama.evaluation.passkey import evaluate_passkey
 
-    result = {"perplexity": {}, "stream_perplexity": {}, "passkey": {}, "needles": {kind: {} for kind in NEEDLE_KINDS},
+    result = {"perplexity": {}, "passkey": {}, "needles": {kind: {} for kind in NEEDLE_KINDS},
               "seconds": {}, "peak_rss_mib": {}}
     prior = MODELS[name].has_prior and extension is None
+    keys = PasskeyKeys(recipe.seed, PASSKEY_DIGITS, excluded=data.training_keys)
     model = None
     for length in recipe.lengths + (recipe.long_lengths if prior and recipe.goes_long(name) else []):
         if model is None or extension is not None:
             model = load(folder, extension, length, recipe.train_length)
         with measured() as cost:
-            if length in recipe.lengths:
-                result["perplexity"][length] = {
-                    **sequence_perplexity(model, tokenizer, data.documents, length, recipe.train_length),
-                    "sequences": len(data.documents) * (max(recipe.lengths) // length),
-                }
-            if prior and data.stream is not None:
-                result["stream_perplexity"][length] = stream_perplexity(model, tokenizer, data.stream, length)
-            keys = evaluate_passkey(
-                model, tokenizer, [length], num_depths=recipe.passkey_depths(length), seed=recipe.seed,
-                template=TEXT_TEMPLATE, add_bos=True, progress=False,
+            result["perplexity"][length] = position_matched_perplexity(
+                model, tokenizer, data.documents, length, recipe.train_length)
+            found = evaluate_passkey(
+                model, tokenizer, [length], num_depths=recipe.passkey_depths(length), template=TEXT_TEMPLATE,
+                add_bos=True, progress=False, keys=keys, teacher_forced=True,
             )
-            result["passkey"][length] = keys.to_dict()
+            result["passkey"][length] = found.to_dict()
             if prior and data.haystack is not None:
                 for kind in NEEDLE_KINDS:
                     needles = evaluate_needles(
@@ -478,34 +479,59 @@ def evaluate(folder: Path, extension: str | None, data: EvaluationData, tokenize
                     )
                     result["needles"][kind][length] = needles.to_dict()
         result["seconds"][length], result["peak_rss_mib"][length] = cost.seconds, cost.peak_rss_mib
+    passkeys = result["passkey"].values()
+    result["evaluation_keys"] = {"keys": sum(len(row) for found in passkeys for row in found["passkeys"]),
+                                 "in_training": sum(found["keys_in_training"] for found in passkeys),
+                                 "redrawn": sum(found["keys_redrawn"] for found in passkeys)}
     if not any(result["needles"].values()):
         del result["needles"]
-    if not result["stream_perplexity"]:
-        del result["stream_perplexity"]
     return result
 
 
 # ------------------------------------------------------------------------------------------------- report
 
 
-def accuracy(retrieval_result: dict) -> float:
-    correct = [flag for row in retrieval_result["correct"] for flag in row]
-    return sum(correct) / len(correct)
+def found(retrieval_result: dict, score: str = "correct") -> tuple[int, int]:
+    """(prompts found, prompts) of a retrieval result: `correct` (strict) or `teacher_forced`."""
+    flags = [flag for row in retrieval_result[score] for flag in row]
+    return sum(flags), len(flags)
+
+
+def accuracy(retrieval_result: dict, score: str = "correct") -> float:
+    hits, prompts = found(retrieval_result, score)
+    return hits / prompts
+
+
+def rate_cell(hits: int, prompts: int) -> str:
+    """"45% (23-69)": the rate and its 95% Clopper-Pearson interval."""
+    return f"{hits / prompts:.0%} ({interval_text(hits, prompts)})"
+
+
+def needles_found(result: dict, length: int) -> tuple[int, int] | None:
+    """(answers found, prompts) of the four needle tasks together at `length` (None where not evaluated)."""
+    needles = result.get("needles", {})
+    counts = [found(needles[kind][length]) for kind in NEEDLE_KINDS if length in needles.get(kind, {})]
+    return (sum(hits for hits, _ in counts), sum(prompts for _, prompts in counts)) if counts else None
 
 
 def needle_accuracy(result: dict, length: int) -> float | None:
-    """The mean exact-answer accuracy of the four needle tasks at `length` (None where not evaluated)."""
-    needles = result.get("needles", {})
-    values = [accuracy(needles[kind][length]) for kind in NEEDLE_KINDS if length in needles.get(kind, {})]
-    return sum(values) / len(values) if values else None
+    """The exact-answer accuracy of the four needle tasks together at `length` (None where not evaluated)."""
+    counts = needles_found(result, length)
+    return None if counts is None else counts[0] / counts[1]
+
+
+def window_perplexity(result: dict, length: int, measure: str = "last_window") -> float | None:
+    """The position-matched perplexity `measure` at `length` (None where not measured or undefined)."""
+    point = result["perplexity"].get(length, {}).get(measure)
+    return None if point is None else point["perplexity"]
 
 
 def progress_line(name: str, result: dict, recipe: Recipe, started: float) -> str:
     """One model's perplexity and passkey rows as soon as it is evaluated (a long run shows where it stands)."""
-    perplexity = " ".join(f"{result['perplexity'][length]['perplexity']:.2f}" for length in recipe.lengths)
+    perplexity = " ".join(f"{window_perplexity(result, length):.2f}" for length in result["perplexity"])
     passkey = " ".join(f"{accuracy(result['passkey'][length]):.0%}" for length in result["passkey"])
     needles = " ".join(f"{value:.0%}" for value in (needle_accuracy(result, length) for length in result["passkey"]) if value is not None)
-    return (f"[{(time.perf_counter() - started) / 60:.1f} min] {name}: perplexity {perplexity} | passkey {passkey}"
+    return (f"[{(time.perf_counter() - started) / 60:.1f} min] {name}: last-window perplexity {perplexity} | passkey {passkey}"
             + (f" | needles {needles}" if needles else ""))
 
 
@@ -523,33 +549,37 @@ def percent(value: float | None) -> str | None:
     return None if value is None else f"{value:.0%}"
 
 
-def tables(results: dict, recipe: Recipe) -> str:
+def tables(results: dict, recipe: Recipe, documents: dict[str, list[int]]) -> str:
     every_length = recipe.lengths + recipe.long_lengths
-    with_prior = {name: result for name, result in results.items() if "stream_perplexity" in result}
     table = lambda chosen, lengths, cell: markdown_table(chosen, lengths, recipe.train_length, cell)  # noqa: E731
+    on = f"{len(documents)} never-trained documents, each its own sequence behind BOS"
+    past = lambda result, length: (  # noqa: E731
+        f"{value:.2f}" if (value := window_perplexity(result, length, "past_training_length")) else None)
+    window = lambda result, length: f"{value:.2f}" if (value := window_perplexity(result, length)) else None  # noqa: E731
     sections = [
-        ("Held-out perplexity (whole sequences)",
-         table(results, recipe.lengths, lambda result, length: f"{result['perplexity'][length]['perplexity']:.2f}")),
-        (f"Held-out perplexity of the positions past the training length ({recipe.train_length}) only",
-         table(results, recipe.lengths[1:], lambda result, length: f"{result['perplexity'][length]['past_training_length']:.2f}")),
+        (f"Perplexity of the positions past the training length {recipe.train_length} ({on}; "
+         f"{len(documents)} x (length - {recipe.train_length}) tokens)", table(results, every_length[1:], past)),
+        (f"Perplexity of the last {recipe.train_length} positions of each length ({on}; "
+         f"{len(documents) * recipe.train_length} tokens at every length)", table(results, every_length, window)),
     ]
-    if with_prior:
-        stream = lambda result, length: (  # noqa: E731
-            f"{result['stream_perplexity'][length]['perplexity']:.2f}" if length in result["stream_perplexity"] else None)
-        tokens = recipe.train_length * max(recipe.scales + recipe.long_scales)
-        sections.append((f"Held-out perplexity at every length on one stream of {tokens} held-out tokens", table(with_prior, every_length, stream)))
-    passkey = lambda result, length: percent(accuracy(result["passkey"][length])) if length in result["passkey"] else None  # noqa: E731
-    sections.append((f"Passkey retrieval ({depths_line(recipe, recipe.passkey_depths)})", table(results, every_length, passkey)))
+    for score, what in (("correct", "strict: the greedy answer is the key and no further digit"),
+                        ("teacher_forced", "teacher-forced, the reference code's scoring: the first digit given, every "
+                                           "later digit the argmax given the true ones before it")):
+        cell = lambda result, length, score=score: (  # noqa: E731
+            rate_cell(*found(result["passkey"][length], score)) if length in result["passkey"] else None)
+        sections.append((f"Passkey retrieval, {what} ({depths_line(recipe, recipe.passkey_depths)}; 95% intervals)",
+                         table(results, every_length, cell)))
     with_needles = {name: result for name, result in results.items() if "needles" in result}
     if with_needles:
         depths = depths_line(recipe, recipe.needle_depth_count)
         for kind in NEEDLE_KINDS:
             task = recipe.needle_task(kind)
             cell = lambda result, length, kind=kind: (  # noqa: E731
-                percent(accuracy(result["needles"][kind][length])) if length in result["needles"][kind] else None)
-            sections.append((f"Needles, {kind} ({task.describe()}; {depths}; exact answers)", table(with_needles, every_length, cell)))
-        mean = lambda result, length: percent(needle_accuracy(result, length))  # noqa: E731
-        sections.append(("Needles, mean of the four tasks", table(with_needles, every_length, mean)))
+                rate_cell(*found(result["needles"][kind][length])) if length in result["needles"][kind] else None)
+            sections.append((f"Needles, {kind} ({task.describe()}; {depths}; exact answers; 95% intervals)",
+                             table(with_needles, every_length, cell)))
+        pooled = lambda result, length: rate_cell(*counts) if (counts := needles_found(result, length)) else None  # noqa: E731
+        sections.append(("Needles, the four tasks together", table(with_needles, every_length, pooled)))
     seconds = lambda result, length: f"{result['seconds'][length]:.0f}" if length in result["seconds"] else None  # noqa: E731
     sections.append(("Seconds per length (perplexity, passkey and needles of the length)", table(results, every_length, seconds)))
     rss = lambda result, length: f"{result['peak_rss_mib'][length]:.0f}" if result["peak_rss_mib"].get(length) else None  # noqa: E731
@@ -558,7 +588,7 @@ def tables(results: dict, recipe: Recipe) -> str:
 
 
 def depths_line(recipe: Recipe, count) -> str:
-    """"20 depths per length, 10 at 128x, ..."."""
+    """"50 depths per length, 20 at 128x, ..."."""
     usual = count(recipe.lengths[0])
     others = [f"{count(length)} at {length // recipe.train_length}x" for length in recipe.lengths + recipe.long_lengths
               if count(length) != usual]
@@ -566,20 +596,20 @@ def depths_line(recipe: Recipe, count) -> str:
 
 
 def ssmax_study(results: dict, training: dict, recipe: Recipe) -> str:
-    """What each SSMax variant changes, against bam and bam-ssmax: passkey and needles by length, perplexity at 1x
-    and its ratio at the longest length, the learned scales (mean per layer)."""
+    """What each SSMax variant changes, against bam and bam-ssmax: passkey (strict) and needles by length, the
+    last-window perplexity at 1x and its ratio at the longest length, the learned scales (mean per layer)."""
     names = [name for name in results if MODELS.get(name, Variant("")).ssmax or name in ("bam", "bam-long")]
     if not any(name not in DEFAULT_MODELS for name in names):
         return ""
     lengths = recipe.lengths
     longest = max(lengths)
     header = ("| model | what | passkey " + " / ".join(f"{length // recipe.train_length}x" for length in lengths)
-              + f" | needles at {longest // recipe.train_length}x | perplexity 1x | {longest // recipe.train_length}x / 1x | learned s, mean per layer |")
+              + f" | needles at {longest // recipe.train_length}x | last-window perplexity 1x | {longest // recipe.train_length}x / 1x | learned s, mean per layer |")
     rows = [header, "|---|---|---|---:|---:|---:|---|"]
     for name in names:
         result, learned = results[name], training[name].get("learned", {})
         passkey = " / ".join(f"{100 * accuracy(result['passkey'][length]):.0f}" for length in lengths)
-        first, last = (result["perplexity"][length]["perplexity"] for length in (lengths[0], longest))
+        first, last = (window_perplexity(result, length) for length in (lengths[0], longest))
         scales = ", ".join(f"{sum(layer) / len(layer):.2f}" for layer in learned.get("ssmax_scale", [])) or "—"
         rows.append(f"| {name} | {MODELS[name].what} | {passkey} | {percent(needle_accuracy(result, longest)) or '—'} "
                     f"| {first:.2f} | {last / first:.3f} | {scales} |")
@@ -604,20 +634,20 @@ def target_lines(results: dict, recipe: Recipe) -> list[str]:
     length = {scale: recipe.train_length * scale for scale in recipe.scales + recipe.long_scales}
 
     def perplexity(name: str, scale: int) -> float:
-        return results[name]["perplexity"][length[scale]]["perplexity"]
+        return window_perplexity(results[name], length[scale])
 
     def passkey(name: str, scale: int) -> float | None:
         found = results[name]["passkey"].get(length.get(scale))
         return None if found is None else accuracy(found)
 
     lines = []
-    if {1, 64} <= set(recipe.scales) and "bam" in results:
-        ratio = perplexity("bam", 64) / perplexity("bam", 1)
-        lines.append(f"BAM perplexity 64x / 1x = {ratio:.3f} (target <= 1.10): {'met' if ratio <= 1.10 else 'MISSED'}")
+    if {2, 64} <= set(recipe.scales) and "bam" in results:
+        ratio = perplexity("bam", 64) / perplexity("bam", 2)
+        lines.append(f"BAM last-window perplexity 64x / 2x = {ratio:.3f} (target <= 1.10): {'met' if ratio <= 1.10 else 'MISSED'}")
     if {1, 8} <= set(recipe.scales):
         for name in [name for name in ("rope", "nope") if name in results]:
             ratio = perplexity(name, 8) / perplexity(name, 1)
-            lines.append(f"{name} perplexity 8x / 1x = {ratio:.2f} (target >= 3): {'met' if ratio >= 3 else 'MISSED'}")
+            lines.append(f"{name} last-window perplexity 8x / 1x = {ratio:.2f} (target >= 3): {'met' if ratio >= 3 else 'MISSED'}")
     for scale in (32, 64):
         if scale in recipe.scales and {"bam", "alibi"} <= set(results):
             bam, alibi = passkey("bam", scale), passkey("alibi", scale)
@@ -639,60 +669,89 @@ def best_variant_lines(results: dict, recipe: Recipe, passkey) -> list[str]:
         found = passkey(best, scale)
         if found is not None:
             lines.append(f"{best} passkey at {scale}x {found:.0%} (target >= {target:.0%}): {'met' if found >= target else 'MISSED'}")
-    stream = results[best].get("stream_perplexity", {})
-    first, last = stream.get(recipe.train_length), stream.get(recipe.train_length * 512)
+    first, last = (window_perplexity(results[best], recipe.train_length * scale) for scale in (2, 512))
     if first and last:
-        ratio = last["perplexity"] / first["perplexity"]
-        lines.append(f"{best} perplexity 512x / 1x on the stream = {ratio:.3f} (target <= 1.10): {'met' if ratio <= 1.10 else 'MISSED'}")
+        ratio = last / first
+        lines.append(f"{best} last-window perplexity 512x / 2x = {ratio:.3f} (target <= 1.10): {'met' if ratio <= 1.10 else 'MISSED'}")
     length = recipe.train_length * 32
     bam_needles = needle_accuracy(results[best], length)
     alibi_needles = needle_accuracy(results["alibi"], length) if "alibi" in results else None
     if bam_needles is not None and alibi_needles is not None:
         met = bam_needles - alibi_needles >= 0.3
-        lines.append(f"needles at 32x (mean of the four tasks): {best} {bam_needles:.0%}, ALiBi {alibi_needles:.0%} "
+        lines.append(f"needles at 32x (the four tasks together): {best} {bam_needles:.0%}, ALiBi {alibi_needles:.0%} "
                      f"(target >= 30 points above ALiBi): {'met' if met else 'MISSED'}")
     return lines
 
 
-def plot_perplexity(results: dict, lengths: list[int], recipe: Recipe, path: Path, key: str, title: str) -> None:
+def plot_perplexity(results: dict, recipe: Recipe, path: Path, documents: int) -> None:
+    """Position-matched perplexity against length: the last training-length window (solid) and the positions past
+    the training length (dashed), one colour per model."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(7, 4.5))
     axes = figure.subplots()
-    for name, result in results.items():
-        points = [(length, result[key][length]["perplexity"]) for length in lengths if length in result.get(key, {})]
-        if points:
-            axes.plot(*zip(*points), marker="o", label=name)
+    for index, (name, result) in enumerate(results.items()):
+        for measure, style, what in (("last_window", "-", "last window"), ("past_training_length", "--", "past training length")):
+            points = [(length, value) for length in result["perplexity"]
+                      if (value := window_perplexity(result, length, measure)) is not None]
+            if points:
+                axes.plot(*zip(*points), style, marker="o", color=f"C{index}", label=f"{name}, {what}")
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.axvline(recipe.train_length, color="gray", linestyle="--", label=f"training length {recipe.train_length}")
     axes.set_xlabel("sequence length (tokens)")
-    axes.set_ylabel("held-out perplexity")
-    axes.set_title(title)
+    axes.set_ylabel("perplexity")
+    axes.set_title(f"Position-matched perplexity on {documents} never-trained documents,\ntrained at {recipe.train_length} tokens",
+                   fontsize=10)
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend()
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def plot_rates(axes, rates: dict[str, dict], recipe: Recipe, title: str, ylabel: str) -> None:
+    """Found rates (%) against length, one line per model (`rates`: name -> {length: (found, prompts)}), with their
+    95% Clopper-Pearson intervals as error bars."""
+    for name, by_length in rates.items():
+        points, below, above = [], [], []
+        for hits, prompts in by_length.values():
+            low, high = clopper_pearson(hits, prompts)
+            points.append(100 * hits / prompts)
+            below.append(points[-1] - 100 * low)
+            above.append(100 * high - points[-1])
+        axes.errorbar(list(by_length), points, yerr=[below, above], marker="o", capsize=3, label=name)
+    axes.set_xscale("log", base=2)
+    axes.set_ylim(-5, 105)
+    axes.axvline(recipe.train_length, color="gray", linestyle="--")
+    axes.set_title(title, fontsize=10)
+    axes.set_xlabel("prompt length (tokens)")
+    axes.set_ylabel(ylabel)
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8)
+
+
+def plot_passkey(results: dict, recipe: Recipe, path: Path) -> None:
+    """Passkey found against length, strict and teacher-forced, one line per model, 95% intervals as error bars."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 4.5))
+    for axes, (score, title) in zip(figure.subplots(1, 2).flat, (("correct", "strict"), ("teacher_forced", "teacher-forced"))):
+        rates = {name: {length: found(value, score) for length, value in result["passkey"].items()}
+                 for name, result in results.items()}
+        plot_rates(axes, rates, recipe, f"passkey, {title} (95% intervals)", "keys found (%)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
 def plot_needles(results: dict, recipe: Recipe, path: Path) -> None:
-    """Exact-answer accuracy against length, one panel per task, one line per model."""
+    """Exact-answer accuracy against length, one panel per task, one line per model, 95% intervals as error bars."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(11, 7))
     for axes, kind in zip(figure.subplots(2, 2).flat, NEEDLE_KINDS):
-        for name, result in results.items():
-            found = result.get("needles", {}).get(kind, {})
-            if found:
-                axes.plot(list(found), [100 * accuracy(value) for value in found.values()], marker="o", label=name)
-        axes.set_xscale("log", base=2)
-        axes.set_ylim(-5, 105)
-        axes.axvline(recipe.train_length, color="gray", linestyle="--")
-        axes.set_title(f"{kind}: {recipe.needle_task(kind).describe()}", fontsize=10)
-        axes.set_xlabel("prompt length (tokens)")
-        axes.set_ylabel("exact answers (%)")
-        axes.grid(True, alpha=0.3)
-        axes.legend(fontsize=8)
+        rates = {name: {length: found(value) for length, value in result["needles"][kind].items()}
+                 for name, result in results.items() if result.get("needles", {}).get(kind)}
+        plot_rates(axes, rates, recipe, f"{kind}: {recipe.needle_task(kind).describe()}", "exact answers (%)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
@@ -703,10 +762,10 @@ def write_report(staging: Path, report: dict, results: dict, recipe: Recipe, dat
     (staging / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     machine = report["machine"]
     summary = (
-        f"Trained at {recipe.train_length} tokens for {recipe.steps} steps of {recipe.batch_size} rows; "
-        f"each perplexity point of the first table averages the same {len(data.documents) * max(recipe.lengths)} "
-        f"tokens: the first {max(recipe.lengths)} of each of {len(data.documents)} held-out files "
-        f"({', '.join(data.documents)}), cut into whole sequences of the length. "
+        f"Trained at {recipe.train_length} tokens for {recipe.steps} steps of {recipe.batch_size} rows. Perplexity "
+        f"is position-matched on the same {len(data.documents)} never-trained documents at every length and for "
+        f"every model ({', '.join(data.documents)}; generated tables left out), each document's first tokens one "
+        f"sequence behind BOS. {evaluation_keys_line(results)} "
         + ("" if report["complete"] else f"**Partial: {len(report['training'])} of the recipe's {len(recipe.models)} "
                                         "models; the run went on, or was stopped.** ")
         + (f"{', '.join(report['resumed'])} measured by the earlier run this one resumed (--resume; the minutes "
@@ -715,20 +774,27 @@ def write_report(staging: Path, report: dict, results: dict, recipe: Recipe, dat
         f"{machine['processor']}, torch {machine['torch']}, transformers {machine['transformers']}.\n\n"
     )
     targets = "\n".join(f"- {line}" for line in target_lines(results, recipe))
-    text = (summary + tables(results, recipe) + ssmax_study(results, report["training"], recipe)
+    text = (summary + tables(results, recipe, data.documents) + ssmax_study(results, report["training"], recipe)
             + learned_scales(report["training"]) + ("Targets\n\n" + targets + "\n" if targets else ""))
     (staging / "results.md").write_text(text)
-    plot_perplexity(results, recipe.lengths, recipe, staging / "perplexity.png", "perplexity",
-                    f"Perplexity of whole held-out sequences, trained at {recipe.train_length} tokens")
-    if data.stream is not None:
-        plot_perplexity(results, recipe.lengths + recipe.long_lengths, recipe, staging / "perplexity-long.png",
-                        "stream_perplexity", f"Perplexity on {len(data.stream)} held-out tokens, trained at {recipe.train_length}")
+    plot_perplexity(results, recipe, staging / "perplexity.png", len(data.documents))
+    plot_passkey(results, recipe, staging / "passkey.png")
     if any("needles" in result for result in results.values()):
         plot_needles(results, recipe, staging / "needles.png")
     for name, result in results.items():
         merged = PasskeyResults.concatenate([PasskeyResults.from_dict(value) for value in result["passkey"].values()])
         merged.save_heatmap(staging / f"passkey-{name}.png", title=f"{name}, trained at {recipe.train_length} tokens")
     return text
+
+
+def evaluation_keys_line(results: dict) -> str:
+    """How many passkey evaluation keys the training texts hold (0: each found there was drawn again)."""
+    counts = [result["evaluation_keys"] for result in results.values() if "evaluation_keys" in result]
+    if not counts:
+        return "Evaluation keys: not recorded (a run from before they were checked)."
+    return (f"Evaluation keys: {max(count['keys'] for count in counts)} a model, none twice, drawn apart from the "
+            f"training keys; found in the training texts: {sum(count['in_training'] for count in counts)} "
+            f"({max(count['redrawn'] for count in counts)} draws redrawn for occurring there).")
 
 
 class ResumeError(ValueError):
@@ -801,11 +867,10 @@ def run(recipe: Recipe, output_dir: Path, resume: bool = False) -> dict:
         tokenizer.save_pretrained(work / "tokenizer")
         data = work / "train.jsonl"
         data.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
-        long_tokens = recipe.train_length * max(recipe.scales + recipe.long_scales)
         evaluation = EvaluationData(
-            documents=perplexity_documents(heldout_documents, tokenizer, recipe),
-            stream=perplexity_stream(heldout_documents, tokenizer, long_tokens) if with_prior else None,
+            documents=perplexity_documents(heldout_documents, tokenizer, recipe, python_test_suites()),
             haystack=Haystack([document.text for document in heldout_documents]) if with_prior and recipe.needles else None,
+            training_keys=frozenset(keys_in_texts(texts, PASSKEY_DIGITS)),
         )
         corpus = corpus_statistics(train_documents, heldout_documents, recipe.heldout_fraction)
         corpus["train_used"] = {"texts": len(texts), "characters": sum(map(len, texts)), "needle_documents": len(needles),

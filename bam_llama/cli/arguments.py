@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from ..evaluation.depth_plan import DepthPlan
 from ..outputs import exit_on_sigterm
 from .reporting import run_reported
 
@@ -65,7 +66,6 @@ def length_list(text: str) -> list[int]:
 def depth_plan(text: str):
     """`"20"` -> 20 depths at every length; `"20,32k=10,64k=4"` -> 20, but 10 at 32768 tokens and 4 at 65536 (a
     `DepthPlan`; `k` means 1024)."""
-    from ..evaluation.retrieval import DepthPlan
 
     default, *overrides = [part.strip() for part in text.split(",")]
     by_length = {}

@@ -5,9 +5,9 @@ import os
 import sys
 
 from ..demo_settings import DEFAULT_MODELS, MODEL_NAMES, default_settings
-from ..outputs import OutputError, exit_on_sigterm
-from .arguments import device_name, length_list, positive_float, positive_int
 from ..first_screen import keep_first_screen_quiet
+from ..outputs import OutputError, exit_on_sigterm
+from .arguments import depth_plan, device_name, length_list, positive_float, positive_int
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,7 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated evaluation prompt lengths in tokens "
         + default(",".join(map(str, full.lengths)), ",".join(map(str, quick.lengths))),
     )
-    parser.add_argument("--depths", type=positive_int, help="passkey depths per length " + default(full.num_depths, quick.num_depths))
+    parser.add_argument("--depths", type=depth_plan, metavar="N[,LENGTH=N...]",
+                        help="passkey depths (prompts) per length, and fewer at named lengths "
+                        + default(describe_plan(full.num_depths), describe_plan(quick.num_depths)))
     parser.add_argument("--hidden-size", type=positive_int, help=default(full.size.hidden_size, quick.size.hidden_size))
     parser.add_argument("--layers", type=positive_int, help=default(full.size.num_hidden_layers, quick.size.num_hidden_layers))
     parser.add_argument("--heads", type=positive_int, help=default(full.size.num_attention_heads, quick.size.num_attention_heads))
@@ -73,6 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.jobs is None:
         args.jobs = usable_cores() if args.device == "cpu" else 1
     return args
+
+
+def describe_plan(plan) -> str:
+    """A depth plan as --depths takes it: "20,16384=10,32768=6,65536=5"."""
+    return ",".join([str(plan.default), *(f"{length}={count}" for length, count in plan.by_length.items())])
 
 
 def usable_cores() -> int:

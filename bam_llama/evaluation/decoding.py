@@ -3,6 +3,7 @@ through a fresh KV cache in chunks (positions continue across chunks, read from 
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import TYPE_CHECKING
 
@@ -46,8 +47,12 @@ def greedy_continuation(model, prompt_ids: list[int], max_new_tokens: int, chunk
     """Greedy decoding of `max_new_tokens` tokens after a chunked prefill, reusing the cache."""
     import torch
 
-    input_ids = torch.tensor([prompt_ids], device=model_device(model))
-    cache, logits = prefill(model, input_ids, chunk_size)
+    cache, logits = prefill(model, torch.tensor([prompt_ids], device=model_device(model)), chunk_size)
+    return greedy_from(model, cache, logits, max_new_tokens)
+
+
+def greedy_from(model, cache, logits: torch.Tensor, max_new_tokens: int) -> list[int]:
+    """Greedy decoding of `max_new_tokens` tokens after a prefilled `cache` whose last logits are `logits`."""
     cache_argument = with_cache(model, cache)
     new_tokens = []
     for step in range(max_new_tokens):
@@ -56,6 +61,22 @@ def greedy_continuation(model, prompt_ids: list[int], max_new_tokens: int, chunk
         if step + 1 < max_new_tokens:
             logits = model(input_ids=next_token, use_cache=True, **cache_argument).logits[:, -1]
     return new_tokens
+
+
+def greedy_and_teacher_forced(
+    model, prompt_ids: list[int], max_new_tokens: int, chunk_size: int, answer_ids: list[int]
+) -> tuple[list[int], list[int]]:
+    """`greedy_continuation`, and after the same prefill the model's argmax in place of each token of `answer_ids`,
+    each given the true tokens before it (teacher forcing): the first from the prompt's last logits, the others
+    from one forward of `answer_ids[:-1]` through a copy of the prompt's cache."""
+    import torch
+
+    cache, logits = prefill(model, torch.tensor([prompt_ids], device=model_device(model)), chunk_size)
+    forced = [int(logits[0].argmax())]
+    if len(answer_ids) > 1:
+        inputs = torch.tensor([answer_ids[:-1]], device=logits.device)
+        forced += model(input_ids=inputs, use_cache=True, **with_cache(model, copy.deepcopy(cache))).logits[0].argmax(-1).tolist()
+    return greedy_from(model, cache, logits, max_new_tokens), forced
 
 
 def check_positive(**values: int) -> None:

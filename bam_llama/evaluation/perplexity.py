@@ -1,8 +1,11 @@
 """Perplexity by position, as in the GGD-BAM reference: non-overlapping sequences of each context length, one
-chunked KV-cache forward each, the per-token losses averaged over sequences within windows of positions."""
+chunked KV-cache forward each, the per-token losses averaged over sequences within windows of positions
+(`evaluate_perplexity`, documents run together as in the reference's '10B' set); and position-matched perplexity of
+whole documents, each its own sequence (`position_matched_perplexity`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -160,3 +163,51 @@ def _cut_sequences(stream: torch.Tensor, size: int, max_sequences: int | None) -
     if max_sequences is not None:
         count = min(count, max_sequences)
     return list(stream[: count * size].view(count, size))
+
+
+def position_matched_perplexity(
+    model, tokenizer, documents: dict[str, list[int]], length: int, train_length: int, chunk_size: int = 1024
+) -> dict:
+    """Each document's first `length` tokens as a sequence of its own behind the tokenizer's BOS (as a document
+    starts in training; no sequence crosses documents), one chunked KV-cache forward each. The loss of token i
+    (0-based, predicted from BOS and tokens < i) is at position i. Two measures, each exp of the mean loss over
+    every document's tokens at the positions it names, with its counts:
+
+    * `past_training_length`: positions [train_length, length), the tokens a model trained at `train_length`
+      predicts from farther than it ever saw (None at `length` <= `train_length`);
+    * `last_window`: positions [length - train_length, length), the last training-length window: the same number of
+      tokens at every length, the paper's per-window curve read at the end of each length.
+
+    `by_document` holds each document's mean losses, for paired comparisons across lengths and models."""
+    import torch
+
+    if length < train_length:
+        raise ValueError(f"length {length} is shorter than the training length {train_length}")
+    short = [name for name, tokens in documents.items() if len(tokens) < length]
+    if not documents or short:
+        raise ValueError(f"position-matched perplexity at {length} needs documents of {length} tokens: {short or 'none given'}")
+    if tokenizer.bos_token_id is None:
+        raise ValueError("position-matched perplexity starts every document behind BOS; the tokenizer has none")
+    model.eval()
+    by_document = {}
+    with torch.inference_mode():
+        for name, tokens in documents.items():
+            sequence = torch.tensor([[tokenizer.bos_token_id, *tokens[:length]]], device=model_device(model))
+            losses = token_losses(model, sequence, chunk_size).double().cpu()
+            by_document[name] = {
+                "past_training_length": losses[train_length:].mean().item() if length > train_length else None,
+                "last_window": losses[length - train_length :].mean().item(),
+            }
+
+    def measure(key: str, tokens_each: int) -> dict | None:
+        if tokens_each == 0:
+            return None
+        mean = sum(losses[key] for losses in by_document.values()) / len(by_document)  # equal tokens per document
+        return {"perplexity": math.exp(mean), "tokens": tokens_each * len(by_document)}
+
+    return {
+        "documents": len(by_document),
+        "past_training_length": measure("past_training_length", length - train_length),
+        "last_window": measure("last_window", train_length),
+        "by_document": by_document,
+    }

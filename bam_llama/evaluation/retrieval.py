@@ -1,58 +1,31 @@
 """What passkey retrieval and the needle tasks share: how many depths each length is tested at (`DepthPlan`), the
-loop that prompts a model at every (length, depth) and scores its greedy answer, timing each length and measuring
-its peak memory, and the results (found or missed by length and depth) with their table and heatmap."""
+loop that prompts a model at every (length, depth) and scores its greedy answer (and, where a case asks, its
+teacher-forced answer), timing each length and measuring its peak memory, and the results (found or missed by
+length and depth) with their table, 95% intervals and heatmap."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
 from . import plots
 from .costs import measured
-from .decoding import check_positive, greedy_continuation, model_device
-
-
-def uniform_depths(num_depths: int) -> list[float]:
-    if num_depths < 1:
-        raise ValueError(f"num_depths must be >= 1, got {num_depths}")
-    if num_depths == 1:
-        return [0.0]
-    return [index / (num_depths - 1) for index in range(num_depths)]
-
-
-@dataclass(frozen=True)
-class DepthPlan:
-    """How many depths (uniformly spaced from 0, the start of the context, to 1, its end) each length is tested
-    at: `default` for every length, `by_length` for the lengths it names (fewer at the longest lengths, where one
-    prompt costs the most)."""
-
-    default: int = 20
-    by_length: Mapping[int, int] = field(default_factory=dict)
-
-    def __post_init__(self):
-        for length, count in {None: self.default, **self.by_length}.items():
-            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-                where = "" if length is None else f" at length {length}"
-                raise ValueError(f"the number of depths{where} must be a positive integer, got {count!r}")
-
-    @classmethod
-    def of(cls, num_depths: int | DepthPlan) -> DepthPlan:
-        return num_depths if isinstance(num_depths, DepthPlan) else cls(default=num_depths)
-
-    def count(self, length: int) -> int:
-        return self.by_length.get(length, self.default)
-
-    def depths(self, length: int) -> list[float]:
-        return uniform_depths(self.count(length))
+from .decoding import check_positive, greedy_and_teacher_forced, greedy_continuation, model_device
+from .depth_plan import DepthPlan, uniform_depths
+from .intervals import interval_text
 
 
 @dataclass
 class RetrievalCase:
-    """One prompt: its token ids, the answer it expects, and how many tokens the model may answer in."""
+    """One prompt: its token ids, the answer it expects, and how many tokens the model may answer in. With
+    `forced_answer` (token ids of the answer), it is also scored teacher-forced: its first `given_tokens` tokens are
+    given, and it counts as found when the model's argmax equals each later token given the true ones before it."""
 
     prompt: list[int]
     expected: str
     max_new_tokens: int
+    forced_answer: list[int] | None = None
+    given_tokens: int = 0
 
 
 @dataclass
@@ -68,10 +41,12 @@ class RetrievalRows:
     seconds: list[float] = field(default_factory=list)
     peak_rss_mib: list[float | None] = field(default_factory=list)
     peak_gpu_mib: list[float | None] = field(default_factory=list)
+    teacher_forced: list[list[bool]] = field(default_factory=list)  # empty where no case asked for it
 
     def measures(self) -> dict:
         """The fields every results class takes as they are."""
-        names = ("depths", "correct", "predictions", "prompt_lengths", "seconds", "peak_rss_mib", "peak_gpu_mib")
+        names = ("depths", "correct", "predictions", "prompt_lengths", "seconds", "peak_rss_mib", "peak_gpu_mib",
+                 "teacher_forced")
         return {name: getattr(self, name) for name in names}
 
 
@@ -87,7 +62,8 @@ def run_retrieval(
     description: str,
 ) -> RetrievalRows:
     """For every length and every depth of `plan`, in that order: `make_case(length, depth)`, greedy decoding after
-    a chunked prefill, and `is_correct(decoded answer, case)`. Each length is timed and its peak memory measured."""
+    a chunked prefill, and `is_correct(decoded answer, case)`; a case with a `forced_answer` is also scored
+    teacher-forced after the same prefill. Each length is timed and its peak memory measured."""
     import torch
     from tqdm.auto import tqdm
 
@@ -98,11 +74,17 @@ def run_retrieval(
     with torch.inference_mode():
         for length in lengths:
             depths = plan.depths(length)
-            found, expected, predictions, longest = [], [], [], 0
+            found, forced, expected, predictions, longest = [], [], [], [], 0
             with measured(model_device(model)) as cost:
                 for depth in depths:
                     case = make_case(length, depth)
-                    new_tokens = greedy_continuation(model, case.prompt, case.max_new_tokens, chunk_size)
+                    if case.forced_answer is None:
+                        new_tokens = greedy_continuation(model, case.prompt, case.max_new_tokens, chunk_size)
+                    else:
+                        new_tokens, argmax = greedy_and_teacher_forced(
+                            model, case.prompt, case.max_new_tokens, chunk_size, case.forced_answer
+                        )
+                        forced.append(argmax[case.given_tokens :] == case.forced_answer[case.given_tokens :])
                     prediction = tokenizer.decode(new_tokens, skip_special_tokens=True)
                     found.append(is_correct(prediction, case))
                     expected.append(case.expected)
@@ -117,6 +99,8 @@ def run_retrieval(
             rows.seconds.append(cost.seconds)
             rows.peak_rss_mib.append(cost.peak_rss_mib)
             rows.peak_gpu_mib.append(cost.peak_gpu_mib)
+            if forced:
+                rows.teacher_forced.append(forced)
             bar.set_postfix(length=length, accuracy=f"{sum(found) / len(found):.2f}")
     bar.close()
     return rows
@@ -136,9 +120,11 @@ class RetrievalResults:
     seconds: list[float] = field(default_factory=list)
     peak_rss_mib: list[float | None] = field(default_factory=list)
     peak_gpu_mib: list[float | None] = field(default_factory=list)
+    teacher_forced: list[list[bool]] = field(default_factory=list)  # [length][depth], where scored so too
 
     KIND = "retrieval"  # `to_dict()["kind"]`, by which `results.results_from_dict` finds the class
     DEPTH_LABEL = "depth"
+    SCORE_LABEL = "Accuracy (%)"  # the table's name of `correct`'s rate
 
     def __post_init__(self):
         if self.depths and not isinstance(self.depths[0], (list, tuple)):
@@ -147,9 +133,13 @@ class RetrievalResults:
     def accuracy_by_length(self) -> dict[int, float]:
         return {length: sum(row) / len(row) for length, row in zip(self.lengths, self.correct)}
 
+    def teacher_forced_by_length(self) -> dict[int, float]:
+        return {length: sum(row) / len(row) for length, row in zip(self.lengths, self.teacher_forced)}
+
     def mean_accuracy(self) -> float:
         cells = [cell for row in self.correct for cell in row]
         return sum(cells) / len(cells)
+
 
     def depth_counts(self) -> list[int]:
         return [len(row) for row in self.depths]
@@ -162,15 +152,18 @@ class RetrievalResults:
         return f"{usual} depths" + (f" ({others})" if others else "")
 
     def to_markdown(self, per_depth: bool = False) -> str:
-        """A table `length | prompt tokens | accuracy (%)`, with the depths of each length where they differ and
-        the seconds and peak memory of each length where measured; with `per_depth`, one ✓/✗ column per depth
-        (one ✓/✗ string where the lengths have different depths)."""
+        """A table `length | prompt tokens | accuracy (%) | 95% interval`, with the depths of each length where they
+        differ, the teacher-forced rate and its interval where scored, and the seconds and peak memory of each
+        length where measured; with `per_depth`, one ✓/✗ column per depth (one ✓/✗ string where the lengths have
+        different depths). The intervals are Clopper-Pearson's, in whole percent rounded outwards."""
         uniform = len({tuple(row) for row in self.depths}) <= 1
         columns = [("Length", self.lengths), ("Prompt tokens", self.prompt_lengths)]
         if not uniform:
             columns.append(("Depths", self.depth_counts()))
-        accuracy = self.accuracy_by_length()
-        columns.append(("Accuracy (%)", [f"{100 * accuracy[length]:.1f}" for length in self.lengths]))
+        scores = [(self.SCORE_LABEL, self.correct)] + ([("Teacher-forced (%)", self.teacher_forced)] * bool(self.teacher_forced))
+        for title, rows in scores:
+            columns.append((title, [f"{100 * sum(row) / len(row):.1f}" for row in rows]))
+            columns.append(("95% interval", [interval_text(sum(row), len(row)) for row in rows]))
         if self.seconds:
             columns.append(("Seconds", [f"{value:.1f}" for value in self.seconds]))
         for title, values in (("Peak RSS (MiB)", self.peak_rss_mib), ("Peak GPU (MiB)", self.peak_gpu_mib)):
@@ -214,7 +207,9 @@ class RetrievalResults:
         axes.set_xticks(range(len(self.lengths)), [str(length) for length in self.lengths], rotation=45)
         axes.set_xlabel("prompt length (tokens)")
         axes.set_ylabel(self.DEPTH_LABEL)
-        axes.set_title(f"{title}\n{100 * self.mean_accuracy():.1f}% retrieved overall", fontsize=10)
+        cells = [cell for row in self.correct for cell in row]
+        axes.set_title(f"{title}\n{100 * self.mean_accuracy():.1f}% retrieved overall (95% interval "
+                       f"{interval_text(sum(cells), len(cells))}%)", fontsize=10)
         legend = figure.colorbar(image, ax=axes, ticks=[0.25, 0.75], fraction=0.08, pad=0.03)
         legend.ax.set_yticklabels(["missed", "retrieved"])
         plots.save_figure(figure, path)

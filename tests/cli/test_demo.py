@@ -113,6 +113,27 @@ def test_each_model_runs_on_the_threads_asked(tmp_path, monkeypatch):
     assert seen == [3]
 
 
+def test_evaluation_keys_are_none_of_the_training_keys(tmp_path, tokenizer):
+    """Two-digit keys (90 of them): 8 steps of 4 examples train on about 27, and 40 evaluation keys drawn blind
+    would hit some. The training keys are read back here from the replayed batches' answer labels."""
+    from bam_llama import demo
+    from bam_llama.cli.demo import parse_args
+    from bam_llama.evaluation.retrieval import DepthPlan
+
+    args = parse_args(["--quick", "--models", "bam", "--output-dir", str(tmp_path)])
+    settings = demo.settings_from_args(args)
+    settings.data.num_digits, settings.num_depths = 2, DepthPlan(20)
+    result = demo.train_and_evaluate("bam", args, settings, tmp_path)
+    rng, trained = random.Random(args.seed), set()
+    for _ in range(settings.train.steps):
+        labels = training_batch(rng, tokenizer, DEMO_TEMPLATE, settings.data, settings.train.batch_size)["labels"]
+        for row in labels:
+            trained.update(re.findall(r"\d+", tokenizer.decode([token for token in row.tolist() if token != IGNORE_INDEX])))
+    evaluated = [key for row in result.passkeys for key in row]
+    assert len(trained) > 15 and len(set(evaluated)) == len(evaluated) == 40
+    assert not trained & set(evaluated) and result.keys_in_training == 0 and result.keys_redrawn > 0
+
+
 def test_console_script_help():
     completed = subprocess.run(["bam-demo", "--help"], capture_output=True, text=True, timeout=60)
     assert completed.returncode == 0 and "--quick" in completed.stdout

@@ -214,8 +214,11 @@ def test_results_table_and_round_trip():
     results = sample_results()
     assert results.accuracy_by_length() == pytest.approx({256: 2 / 3, 1024: 1 / 3})
     table = results.to_markdown()
-    assert "| 256 | 240 | 66.7 |" in table and "| 1024 | 1010 | 33.3 |" in table
-    assert "| 256 | 240 | 66.7 | ✓ | ✓ | ✗ |" in results.to_markdown(per_depth=True)
+    # 95% Clopper-Pearson intervals (SciPy's beta quantiles): 2/3 -> [0.0943, 0.9916], 1/3 -> [0.0084, 0.9057],
+    # printed in whole percent rounded outwards
+    assert "| Length | Prompt tokens | Strict (%) | 95% interval |" in table
+    assert "| 256 | 240 | 66.7 | 9-100 |" in table and "| 1024 | 1010 | 33.3 | 0-91 |" in table
+    assert "| 256 | 240 | 66.7 | 9-100 | ✓ | ✓ | ✗ |" in results.to_markdown(per_depth=True)
     assert PasskeyResults.from_dict(results.to_dict()) == results
 
 
@@ -390,11 +393,13 @@ def saved_model(tmp_path, tokenizer):
 def test_passkey_command_writes_table_results_and_heatmap(saved_model, tmp_path, capsys):
     out = tmp_path / "passkey"
     main(["passkey", str(saved_model), "--lengths", "300,400", "--depths", "3", "--chunk-size", "64",
-          "--device", "cpu", "--quiet", "--out", str(out)])
+          "--device", "cpu", "--quiet", "--out", str(out), "--teacher-forced"])
     printed = capsys.readouterr().out
-    assert "| Length | Prompt tokens | Accuracy (%) |" in printed
+    assert "| Length | Prompt tokens | Strict (%) | 95% interval | Teacher-forced (%) | 95% interval |" in printed
     results = load_results(out / "passkey.json")
     assert isinstance(results, PasskeyResults) and results.lengths == [300, 400] and results.depth_counts() == [3, 3]
+    assert [len(row) for row in results.teacher_forced] == [3, 3]
+    assert "6 keys, all different; not checked against training data" in printed
     assert (out / "passkey.md").read_text() in printed
     assert_png(out / "passkey.png")
 
@@ -541,7 +546,7 @@ def test_a_depth_plan_gives_some_lengths_fewer_depths_and_the_same_keys(tokenize
     assert planned.passkeys == [keys[:5], keys[5:7], keys[7:12]]  # drawn in order, one per (length, depth)
     assert planned.describe_depths() == "5 depths (2 at 400 tokens)"
     table = planned.to_markdown(per_depth=True)
-    assert "| Length | Prompt tokens | Depths | Accuracy (%) | Seconds | Peak RSS (MiB) | Found by depth |" in table
+    assert "| Length | Prompt tokens | Depths | Strict (%) | 95% interval | Seconds | Peak RSS (MiB) | Found by depth |" in table
     assert f"| 400 | {uniform.prompt_lengths[1]} | 2 | 100.0 |" in table and table.count("✓✓✓✓✓") == 2
     assert PasskeyResults.from_dict(json.loads(json.dumps(planned.to_dict()))) == planned
 

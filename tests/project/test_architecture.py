@@ -19,7 +19,7 @@ ALLOWED = {
     "first_screen": set(),
     "model_folders": set(),
     "positional_variants": set(),
-    "demo_settings": set(),
+    "demo_settings": {"evaluation"},  # its light depth_plan.py only
     "positional_models": {"model", "positional_variants"},
     "data": {"model", "outputs", "model_folders"},
     "evaluation": {"model", "data", "outputs", "model_folders", "registration"},

@@ -32,31 +32,38 @@ def test_quick_run_writes_every_model_at_every_length(tmp_path):
     long_lengths = [str(recipe["train_length"] * scale) for scale in recipe["long_scales"]]
     assert tuple(report["results"]) == MODELS and long_lengths
     documents = report["corpus"]["perplexity_documents"]
-    longest = int(lengths[-1])
+    longest = int(long_lengths[-1])  # every model's perplexity on the same documents, each the longest length
     assert list(documents.values()) == [longest] * recipe["perplexity_documents"]
+    assert not any(name.startswith("encodings/") for name in documents)  # no codec tables
     vocabulary = report["training"]["bam"]["vocab_size"]
     for name, result in report["results"].items():
         with_prior = name in PRIOR_MODELS
         evaluated = lengths + (long_lengths if with_prior else [])
-        assert list(result["perplexity"]) == lengths and list(result["passkey"]) == evaluated
+        assert list(result["perplexity"]) == evaluated and list(result["passkey"]) == evaluated
         assert list(result["seconds"]) == evaluated and all(result["seconds"][length] > 0 for length in evaluated)
         assert all(result["peak_rss_mib"][length] > 100 for length in evaluated)
-        for length in lengths:
+        train_length = recipe["train_length"]
+        for length in evaluated:
             point = result["perplexity"][length]
-            assert point["sequences"] == len(documents) * longest // int(length)  # the same tokens at every length
-            assert 1 < point["perplexity"] < 2 * vocabulary, (name, length, point)
+            assert point["documents"] == len(documents) and list(point["by_document"]) == list(documents)
+            assert point["last_window"]["tokens"] == len(documents) * train_length  # the same count at every length
+            assert 1 < point["last_window"]["perplexity"] < 2 * vocabulary, (name, length, point)
             if length == lengths[0]:
                 assert point["past_training_length"] is None
             else:
-                assert 1 < point["past_training_length"] < 2 * vocabulary, (name, length)
+                assert point["past_training_length"]["tokens"] == len(documents) * (int(length) - train_length)
+                assert 1 < point["past_training_length"]["perplexity"] < 2 * vocabulary, (name, length)
+        keys = []
         for length in evaluated:
             depths = recipe["long_depths"].get(str(int(length) // recipe["train_length"]), recipe["num_depths"])
-            assert [len(row) for row in result["passkey"][length]["correct"]] == [depths]
-        assert ("needles" in result) is with_prior and ("stream_perplexity" in result) is with_prior
+            passkey = result["passkey"][length]
+            assert [len(row) for row in passkey["correct"]] == [depths] == [len(row) for row in passkey["teacher_forced"]]
+            assert passkey["keys_in_training"] == 0
+            keys += passkey["passkeys"][0]
+        assert len(set(keys)) == len(keys) == result["evaluation_keys"]["keys"]  # a new key at every length and depth
+        assert result["evaluation_keys"]["in_training"] == 0
+        assert ("needles" in result) is with_prior
         if with_prior:
-            stream = result["stream_perplexity"]
-            assert list(stream) == evaluated
-            assert [stream[length]["sequences"] for length in evaluated] == [int(long_lengths[-1]) // int(length) for length in evaluated]
             assert list(result["needles"]) == list(NEEDLE_KINDS)
             for kind, by_length in result["needles"].items():
                 assert list(by_length) == evaluated and by_length[evaluated[-1]]["task"]["kind"] == kind
@@ -67,11 +74,13 @@ def test_quick_run_writes_every_model_at_every_length(tmp_path):
     assert len(learned) == recipe["layers"] and all(len(layer) == recipe["heads"] for layer in learned)
     assert "ssmax_scale" not in report["training"]["bam"]["learned"] and report["training"]["rope"]["learned"] == {}
     assert report["corpus"]["train_used"]["needle_documents"] > 0
-    for plot in ("perplexity.png", "perplexity-long.png", "needles.png"):
+    for plot in ("perplexity.png", "passkey.png", "needles.png"):
         assert (output / plot).stat().st_size > 0
     text = (output / "results.md").read_text()
     assert "| rope-yarn |" in text and "positions past the training length" in text
     assert "Needles, vartrack" in text and "Learned SSMax scales" in text and "Seconds per length" in text
+    assert "found in the training texts: 0" in text and "teacher-forced, the reference code's scoring" in text
+    assert re.search(r"\| bam \| \d+% \(\d+-\d+\) \|", text)  # every rate with its 95% interval
     assert not [path for path in tmp_path.iterdir() if path.name.endswith(".partial")]
     assert "text-extrapolation-" not in (output / "results.json").read_text()  # the scratch folder's paths
 
@@ -125,54 +134,35 @@ def test_a_passkey_document_longer_than_a_training_row_is_refused():
         load_benchmark().check_passkey_documents(build_byte_tokenizer(), 128)
 
 
-def test_perplexity_uses_the_same_prefix_of_long_held_out_files_at_every_length():
+def test_perplexity_uses_the_same_long_never_trained_documents_at_every_length():
+    """Held-out files first, then the never-trained ones (the test suites), each at least the longest length of
+    tokens and cut to it; a generated table (mostly literal lines) is left out however long."""
     from dataclasses import replace
 
     from bam_llama.data.corpus import Document
     from bam_llama.data.tokenizers import build_byte_tokenizer
 
     benchmark = load_benchmark()
-    recipe = replace(benchmark.QUICK, train_length=8, scales=(1, 2, 4), perplexity_documents=2)
-    held_out = [Document("a.py", "x" * 31), Document("b.py", "y" * 40), Document("c.py", "z" * 32), Document("d.py", "w" * 99)]
+    recipe = replace(benchmark.QUICK, train_length=8, scales=(1, 2), long_scales=(4,), perplexity_documents=2)
+    table = "".join(f"    0x{index:04x}: 0x{index + 1:04x},\n" for index in range(20))
+    held_out = [Document("a.py", "x" * 31), Document("b.py", "y" * 40), Document("cp.py", table), Document("d.py", "w" * 99)]
     documents = benchmark.perplexity_documents(held_out, build_byte_tokenizer(), recipe)
-    assert list(documents) == ["b.py", "c.py"] and all(len(tokens) == 32 for tokens in documents.values())
-    try:
+    assert list(documents) == ["b.py", "d.py"] and all(len(tokens) == 32 for tokens in documents.values())
+    suites = [Document("test/t.py", "t" * 50)]
+    assert list(benchmark.perplexity_documents(held_out[:2], build_byte_tokenizer(), recipe, suites)) == ["b.py", "test/t.py"]
+    with pytest.raises(ValueError, match="32 tokens"):
         benchmark.perplexity_documents(held_out[:1], build_byte_tokenizer(), recipe)
-    except ValueError as error:
-        assert "32 tokens" in str(error)
-    else:
-        raise AssertionError("no held-out file is long enough: expected a ValueError")
 
 
-def test_perplexity_past_the_training_length_counts_only_those_positions():
-    """Against per-token losses of plain forwards written here: BOS + each whole sequence, cross-entropy of every
-    next token, the whole sequence and the positions past the training length averaged separately."""
-    import math
-
-    import torch
-    from helpers import tiny_model
-
-    from bam_llama.data.tokenizers import build_byte_tokenizer
+def test_codec_tables_are_generated_tables_and_code_is_not():
+    import encodings.cp858
+    import inspect
+    import json as json_module
 
     benchmark = load_benchmark()
-    tokenizer = build_byte_tokenizer()
-    model = tiny_model("eager", vocab_size=len(tokenizer))
-    generator = torch.Generator().manual_seed(5)
-    documents = {name: torch.randint(3, len(tokenizer), (24,), generator=generator).tolist() for name in ("a", "b")}
-    length, train_length = 12, 4
-    whole_losses, past_losses = [], []
-    with torch.no_grad():
-        for tokens in documents.values():
-            for start in range(0, len(tokens), length):
-                sequence = torch.tensor([[tokenizer.bos_token_id, *tokens[start:start + length]]])
-                logits = model(input_ids=sequence).logits[0, :-1]
-                losses = torch.nn.functional.cross_entropy(logits.double(), sequence[0, 1:], reduction="none")
-                whole_losses += losses.tolist()
-                past_losses += losses[train_length:].tolist()
-    result = benchmark.sequence_perplexity(model, tokenizer, documents, length, train_length)
-    assert math.isclose(result["perplexity"], math.exp(sum(whole_losses) / len(whole_losses)), rel_tol=1e-5)
-    assert math.isclose(result["past_training_length"], math.exp(sum(past_losses) / len(past_losses)), rel_tol=1e-5)
-    assert benchmark.sequence_perplexity(model, tokenizer, documents, train_length, train_length)["past_training_length"] is None
+    assert benchmark.is_generated_table(inspect.getsource(encodings.cp858))
+    assert not benchmark.is_generated_table(inspect.getsource(json_module.decoder))
+    assert not benchmark.is_generated_table(SCRIPT.read_text())
 
 
 @pytest.mark.parametrize(
@@ -217,7 +207,7 @@ def test_models_flag_runs_a_subset_and_refuses_unknown_names(tmp_path):
     results = report["results"]
     assert list(results["alibi"]["passkey"]) == short + long
     assert list(results["bam"]["passkey"]) == short  # not among --long-models: the short scales only,
-    assert list(results["bam"]["stream_perplexity"]) == short  # still with its stream perplexity
+    assert list(results["bam"]["perplexity"]) == short  # its perplexity too
     assert all(list(by_length) == short for by_length in results["bam"]["needles"].values())  # and needles
     assert list(results["nope"]["passkey"]) == short and "needles" not in results["nope"]
     assert report["complete"] is True and "Partial" not in (output / "results.md").read_text()
@@ -276,19 +266,20 @@ def test_targets_are_judged_only_for_the_models_that_ran():
     from dataclasses import replace
 
     benchmark = load_benchmark()
-    recipe = replace(benchmark.Recipe(), train_length=10, scales=(1, 8, 32, 64))
+    recipe = replace(benchmark.Recipe(), train_length=10, scales=(1, 2, 8, 32, 64))
 
-    def model(perplexities, found):  # one perplexity and one share of keys found per scale
+    def model(perplexities, found):  # one last-window perplexity and one share of keys found per scale
         return {
-            "perplexity": {10 * scale: {"perplexity": value} for scale, value in zip(recipe.scales, perplexities)},
+            "perplexity": {10 * scale: {"last_window": {"perplexity": value}} for scale, value in zip(recipe.scales, perplexities)},
             "passkey": {10 * scale: {"correct": [[True] * hits + [False] * (10 - hits)]} for scale, hits in zip(recipe.scales, found)},
         }
 
-    nope = model([10, 31, 40, 50], [10, 0, 0, 0])
-    assert benchmark.target_lines({"nope": nope}, recipe) == ["nope perplexity 8x / 1x = 3.10 (target >= 3): met"]
-    lines = benchmark.target_lines({"bam": model([10, 10, 10, 11.5], [10, 10, 9, 9]), "alibi": model([10] * 4, [10, 5, 5, 7])}, recipe)
+    nope = model([10, 20, 31, 40, 50], [10, 0, 0, 0, 0])
+    assert benchmark.target_lines({"nope": nope}, recipe) == ["nope last-window perplexity 8x / 1x = 3.10 (target >= 3): met"]
+    lines = benchmark.target_lines({"bam": model([12, 10, 10, 10, 11.5], [10, 10, 10, 9, 9]),
+                                    "alibi": model([10] * 5, [10, 10, 5, 5, 7])}, recipe)
     assert lines == [
-        "BAM perplexity 64x / 1x = 1.150 (target <= 1.10): MISSED",
+        "BAM last-window perplexity 64x / 2x = 1.150 (target <= 1.10): MISSED",
         "passkey at 32x: BAM 90%, ALiBi 50% (target BAM >= 90% and >= 30 points above ALiBi): met",
         "passkey at 64x: BAM 90%, ALiBi 70% (target BAM >= 90% and >= 30 points above ALiBi): MISSED",
         "BAM's best variant: bam",
@@ -296,37 +287,37 @@ def test_targets_are_judged_only_for_the_models_that_ran():
     ]
 
 
-def test_the_best_bam_variant_is_judged_at_512x_on_the_stream_and_the_needles():
+def test_the_best_bam_variant_is_judged_at_512x_on_position_matched_perplexity_and_the_needles():
     from dataclasses import replace
 
     benchmark = load_benchmark()
-    recipe = replace(benchmark.Recipe(), train_length=10, scales=(1, 32, 64), long_scales=(512,))
+    recipe = replace(benchmark.Recipe(), train_length=10, scales=(1, 2, 32, 64), long_scales=(512,))
     scales = recipe.scales + recipe.long_scales
 
-    def model(found, stream=None, needles=None):  # keys found of 20 per scale; perplexity at 1x and 512x; needles at 32x
+    def model(found, window=None, needles=None):  # keys found of 20 per scale; last-window perplexity at 2x and 512x; needles at 32x
         result = {
-            "perplexity": {10 * scale: {"perplexity": 10.0} for scale in recipe.scales},
+            "perplexity": {10 * scale: {"last_window": {"perplexity": 10.0}} for scale in recipe.scales},
             "passkey": {10 * scale: {"correct": [[True] * hits + [False] * (20 - hits)]} for scale, hits in zip(scales, found)},
         }
-        if stream:
-            result["stream_perplexity"] = {10: {"perplexity": stream[0]}, 5120: {"perplexity": stream[1]}}
+        if window:
+            result["perplexity"].update({20: {"last_window": {"perplexity": window[0]}}, 5120: {"last_window": {"perplexity": window[1]}}})
         if needles:
             result["needles"] = {kind: {320: {"correct": [[True] * hits + [False] * (10 - hits)]}}
                                  for kind, hits in zip(benchmark.NEEDLE_KINDS, needles)}
         return result
 
     results = {
-        "bam": model([20, 20, 20, 15], stream=(10.0, 10.5), needles=(10, 10, 10, 10)),
-        "bam-ssmax-qk": model([20, 20, 19, 17], stream=(10.0, 11.5), needles=(9, 8, 7, 4)),
-        "alibi": model([20, 3, 2, 1], stream=(10.0, 10.0), needles=(2, 2, 1, 1)),
+        "bam": model([20, 20, 20, 20, 15], window=(10.0, 10.5), needles=(10, 10, 10, 10)),
+        "bam-ssmax-qk": model([20, 20, 20, 19, 17], window=(10.0, 11.5), needles=(9, 8, 7, 4)),
+        "alibi": model([20, 20, 3, 2, 1], window=(10.0, 10.0), needles=(2, 2, 1, 1)),
     }
     lines = benchmark.best_variant_lines(results, recipe, lambda name, scale: benchmark.accuracy(results[name]["passkey"][10 * scale]))
     assert lines == [
         "BAM's best variant: bam-ssmax-qk",  # the most keys at 512x, though fewer at 64x and fewer needles
         "bam-ssmax-qk passkey at 64x 95% (target >= 95%): met",
         "bam-ssmax-qk passkey at 512x 85% (target >= 80%): met",
-        "bam-ssmax-qk perplexity 512x / 1x on the stream = 1.150 (target <= 1.10): MISSED",
-        "needles at 32x (mean of the four tasks): bam-ssmax-qk 70%, ALiBi 15% (target >= 30 points above ALiBi): met",
+        "bam-ssmax-qk last-window perplexity 512x / 2x = 1.150 (target <= 1.10): MISSED",
+        "needles at 32x (the four tasks together): bam-ssmax-qk 70%, ALiBi 15% (target >= 30 points above ALiBi): met",
     ]
 
 
