@@ -11,15 +11,36 @@ from .arguments import depth_plan, device_name, length_list, positive_float, pos
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    unknown = set(args.models.split(",")) - set(MODEL_NAMES)
+    if unknown:
+        parser.error(f"unknown model(s) {sorted(unknown)}; choose from {','.join(MODEL_NAMES)}")
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    if args.jobs is None:
+        args.jobs = usable_cores() if args.device == "cpu" else 1
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
     full, quick = default_settings(quick=False), default_settings(quick=True)
-
-    def default(full_value, quick_value) -> str:
-        return f"(default: {full_value}; with --quick: {quick_value})"
-
     parser = argparse.ArgumentParser(
         prog="bam-demo",
         description="Train tiny models at a short context, then measure passkey retrieval far beyond it.",
     )
+    _add_run_arguments(parser)
+    _add_training_arguments(parser, full, quick)
+    _add_evaluation_arguments(parser, full, quick)
+    _add_model_arguments(parser, full, quick)
+    return parser
+
+
+def _both_defaults(full_value, quick_value) -> str:
+    return f"(default: {full_value}; with --quick: {quick_value})"
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the run writes, which models it trains, and on what."""
     parser.add_argument("--output-dir", default="bam-demo-output", help="(default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="a few seconds for CI; the numbers mean nothing")
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated subset of {','.join(MODEL_NAMES)} (default: %(default)s)")
@@ -36,28 +57,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="models trained at once, each in its own process (default on a CPU: as many as there are models and "
         f"cores, here {usable_cores()} core(s); on a GPU: 1); the results are those of --jobs 1",
     )
-    parser.add_argument("--steps", type=positive_int, help=default(full.train.steps, quick.train.steps))
-    parser.add_argument("--batch-size", type=positive_int, help=default(full.train.batch_size, quick.train.batch_size))
-    parser.add_argument("--lr", type=positive_float, help=default(full.train.lr, quick.train.lr))
+
+
+def _add_training_arguments(parser: argparse.ArgumentParser, full, quick) -> None:
+    parser.add_argument("--steps", type=positive_int, help=_both_defaults(full.train.steps, quick.train.steps))
+    parser.add_argument("--batch-size", type=positive_int, help=_both_defaults(full.train.batch_size, quick.train.batch_size))
+    parser.add_argument("--lr", type=positive_float, help=_both_defaults(full.train.lr, quick.train.lr))
     parser.add_argument(
         "--prior-lr", type=positive_float,
-        help="learning rate of the prior and SSMax scales " + default(full.train.prior_lr, quick.train.prior_lr),
+        help="learning rate of the prior and SSMax scales " + _both_defaults(full.train.prior_lr, quick.train.prior_lr),
     )
     parser.add_argument(
         "--train-length", type=positive_int,
-        help="training context in tokens " + default(full.data.train_length, quick.data.train_length),
+        help="training context in tokens " + _both_defaults(full.data.train_length, quick.data.train_length),
     )
+
+
+def _add_evaluation_arguments(parser: argparse.ArgumentParser, full, quick) -> None:
     parser.add_argument(
         "--lengths", type=length_list,
         help="comma-separated evaluation prompt lengths in tokens "
-        + default(",".join(map(str, full.lengths)), ",".join(map(str, quick.lengths))),
+        + _both_defaults(",".join(map(str, full.lengths)), ",".join(map(str, quick.lengths))),
     )
     parser.add_argument("--depths", type=depth_plan, metavar="N[,LENGTH=N...]",
                         help="passkey depths (prompts) per length, and fewer at named lengths "
-                        + default(describe_plan(full.num_depths), describe_plan(quick.num_depths)))
-    parser.add_argument("--hidden-size", type=positive_int, help=default(full.size.hidden_size, quick.size.hidden_size))
-    parser.add_argument("--layers", type=positive_int, help=default(full.size.num_hidden_layers, quick.size.num_hidden_layers))
-    parser.add_argument("--heads", type=positive_int, help=default(full.size.num_attention_heads, quick.size.num_attention_heads))
+                        + _both_defaults(describe_plan(full.num_depths), describe_plan(quick.num_depths)))
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser, full, quick) -> None:
+    """The tiny models' size and BAM's options."""
+    parser.add_argument("--hidden-size", type=positive_int, help=_both_defaults(full.size.hidden_size, quick.size.hidden_size))
+    parser.add_argument("--layers", type=positive_int, help=_both_defaults(full.size.num_hidden_layers, quick.size.num_hidden_layers))
+    parser.add_argument("--heads", type=positive_int, help=_both_defaults(full.size.num_attention_heads, quick.size.num_attention_heads))
     parser.add_argument(
         "--prior-scope", choices=("global", "layer"), default="layer",
         help="BAM prior per layer or shared (default: %(default)s)",
@@ -67,14 +98,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Scalable Softmax in BAM (default: off; with it, seed 0 found 85%% / 80%% of the keys at 32x / 64x, "
         "without it 100%% / 100%%)"
     )
-    args = parser.parse_args(argv)
-    unknown = set(args.models.split(",")) - set(MODEL_NAMES)
-    if unknown:
-        parser.error(f"unknown model(s) {sorted(unknown)}; choose from {','.join(MODEL_NAMES)}")
-    args.argv = sys.argv[1:] if argv is None else list(argv)
-    if args.jobs is None:
-        args.jobs = usable_cores() if args.device == "cpu" else 1
-    return args
 
 
 def describe_plan(plan) -> str:

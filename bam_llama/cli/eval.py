@@ -41,7 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="bam-eval", description="Long-context evaluation of BamLlama or any causal LM."
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_passkey_command(commands)
+    _add_needles_command(commands)
+    _add_perplexity_command(commands)
+    _add_prior_command(commands)
+    return parser
 
+
+def _add_passkey_command(commands) -> None:
     passkey = commands.add_parser(
         "passkey", help="passkey retrieval accuracy by prompt length and depth",
         description="Passkey retrieval after the GGD-BAM paper: for every length, keys hidden at --depths depths "
@@ -68,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     passkey.set_defaults(run=run_passkey)
 
+
+def _add_needles_command(commands) -> None:
     needles = commands.add_parser(
         "needles", help="needle variants (RULER-style) by prompt length and depth, scored exactly",
         description="Needles in a haystack of real text (default: the held-out Python corpus, no download): multikey "
@@ -95,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_per_depth(needles)
     needles.set_defaults(run=run_needles)
 
+
+def _add_perplexity_command(commands) -> None:
     perplexity = commands.add_parser(
         "perplexity", help="perplexity by position for several context lengths",
         description="Perplexity by position as in the GGD-BAM reference: non-overlapping sequences of each context "
@@ -117,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help="sequences per context length (default: %(default)s)")
     perplexity.set_defaults(run=run_perplexity)
 
+
+def _add_prior_command(commands) -> None:
     prior = commands.add_parser(
         "prior", help="plot each head's learned prior over distance",
         description="Plot each head's GGD prior b_h over distance (the paper's Figure 1 style) from a BamLlama folder.",
@@ -126,7 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
     prior.add_argument("--max-distance", type=positive_int, default=1024, help="largest distance (default: %(default)s)")
     prior.add_argument("--layer", type=non_negative_int, help="plot only this layer's prior (per-layer priors)")
     prior.set_defaults(run=run_prior)
-    return parser
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from ..outputs import check_output_dir, leftover_prefix
-from .common import ConversionError, dtype_name, parse_dtype, print_nothing
+from ..outputs import leftover_prefix
+from .common import ConversionError, dtype_name, print_nothing
 from .llama import convert_llama_checkpoint
-from .options import DEFAULT_MAX_SHARD_SIZE, parse_size
+from .options import DEFAULT_MAX_SHARD_SIZE
+from .writing import check_write_options
 
 
 GGUF_SUFFIX = ".gguf"
@@ -125,9 +126,8 @@ def convert_gguf_checkpoint(
     """
     log = print if verbose else print_nothing
     gguf_path, out_dir = Path(gguf_path).resolve(), Path(out_dir).resolve()
-    check_output_dir(out_dir, force, (gguf_path,))
-    weights_dtype = parse_dtype(dtype) or torch.float32
-    parse_size(llama_options.get("max_shard_size", DEFAULT_MAX_SHARD_SIZE))
+    max_shard_size = llama_options.get("max_shard_size", DEFAULT_MAX_SHARD_SIZE)
+    weights_dtype = check_write_options(out_dir, force, (gguf_path,), dtype, max_shard_size) or torch.float32
     metadata = check_gguf_file(gguf_path)
     quantization = quantization_name(metadata)
     log(f"GGUF model {gguf_path} ({quantization or 'unknown file type'}): dequantizing to {dtype_name(weights_dtype)}")

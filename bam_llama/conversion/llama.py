@@ -20,7 +20,6 @@ from ..data.tokenizers import TOKENIZER_FILES
 from ..model.configuration_bam import PRIOR_SCOPES, BamLlamaConfig
 from ..model.prior_bam import is_prior_parameter
 from ..model.prior_modules_bam import BamPrior, BamScalableSoftmax
-from ..outputs import check_output_dir
 from ..positional_variants import PRIOR_INITS
 from .common import (
     ConversionError,
@@ -29,14 +28,13 @@ from .common import (
     config_model_type,
     dtype_name,
     iterate_safetensors,
-    parse_dtype,
     print_nothing,
     safetensors_files,
     safetensors_shapes,
     saved_parameter_shapes,
 )
-from .options import DEFAULT_MAX_SHARD_SIZE, parse_size
-from .writing import write_bam_folder
+from .options import DEFAULT_MAX_SHARD_SIZE
+from .writing import check_write_options, write_bam_folder
 
 ROTARY_BUFFER_KEY = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
@@ -165,9 +163,7 @@ def convert_llama_checkpoint(
     """
     log = print if verbose else print_nothing
     llama_dir, out_dir = Path(llama_dir).resolve(), Path(out_dir).resolve()
-    check_output_dir(out_dir, force, (llama_dir,))
-    target_dtype = parse_dtype(dtype)
-    parse_size(max_shard_size)
+    target_dtype = check_write_options(out_dir, force, (llama_dir,), dtype, max_shard_size)
     if not llama_dir.is_dir():
         raise ConversionError(f"the Llama folder {llama_dir} does not exist")
 
@@ -175,25 +171,12 @@ def convert_llama_checkpoint(
     files = safetensors_files(llama_dir)
     found = safetensors_shapes(files)
     config = bam_config_from_llama(llama, prior, ssmax, train_context_length, prior_scope, ssmax_scale_init)
-    expected = {name: shape for name, shape in saved_parameter_shapes(config).items() if not is_prior_parameter(name)}
-    dropped = [name for name in found if ROTARY_BUFFER_KEY.fullmatch(name)]
-    if config.tie_word_embeddings and "lm_head.weight" in found:
-        dropped.append("lm_head.weight")  # tied to the embedding, as Transformers loads it
-    kept = {name: shape for name, shape in found.items() if name not in dropped}
-    check_keys_and_shapes(kept, expected, f"the weights in {llama_dir}", "the Llama layout of its config.json")
+    dropped = checked_dropped_weights(found, config, llama_dir)
 
     base_model = base_model or str(llama_dir)
     config.dtype = dtype_name(target_dtype or source_dtype(llama, files))
     config.base_model = base_model
-    config.converted_from = {
-        "format": "llama",
-        "source": str(llama_dir),
-        "base_model": base_model,
-        "prior_init": prior,
-        "ssmax": ssmax,
-        "dropped": "RoPE" + (f" (rope_parameters {llama.rope_parameters})" if getattr(llama, "rope_parameters", None) else ""),
-        **(source or {}),
-    }
+    config.converted_from = {**llama_provenance(llama_dir, llama, base_model, prior, ssmax), **(source or {})}
     extra_files = [llama_dir / name for name in (*TOKENIZER_FILES, "generation_config.json") if (llama_dir / name).is_file()]
     log(f"Llama model {llama_dir} ({len(files)} weight file{'s' if len(files) > 1 else ''})")
     log(f"  RoPE dropped; prior {prior} ({prior_scope}); SSMax {'on' if ssmax else 'off'}; train_context_length {config.train_context_length}")
@@ -207,14 +190,42 @@ def convert_llama_checkpoint(
         force=force,
         max_shard_size=max_shard_size,
         copied_files=extra_files,
-        card_lines=[
-            f"Converted by `bam-convert llama` from `{base_model}`: the Llama weights unchanged, RoPE removed, a",
-            f"GGD-BAM positional prior added (initialised `{prior}`, {prior_scope})"
-            + (" and Scalable Softmax." if ssmax else "."),
-            "",
-            "It has not been trained with the prior yet: fine-tune it (e.g. for context extension) before use.",
-        ],
+        card_lines=llama_card_lines(base_model, prior, prior_scope, ssmax),
         base_model=base_model,
     )
     log(f"wrote {out_dir} ({', '.join(written + [path.name for path in extra_files])})")
     return out_dir
+
+
+def checked_dropped_weights(found: dict[str, tuple[int, ...]], config: BamLlamaConfig, llama_dir: Path) -> list[str]:
+    """The Llama weights BamLlama has no place for (RoPE's buffers; a head tied to the embedding, as Transformers
+    loads it), after checking that the others are exactly BamLlama's but the prior."""
+    expected = {name: shape for name, shape in saved_parameter_shapes(config).items() if not is_prior_parameter(name)}
+    dropped = [name for name in found if ROTARY_BUFFER_KEY.fullmatch(name)]
+    if config.tie_word_embeddings and "lm_head.weight" in found:
+        dropped.append("lm_head.weight")
+    kept = {name: shape for name, shape in found.items() if name not in dropped}
+    check_keys_and_shapes(kept, expected, f"the weights in {llama_dir}", "the Llama layout of its config.json")
+    return dropped
+
+
+def llama_provenance(llama_dir: Path, llama: LlamaConfig, base_model: str, prior: str, ssmax: bool) -> dict:
+    """Where a converted model came from and what the conversion changed (`config.converted_from`)."""
+    rope = getattr(llama, "rope_parameters", None)
+    return {
+        "format": "llama",
+        "source": str(llama_dir),
+        "base_model": base_model,
+        "prior_init": prior,
+        "ssmax": ssmax,
+        "dropped": "RoPE" + (f" (rope_parameters {rope})" if rope else ""),
+    }
+
+
+def llama_card_lines(base_model: str, prior: str, prior_scope: str, ssmax: bool) -> list[str]:
+    return [
+        f"Converted by `bam-convert llama` from `{base_model}`: the Llama weights unchanged, RoPE removed, a",
+        f"GGD-BAM positional prior added (initialised `{prior}`, {prior_scope})" + (" and Scalable Softmax." if ssmax else "."),
+        "",
+        "It has not been trained with the prior yet: fine-tune it (e.g. for context extension) before use.",
+    ]

@@ -12,6 +12,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,15 +30,14 @@ from .common import (
     dtype_name,
     format_names,
     iterate_safetensors,
-    parse_dtype,
     print_nothing,
     safetensors_files,
     safetensors_shapes,
     saved_parameter_shapes,
     tokenizer_files_at,
 )
-from .options import DEFAULT_MAX_SHARD_SIZE, PRIOR_NAME_GENERATIONS, VARIANTS, parse_size
-from .writing import write_bam_folder
+from .options import DEFAULT_MAX_SHARD_SIZE, PRIOR_NAME_GENERATIONS, VARIANTS
+from .writing import check_write_options, write_bam_folder
 
 # Reference (Meta Llama layout) names -> BamLlama names.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
@@ -284,6 +284,25 @@ def reference_config(run_args: dict, variant: str, prior_scope: str, formula: st
         raise ConversionError(f"args.json model_args describe an invalid model: {error}") from None
 
 
+@dataclass
+class ReferenceRun:
+    """A reference run read and checked against the BamLlama model it makes: where each choice came from, for the
+    log, the config's provenance and the card."""
+
+    folder: Path
+    run_args: dict
+    state_dict: dict[str, torch.Tensor]
+    stripped_prefixes: list[str]
+    prior_names: str
+    prior_scope: str
+    variant: str
+    variant_source: str
+    formula: str
+    formula_source: str
+    config: BamLlamaConfig
+    key_table: dict[str, str]
+
+
 def convert_reference_checkpoint(
     run_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -308,14 +327,33 @@ def convert_reference_checkpoint(
     run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
     tokenizer = Path(tokenizer).resolve() if tokenizer is not None else None
     inputs = (run_dir,) if tokenizer is None else (run_dir, tokenizer)
-    check_output_dir(out_dir, force, inputs)
-    target_dtype = parse_dtype(dtype)
-    parse_size(max_shard_size)
+    target_dtype = check_write_options(out_dir, force, inputs, dtype, max_shard_size)
     if formula is not None and formula not in PRIOR_FORMULAS:
         raise ConversionError(f"unknown prior formula {formula!r}; expected one of {PRIOR_FORMULAS}")
     if not run_dir.is_dir():
         raise ConversionError(f"the reference run folder {run_dir} does not exist")
 
+    run = read_reference_run(run_dir, variant, formula)
+    tokenizer_files = tokenizer_files_at(tokenizer) if tokenizer is not None else []
+    record_reference_provenance(run, target_dtype)
+    log_reference_run(log, run)
+    files = write_bam_folder(
+        out_dir,
+        run.config,
+        bam_weights_of_reference(run.state_dict, run.key_table, target_dtype, str(run_dir / "model.pt")),
+        inputs=inputs,
+        force=force,
+        max_shard_size=max_shard_size,
+        copied_files=tokenizer_files,
+        card_lines=reference_card_lines(run),
+    )
+    log(f"wrote {out_dir} ({', '.join(files)}{', tokenizer' if tokenizer_files else ''})")
+    return out_dir
+
+
+def read_reference_run(run_dir: Path, variant: str | None, formula: str | None) -> ReferenceRun:
+    """args.json and model.pt, the variant, prior names, scope and formula they (or the options) give, and the
+    BamLlama config they make; every key and shape checked against it."""
     run_args = read_run_args(run_dir)
     state_dict, prefixes = load_reference_state_dict(run_dir)
     prior_names = detect_prior_names(state_dict)
@@ -329,50 +367,48 @@ def convert_reference_checkpoint(
     found = {name: tuple(tensor.shape) for name, tensor in state_dict.items()}
     check_feed_forward_width(found, config, run_args["model_args"])
     check_keys_and_shapes(found, expected, f"{run_dir / 'model.pt'}", describe_reference_layout(config, prior_names))
-    tokenizer_files = tokenizer_files_at(tokenizer) if tokenizer is not None else []
+    return ReferenceRun(run_dir, run_args, state_dict, prefixes, prior_names, prior_scope, variant, variant_source,
+                        formula, formula_source, config, table)
 
-    weights_dtype = target_dtype or state_dict["tok_embeddings.weight"].dtype
-    config.dtype = dtype_name(weights_dtype)
-    config.converted_from = {
+
+def record_reference_provenance(run: ReferenceRun, target_dtype: torch.dtype | None) -> None:
+    """The weights' dtype and where the model came from, in its config (`converted_from`)."""
+    run.config.dtype = dtype_name(target_dtype or run.state_dict["tok_embeddings.weight"].dtype)
+    run.config.converted_from = {
         "format": "bam-reference",
-        "source": str(run_dir),
-        "variant": variant,
-        "variant_from": variant_source,
-        "prior_formula": formula,
-        "prior_formula_from": formula_source,
-        "prior_parameter_names": prior_names,
-        "stripped_prefixes": prefixes,
-        "run_args": run_args,
+        "source": str(run.folder),
+        "variant": run.variant,
+        "variant_from": run.variant_source,
+        "prior_formula": run.formula,
+        "prior_formula_from": run.formula_source,
+        "prior_parameter_names": run.prior_names,
+        "stripped_prefixes": run.stripped_prefixes,
+        "run_args": run.run_args,
     }
-    log(f"reference run {run_dir}")
-    log(f"  variant {variant} (from {variant_source}); {prior_scope} prior; parameter names {prior_names}")
-    log(f"  prior formula {formula} ({formula_source})")
-    if formula == "legacy" and prior_names == "theta":
+
+
+def log_reference_run(log, run: ReferenceRun) -> None:
+    config = run.config
+    log(f"reference run {run.folder}")
+    log(f"  variant {run.variant} (from {run.variant_source}); {run.prior_scope} prior; parameter names {run.prior_names}")
+    log(f"  prior formula {run.formula} ({run.formula_source})")
+    if run.formula == "legacy" and run.prior_names == "theta":
         log("  note: theta_* names come from upstream code newer than the legacy formula; check --formula")
-    if prefixes:
-        log(f"  stripped key prefixes: {', '.join(prefixes)}")
+    if run.stripped_prefixes:
+        log(f"  stripped key prefixes: {', '.join(run.stripped_prefixes)}")
     if config.num_key_value_heads != config.num_attention_heads:
         log(f"  grouped-query attention: {config.num_key_value_heads} key/value heads for {config.num_attention_heads} heads")
 
-    files = write_bam_folder(
-        out_dir,
-        config,
-        bam_weights_of_reference(state_dict, table, target_dtype, str(run_dir / "model.pt")),
-        inputs=inputs,
-        force=force,
-        max_shard_size=max_shard_size,
-        copied_files=tokenizer_files,
-        card_lines=[
-            f"Converted by `bam-convert reference` from `{run_dir}`.",
-            "",
-            f"- variant: `{variant}` (from {variant_source})",
-            f"- prior: {prior_scope}, formula `{formula}` ({formula_source})",
-            f"- reference parameter names: {prior_names}",
-            f"- weights dtype: {config.dtype}",
-        ],
-    )
-    log(f"wrote {out_dir} ({', '.join(files)}{', tokenizer' if tokenizer_files else ''})")
-    return out_dir
+
+def reference_card_lines(run: ReferenceRun) -> list[str]:
+    return [
+        f"Converted by `bam-convert reference` from `{run.folder}`.",
+        "",
+        f"- variant: `{run.variant}` (from {run.variant_source})",
+        f"- prior: {run.prior_scope}, formula `{run.formula}` ({run.formula_source})",
+        f"- reference parameter names: {run.prior_names}",
+        f"- weights dtype: {run.config.dtype}",
+    ]
 
 
 def bam_weights_of_reference(

@@ -1,6 +1,6 @@
-"""The one write step of the conversions to BamLlama: weights shard by shard, config.json and the remote code, the
-tokenizer and other copied files, and the model card, in a folder staged beside OUT_DIR and renamed into place only
-once complete."""
+"""The one write step of the conversions to BamLlama: its options checked before a conversion reads anything
+(`check_write_options`), then weights shard by shard, config.json and the remote code, the tokenizer and other copied
+files, and the model card, in a folder staged beside OUT_DIR and renamed into place only once complete."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from transformers.dynamic_module_utils import custom_object_save
 from ..hub.card import write_model_card
 from ..model.configuration_bam import BamLlamaConfig
 from ..model.modeling_bam import REMOTE_CODE_AUTO_MAP, BamLlamaForCausalLM
-from ..outputs import staged_output_dir
+from ..outputs import check_output_dir, staged_output_dir
+from .common import parse_dtype
 from .options import DEFAULT_MAX_SHARD_SIZE, parse_size
 
 
@@ -87,6 +88,17 @@ def save_config_and_code(config: BamLlamaConfig, folder: Path) -> None:
 def copy_files(files: Iterable[Path], folder: Path) -> None:
     for path in files:
         shutil.copyfile(path, folder / path.name)
+
+
+def check_write_options(
+    out_dir: Path, force: bool, inputs: tuple[Path, ...], dtype: str, max_shard_size: str | int
+) -> torch.dtype | None:
+    """Refuse what the write step would refuse, before anything is read: an `out_dir` that exists (without `force`)
+    or holds an input, an unknown dtype, a shard size that is not one. Returns the weights' dtype (None: as stored)."""
+    check_output_dir(out_dir, force, inputs)
+    target_dtype = parse_dtype(dtype)
+    parse_size(max_shard_size)
+    return target_dtype
 
 
 def write_bam_folder(

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 CLEAR_REFS = Path("/proc/self/clear_refs")
 STATUS = Path("/proc/self/status")
 RESET_PEAK_RSS = "5"  # proc(5): "reset the peak resident set size (VmHWM) to the process's current RSS"
@@ -52,8 +54,6 @@ def peak_rss_mib() -> float:
 def measured(device=None):
     """`with measured(device) as cost:` fills `cost` (a `Cost`) when the block ends: its seconds, the peak RSS while
     it ran, and the CUDA allocator's peak when `device` is a CUDA device."""
-    import torch
-
     cuda = device is not None and torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)

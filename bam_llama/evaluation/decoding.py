@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import TYPE_CHECKING
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from ..data.tokenizers import load_tokenizer
 from ..model_folders import check_finite_model, check_model_path, check_safetensors_files
 from ..registration import register
-
-if TYPE_CHECKING:  # torch and Transformers are imported where used, so that --help does not load them
-    import torch
-    from transformers import DynamicCache
 
 
 def model_device(model) -> torch.device:
@@ -32,8 +30,6 @@ def with_cache(model, cache) -> dict:
 def prefill(model, input_ids: torch.Tensor, chunk_size: int) -> tuple[DynamicCache, torch.Tensor]:
     """Run a (1, L) prompt through a fresh cache `chunk_size` tokens at a time; returns the cache and the
     logits of the last position. Positions continue across chunks because they are read from the cache."""
-    from transformers import DynamicCache
-
     cache = DynamicCache(config=model.config)
     extra = {"logits_to_keep": 1} if forward_accepts(model, "logits_to_keep") else {}
     extra.update(with_cache(model, cache))
@@ -45,8 +41,6 @@ def prefill(model, input_ids: torch.Tensor, chunk_size: int) -> tuple[DynamicCac
 
 def greedy_continuation(model, prompt_ids: list[int], max_new_tokens: int, chunk_size: int) -> list[int]:
     """Greedy decoding of `max_new_tokens` tokens after a chunked prefill, reusing the cache."""
-    import torch
-
     cache, logits = prefill(model, torch.tensor([prompt_ids], device=model_device(model)), chunk_size)
     return greedy_from(model, cache, logits, max_new_tokens)
 
@@ -69,8 +63,6 @@ def greedy_and_teacher_forced(
     """`greedy_continuation`, and after the same prefill the model's argmax in place of each token of `answer_ids`,
     each given the true tokens before it (teacher forcing): the first from the prompt's last logits, the others
     from one forward of `answer_ids[:-1]` through a copy of the prompt's cache."""
-    import torch
-
     cache, logits = prefill(model, torch.tensor([prompt_ids], device=model_device(model)), chunk_size)
     forced = [int(logits[0].argmax())]
     if len(answer_ids) > 1:
@@ -88,9 +80,6 @@ def check_positive(**values: int) -> None:
 def load_model(path, device=None, dtype=None, attn_implementation=None):
     """A causal LM from a folder or Hub id (BamLlama or any other), in eval mode on `device` (default: CUDA if
     available). Weights holding NaN or infinity are refused (`NonFiniteError`, naming the tensor)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     register()  # BamLlama with the Auto classes
 
     check_model_path(path)
@@ -112,8 +101,6 @@ def load_model_and_tokenizer(path, tokenizer=None, device=None, dtype=None, attn
 
 
 def parse_torch_dtype(dtype):
-    import torch
-
     if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
     return getattr(torch, dtype)

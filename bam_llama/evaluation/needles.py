@@ -32,6 +32,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 
+from ..data.corpus import python_documents, split_documents
 from ..data.tokenizers import encode
 from .needle_tasks import LABELS, NeedleTask
 from .passkey import random_passkey
@@ -176,8 +177,6 @@ def cut_piece(tokenizer, ids: list[int], size: int) -> tuple[str, list[int]]:
 
 def corpus_haystack(heldout_fraction: float = 0.05) -> Haystack:
     """The held-out part of the no-download Python corpus (never trained on by the benchmark's models)."""
-    from ..data.corpus import python_documents, split_documents
-
     _, heldout = split_documents(python_documents(), heldout_fraction)
     return Haystack([document.text for document in heldout])
 

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+
+import torch
+from matplotlib.figure import Figure
+from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from ..data.tokenizers import encode
 from . import plots
 from .decoding import check_positive, model_device, with_cache
-
-if TYPE_CHECKING:  # torch is imported where used, so that --help does not load it
-    import torch
 
 
 @dataclass
@@ -51,8 +52,6 @@ class PerplexityResults:
 
     def save_plot(self, path, title: str = "Perplexity by position", train_length: int | None = None) -> None:
         """Perplexity of each window against its end position, one line per context length (log y)."""
-        from matplotlib.figure import Figure
-
         figure = Figure(figsize=(7, 4.5))
         axes = figure.subplots()
         for length, windows in zip(self.context_lengths, self.window_perplexity):
@@ -79,8 +78,6 @@ class PerplexityResults:
 def token_stream(tokenizer, text_or_token_ids) -> torch.Tensor:
     """One long 1D stream of token ids from a text, a list of texts (documents run together, as in the reference
     '10B' set) or token ids."""
-    import torch
-
     if isinstance(text_or_token_ids, torch.Tensor):
         return text_or_token_ids.flatten().long().cpu()
     if isinstance(text_or_token_ids, str):
@@ -95,9 +92,6 @@ def token_stream(tokenizer, text_or_token_ids) -> torch.Tensor:
 
 def token_losses(model, sequence: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """Per-token cross-entropy (L,) of a (1, L + 1) sequence, run through one cache `chunk_size` tokens at a time."""
-    import torch
-    from transformers import DynamicCache
-
     inputs, targets = sequence[:, :-1], sequence[:, 1:]
     cache = DynamicCache(config=model.config)
     cache_argument = with_cache(model, cache)
@@ -126,9 +120,6 @@ def evaluate_perplexity(
 
     With `add_bos`, each sequence is the tokenizer's BOS followed by L tokens of the stream.
     """
-    import torch
-    from tqdm.auto import tqdm
-
     check_positive(
         context_lengths=min(context_lengths, default=0), window=window, chunk_size=chunk_size,
         max_sequences=1 if max_sequences is None else max_sequences,
@@ -179,8 +170,6 @@ def position_matched_perplexity(
       tokens at every length, the paper's per-window curve read at the end of each length.
 
     `by_document` holds each document's mean losses, for paired comparisons across lengths and models."""
-    import torch
-
     if length < train_length:
         raise ValueError(f"length {length} is shorter than the training length {train_length}")
     short = [name for name, tokens in documents.items() if len(tokens) < length]

@@ -4,12 +4,12 @@ model per head over distance (the paper's Figure 1 style)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import torch
+from matplotlib.figure import Figure
+
+from ..model.prior_bam import ggd_bias, prior_offset
 from .decoding import load_model
-
-if TYPE_CHECKING:
-    import torch
 
 
 def find_priors(model) -> list[tuple[str, torch.nn.Module]]:
@@ -27,10 +27,6 @@ def find_priors(model) -> list[tuple[str, torch.nn.Module]]:
 
 def prior_curves(prior, max_distance: int) -> torch.Tensor:
     """(H, max_distance + 1) prior b_h at causal distances i - j = 0 .. max_distance."""
-    import torch
-
-    from ..model.prior_bam import ggd_bias
-
     distance = -torch.arange(max_distance + 1, dtype=torch.float32, device=prior.theta_alpha.device)
     formula, eps = getattr(prior, "formula", "current"), getattr(prior, "eps", 1e-5)
     with torch.no_grad():
@@ -41,10 +37,6 @@ def plot_prior(model_or_path, path, max_distance: int = 1024, layer: int | None 
     """Each head's penalty -b_h over distances 1 .. max_distance on log-log axes (heads differ by orders of
     magnitude; a power law is a straight line, ALiBi a slope of 1), one line per head with its parameters and its
     value at distance 0 in the legend, one subplot per prior: the shared prior, every layer's, or only `layer`'s."""
-    from matplotlib.figure import Figure
-
-    from ..model.prior_bam import prior_offset
-
     model = model_or_path
     if isinstance(model_or_path, (str, Path)):
         model = load_model(model_or_path, device="cpu")

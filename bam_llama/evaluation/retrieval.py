@@ -8,6 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
+import numpy
+import torch
+from matplotlib.colors import ListedColormap
+from matplotlib.figure import Figure
+from tqdm.auto import tqdm
+
 from . import plots
 from .costs import measured
 from .decoding import check_positive, greedy_and_teacher_forced, greedy_continuation, model_device
@@ -64,9 +70,6 @@ def run_retrieval(
     """For every length and every depth of `plan`, in that order: `make_case(length, depth)`, greedy decoding after
     a chunked prefill, and `is_correct(decoded answer, case)`; a case with a `forced_answer` is also scored
     teacher-forced after the same prefill. Each length is timed and its peak memory measured."""
-    import torch
-    from tqdm.auto import tqdm
-
     check_positive(lengths=min(lengths, default=0), chunk_size=chunk_size)
     model.eval()
     rows = RetrievalRows()
@@ -185,10 +188,6 @@ class RetrievalResults:
     def save_heatmap(self, path, title: str = "Passkey retrieval") -> None:
         """Length (x, the table's lengths) by depth (y, 0% = the start of the context) PNG, green where the answer
         was right, with a colour legend. Lengths with fewer depths have taller cells."""
-        import numpy
-        from matplotlib.colors import ListedColormap
-        from matplotlib.figure import Figure
-
         figure = Figure(figsize=(max(4.5, 0.6 * len(self.lengths) + 3), 4.5))
         axes = figure.subplots()
         colours = dict(cmap=ListedColormap(["#d7301f", "#1a9850"]), vmin=0, vmax=1)

@@ -98,18 +98,14 @@ def test_the_directions_have_no_cycle():
 
 
 # Library modules import what they use at the top (Transformers' way); only the command layer (cli/) imports the
-# library late, inside each command's main after parsing. Exempt: the lazy package root and what it runs, imports
-# of optional packages (not dependencies, or CUDA-only), and the parts not converted yet: shrink NOT_CONVERTED_YET as
-# each part lands, until it is empty.
+# library late, inside each command's main after parsing. Exempt: the lazy package root and what it runs, and imports
+# of optional packages (not dependencies, or CUDA-only).
 LAZY_ON_PURPOSE = ("bam_llama/__init__.py", "bam_llama/registration.py")  # `import bam_llama` loads no PyTorch
 OPTIONAL_PACKAGES = {"triton", "vllm", "deepspeed", "datasets", "gguf", "lm_eval", "trl"}
-NOT_CONVERTED_YET = (
-    "bam_llama/evaluation/",
-)
 LIGHT_ON_PURPOSE = "Light on purpose"  # in the docstring of a module the commands import before they parse
 
 
-def library_modules(exempt: tuple[str, ...]):
+def library_modules(exempt: tuple[str, ...] = ()):
     for path in sorted(PACKAGE.rglob("*.py")):
         name = path.relative_to(REPO_ROOT).as_posix()
         if not name.startswith(("bam_llama/cli/", *exempt)):
@@ -130,13 +126,13 @@ def imports_inside_functions(tree: ast.Module):
 def test_library_modules_import_at_the_top():
     problems = [
         f"{name}:{line} imports {imported} inside a function"
-        for name, tree in library_modules(LAZY_ON_PURPOSE + NOT_CONVERTED_YET)
+        for name, tree in library_modules(LAZY_ON_PURPOSE)
         for line, imported in sorted(set(imports_inside_functions(tree)))
         if imported not in OPTIONAL_PACKAGES
     ]
     problems += [
         f"{name}:{node.lineno} has an `if TYPE_CHECKING:` block: import what it names at the top"
-        for name, tree in library_modules(NOT_CONVERTED_YET)
+        for name, tree in library_modules()
         for node in ast.walk(tree)
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
     ]
