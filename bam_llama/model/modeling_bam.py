@@ -585,7 +585,6 @@ for auto_class, model_class in AUTO_CLASSES.items():
     model_class.register_for_auto_class(auto_class)
 
 
-
 __all__ = [
     "BamLlamaForCausalLM",
     "BamLlamaForQuestionAnswering",

@@ -4,16 +4,13 @@ model's hidden states (computed here), train a step, save and reload (also as Hu
 A same-size Llama head passes the same checks. Transformers' own common tests (`ModelTesterMixin` and the like) live
 in its repository's tests/, which the installed package does not ship, so these checks are written here."""
 
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from helpers import tiny_config
-from test_payload import HIDE_BAM_LLAMA
+from test_payload import HIDE_BAM_LLAMA, run_without_bam_llama
 from transformers import (
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
@@ -144,12 +141,7 @@ def test_the_heads_load_as_remote_code_without_bam_llama(tmp_path):
         print("remote heads OK")
         """
     )
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "remote heads OK" in result.stdout
+    assert "remote heads OK" in run_without_bam_llama(script, tmp_path)
 
 
 def test_the_heads_are_registered_and_exported():

@@ -8,7 +8,6 @@ puts each model's Auto class there (configuration_bam.expose_on_transformers). N
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import urllib.request
 import pytest
 import torch
 from helpers import tiny_model
-from test_payload import HIDE_BAM_LLAMA
+from test_payload import HIDE_BAM_LLAMA, remote_code_environment
 
 from bam_llama.data.tokenizers import build_byte_tokenizer
 
@@ -88,8 +87,7 @@ def test_transformers_serve_answers_completions_like_generate(mode, tmp_path):
     )
     command = [sys.executable, "-c", script, "serve", str(folder), "--trust-remote-code", "--device", "cpu",
                "--host", "127.0.0.1", "--port", str(port), *mode]
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
-    server = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(command, env=remote_code_environment(tmp_path), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_until_serving(server, url)
