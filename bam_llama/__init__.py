@@ -17,6 +17,9 @@ __version__ = "0.1.0"
 __all__ = [
     "BamLlamaConfig",
     "BamLlamaForCausalLM",
+    "BamLlamaForQuestionAnswering",
+    "BamLlamaForSequenceClassification",
+    "BamLlamaForTokenClassification",
     "BamLlamaModel",
     "BamLlamaPreTrainedModel",
     "register_bam_attention",
@@ -24,6 +27,9 @@ __all__ = [
 EXPORTED_FROM = {
     "BamLlamaConfig": "model.configuration_bam",
     "BamLlamaForCausalLM": "model.modeling_bam",
+    "BamLlamaForQuestionAnswering": "model.modeling_bam",
+    "BamLlamaForSequenceClassification": "model.modeling_bam",
+    "BamLlamaForTokenClassification": "model.modeling_bam",
     "BamLlamaModel": "model.modeling_bam",
     "BamLlamaPreTrainedModel": "model.modeling_bam",
     "register_bam_attention": "model.dispatch_bam",

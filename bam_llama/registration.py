@@ -17,19 +17,22 @@ _registered = False
 
 
 def register() -> None:
-    """Register BamLlama with AutoConfig / AutoModel / AutoModelForCausalLM (and, by importing modeling_bam, which
-    imports dispatch_bam, BAM's mask functions). Safe to call more than once."""
+    """Register BamLlama with AutoConfig and every Auto model class it has a model for (AutoModel,
+    AutoModelForCausalLM and the task heads'; by importing modeling_bam, which imports dispatch_bam, BAM's mask
+    functions too), and put each model class on the `transformers` module, where `transformers serve` looks a
+    model up (`configuration_bam.expose_on_transformers`). Safe to call more than once."""
     global _registered
     if _registered:
         return
-    from transformers.models.auto import AutoModel, AutoModelForCausalLM
+    from transformers.models import auto
 
-    from .model.modeling_bam import BamLlamaForCausalLM, BamLlamaModel
+    from .model.configuration_bam import BamLlamaConfig, expose_on_transformers
+    from .model.modeling_bam import AUTO_CLASSES
 
     register_config()
-    config_class = BamLlamaForCausalLM.config_class
-    AutoModel.register(config_class, BamLlamaModel, exist_ok=True)
-    AutoModelForCausalLM.register(config_class, BamLlamaForCausalLM, exist_ok=True)
+    for auto_class, model_class in AUTO_CLASSES.items():
+        getattr(auto, auto_class).register(BamLlamaConfig, model_class, exist_ok=True)
+    expose_on_transformers({model_class.__name__: model_class for model_class in AUTO_CLASSES.values()})
     _registered = True
 
 

@@ -18,6 +18,9 @@ THETA_BETA_SCHEMES = ("linear",)
 LOG_FLOAT32_MAX = math.log(3.4028234663852886e38)  # 88.72: exp of more overflows float32
 # Distances up to which the initial prior must stay finite: generation may run far past max_position_embeddings.
 PRIOR_FINITE_HORIZON = 1 << 20
+# `transformers serve` (5.24) loads a model as `getattr(transformers, config.architectures[0])` in this module, not
+# through the Auto classes (`expose_on_transformers`).
+SERVE_MODEL_MANAGER = "transformers.cli.serving.model_manager"
 # max_position_embeddings of earlier releases, which meant "no limit": a saved config holding it is read as unset.
 LEGACY_UNLIMITED_POSITIONS = 1 << 20
 
@@ -129,7 +132,7 @@ class BamLlamaConfig(PreTrainedConfig):
         self.tie_word_embeddings = tie_word_embeddings
         super().__init__(**kwargs)
         self.validate_bam()
-        _register_models_with_the_auto_classes()
+        _register_models_with_the_auto_classes(getattr(self, "auto_map", None))
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
@@ -223,16 +226,40 @@ class BamLlamaConfig(PreTrainedConfig):
             )
 
 
-def _register_models_with_the_auto_classes() -> None:
+def _register_models_with_the_auto_classes(auto_map: dict | None) -> None:
     """Installed as `bam_llama.model.configuration_bam`, whose package import registers only this config with
     AutoConfig (to stay light): register the models too, before an Auto model class looks for them, through the
-    top-level package's `register`. Not in Hub remote code, whose top-level package (`transformers_modules`) has
-    no `register`."""
+    top-level package's `register`. Hub remote code's top-level package (`transformers_modules`) has no `register`:
+    Transformers registers what it loads there itself, except for `transformers serve --trust-remote-code`, which
+    looks the model up on the `transformers` module. There each model's name is its Auto class (from the saved
+    `auto_map`), whose `from_pretrained(..., trust_remote_code=True)` loads the folder's model."""
     package = sys.modules.get(__name__.partition(".")[0])
     modeling = sys.modules.get(f"{__name__.rpartition('.')[0]}.modeling_bam")
-    if getattr(package, "register", None) is None or getattr(getattr(modeling, "__spec__", None), "_initializing", False):
+    if getattr(getattr(modeling, "__spec__", None), "_initializing", False):
         return
-    package.register()
+    if getattr(package, "register", None) is not None:
+        package.register()
+    elif SERVE_MODEL_MANAGER in sys.modules and auto_map:
+        transformers = sys.modules["transformers"]
+        expose_on_transformers(
+            {reference.rpartition(".")[2]: getattr(transformers, auto_class) for auto_class, reference in auto_map.items()
+             if auto_class.startswith("AutoModel")}
+        )
+
+
+def expose_on_transformers(named: dict) -> None:
+    """Put each object on the `transformers` module under its name, where `transformers serve` looks a model up
+    (`getattr(transformers, config.architectures[0])`). Serve's model manager may hold an older `transformers`
+    module object than `sys.modules` (importing `transformers.processing_utils` executes the package's `__init__`
+    again): both get them. Transformers' own names are never replaced."""
+    modules = [sys.modules["transformers"]]
+    manager = sys.modules.get(SERVE_MODEL_MANAGER)
+    if manager is not None and getattr(manager, "transformers", modules[0]) is not modules[0]:
+        modules.append(manager.transformers)
+    for module in modules:
+        for name, value in named.items():
+            if not hasattr(module, name):
+                setattr(module, name, value)
 
 
 def _check_init(name: str, value, schemes: tuple[str, ...]) -> None:

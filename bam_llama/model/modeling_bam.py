@@ -19,8 +19,14 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import find_packed_sequence_indices
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.models.auto import AutoModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
@@ -36,6 +42,7 @@ from .dispatch_bam import (
     default_attn_implementation,
     register_bam_attention,
 )
+from .prior_bam import PRIOR_MODULES
 from .prior_modules_bam import BamPrior, BamScalableSoftmax, apply_config_trainability
 from .sequence_parallel_bam import active_sequence_parallel
 from .triton_bam import TRITON_AVAILABLE
@@ -240,6 +247,9 @@ class BamLlamaPreTrainedModel(PreTrainedModel):
     # not moved by Accelerate's hooks: the KV cache, and the global prior module every layer gets (a module with
     # offloaded weights cannot be moved; its own call brings them in)
     _skip_keys_device_placement = ["cache", "past_key_values", "shared_prior"]
+    # The prior's and SSMax's few per-head scalars stay float32 under 16-bit loads (`dtype=torch.bfloat16`): at long
+    # distances a rounded theta_beta moves the bias by percents. `model.to(dtype)` keeps them too (`KeptInFloat32`).
+    _keep_in_fp32_modules_strict = list(PRIOR_MODULES)
     _supports_sdpa = True
     # Flash / flex / paged / Hub-kernel backends would silently drop the prior: only BAM's own implementations can be
     # selected (see `get_correct_attn_implementation`), so the model is safe as a backend and for padding-free batches.
@@ -289,7 +299,8 @@ class BamLlamaPreTrainedModel(PreTrainedModel):
                 apply_config_trainability(module, self.config, frozen_copy=".original_module" in module_name)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Save weights, config and the remote code, with an `auto_map` for AutoConfig/AutoModel/AutoModelForCausalLM."""
+        """Save weights, config and the remote code, with an `auto_map` for AutoConfig and every Auto model class
+        (`REMOTE_CODE_AUTO_MAP`)."""
         self.config.auto_map = dict(REMOTE_CODE_AUTO_MAP)
         return super().save_pretrained(save_directory, *args, **kwargs)
 
@@ -529,19 +540,56 @@ class BamLlamaForCausalLM(BamLlamaPreTrainedModel, GenerationMixin):
         )
 
 
-# Saved folders carry this code, so they load with trust_remote_code=True where bam_llama is not installed.
+# --------------------------------------------------------------------------------------------------------
+# Task heads, as Transformers writes Llama's: Transformers' generic head over a BamLlamaModel under `model`
+# --------------------------------------------------------------------------------------------------------
+
+
+class BaseModelFromAutoModel:
+    """Transformers' generic heads build their base model with `AutoModel.from_config(config)`. As Hub remote code
+    the config's class is the copy Transformers imported with the config alone (a module of its own), which AutoModel
+    does not know: it learns that BamLlamaModel is that config's model, instead of asking for trust_remote_code a
+    second time inside the head's `__init__`."""
+
+    def __init__(self, config: BamLlamaConfig):
+        AutoModel.register(type(config), BamLlamaModel, exist_ok=True)
+        super().__init__(config)
+
+
+class BamLlamaForSequenceClassification(
+    BaseModelFromAutoModel, GenericForSequenceClassification, BamLlamaPreTrainedModel
+): ...
+
+
+class BamLlamaForQuestionAnswering(BaseModelFromAutoModel, GenericForQuestionAnswering, BamLlamaPreTrainedModel): ...
+
+
+class BamLlamaForTokenClassification(BaseModelFromAutoModel, GenericForTokenClassification, BamLlamaPreTrainedModel): ...
+
+
+# The Auto class of each model. Saved folders carry this code (`auto_map`), so they load with trust_remote_code=True
+# where bam_llama is not installed; `bam_llama.registration` registers the same classes on `import bam_llama`.
+AUTO_CLASSES = {
+    "AutoModel": BamLlamaModel,
+    "AutoModelForCausalLM": BamLlamaForCausalLM,
+    "AutoModelForSequenceClassification": BamLlamaForSequenceClassification,
+    "AutoModelForTokenClassification": BamLlamaForTokenClassification,
+    "AutoModelForQuestionAnswering": BamLlamaForQuestionAnswering,
+}
 REMOTE_CODE_AUTO_MAP = {
     "AutoConfig": "configuration_bam.BamLlamaConfig",
-    "AutoModel": "modeling_bam.BamLlamaModel",
-    "AutoModelForCausalLM": "modeling_bam.BamLlamaForCausalLM",
+    **{auto_class: f"modeling_bam.{model.__name__}" for auto_class, model in AUTO_CLASSES.items()},
 }
 BamLlamaConfig.register_for_auto_class()
-BamLlamaModel.register_for_auto_class("AutoModel")
-BamLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+for auto_class, model_class in AUTO_CLASSES.items():
+    model_class.register_for_auto_class(auto_class)
 
 
 __all__ = [
     "BamLlamaForCausalLM",
+    "BamLlamaForQuestionAnswering",
+    "BamLlamaForSequenceClassification",
+    "BamLlamaForTokenClassification",
     "BamLlamaModel",
     "BamLlamaPreTrainedModel",
     "BamPrior",  # prior_modules_bam.py's, the model's building blocks: importable from here as before

@@ -30,7 +30,22 @@ def initial_prior_values(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
     return {"theta_alpha": theta_alpha, "theta_beta": theta_beta, "theta_mu": theta_mu}
 
 
-class BamPrior(nn.Module):
+class KeptInFloat32(nn.Module):
+    """A module whose floating tensors stay float32 when the model is cast to 16 bits (`model.to(torch.bfloat16)`,
+    `.half()`): moved to the new device, never rounded. Loading keeps them float32 through the model's
+    `_keep_in_fp32_modules_strict`; the attention reads them in float32 and combines the bias in its compute dtype."""
+
+    def _apply(self, fn, recurse=True):
+        def keep_float32(tensor: torch.Tensor) -> torch.Tensor:
+            converted = fn(tensor)
+            if tensor.dtype == torch.float32 and converted.dtype in (torch.float16, torch.bfloat16):
+                return tensor.to(device=converted.device)
+            return converted
+
+        return super()._apply(keep_float32, recurse)
+
+
+class BamPrior(KeptInFloat32):
     """The per-head GGD positional prior: three scalars per head.
 
     A parameter the config freezes (`train_theta_mu=False` by default) is a buffer, not a Parameter: no wrapper
@@ -44,7 +59,7 @@ class BamPrior(nn.Module):
         self.formula = config.prior_formula
         self.eps = config.prior_eps
         for name, trainable in prior_trainability(config).items():
-            _register_prior_tensor(self, name, torch.zeros(heads), trainable)
+            _register_prior_tensor(self, name, torch.zeros(heads, dtype=torch.float32), trainable)
         self.reset_parameters(config)
 
     @torch.no_grad()
@@ -74,14 +89,15 @@ class BamPrior(nn.Module):
         return f"heads={self.theta_alpha.numel()}, formula={self.formula}, eps={self.eps}"
 
 
-class BamScalableSoftmax(nn.Module):
+class BamScalableSoftmax(KeptInFloat32):
     """Scalable Softmax: row factor c_i = s_h * ln(n_i), n_i the number of keys query i sees. A scale the config
     freezes is a buffer (see `BamPrior`)."""
 
     def __init__(self, config: BamLlamaConfig):
         super().__init__()
         self.prior_scaled = config.ssmax_prior
-        _register_prior_tensor(self, SSMAX_PARAMETER, torch.zeros(config.num_attention_heads), config.train_ssmax_scale)
+        scale = torch.zeros(config.num_attention_heads, dtype=torch.float32)
+        _register_prior_tensor(self, SSMAX_PARAMETER, scale, config.train_ssmax_scale)
         self.reset_parameters(config)
 
     @torch.no_grad()

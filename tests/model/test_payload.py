@@ -98,10 +98,18 @@ def test_a_saved_folder_loads_where_bam_llama_cannot_be_imported(tmp_path):
         print("remote code OK")
         """
     )
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "remote code OK" in result.stdout
+    assert "remote code OK" in run_without_bam_llama(script, tmp_path)
     assert Path(tmp_path / "modules").is_dir()  # Transformers really imported the folder's copies
+
+
+def remote_code_environment(tmp_path) -> dict[str, str]:
+    """A subprocess's environment in which Transformers imports remote code into `tmp_path/modules`, offline."""
+    return {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+
+
+def run_without_bam_llama(script: str, tmp_path) -> str:
+    """Run `script` (which starts with HIDE_BAM_LLAMA) in a fresh Python; its stdout, once it succeeded."""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=remote_code_environment(tmp_path), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
