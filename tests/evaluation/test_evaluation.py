@@ -479,6 +479,23 @@ def test_a_bad_argument_is_named_before_any_weights_are_loaded(argv, argument, t
     assert error.startswith("bam-eval") and f"argument {argument}" in error and "Traceback" not in error
 
 
+@pytest.mark.parametrize(
+    "command, lengths, depths, length",
+    [("needles", "300", "4,300=2,300=5", 300), ("passkey", "512,1k", "4,1k=2,1024=3", 1024),
+     ("passkey", "512", "4,512=2,512=2", 512)],
+)
+def test_a_depth_plan_naming_a_length_twice_is_refused_in_one_line(command, lengths, depths, length, tmp_path, capsys):
+    """Which of 300=2 and 300=5 would win is a guess: the parser refuses the plan, naming the length (as a number of
+    tokens, so that 1k and 1024 are the same length), before any weights load."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, str(tmp_path / "no-such-model"), "--lengths", lengths, "--depths", depths])
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    error = stderr.strip().splitlines()[-1]
+    assert error.startswith(f"bam-eval {command}: error: argument --depths: ") and "Traceback" not in stderr
+    assert f"length {length} is given its depths twice" in error and "no-such-model" not in stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_on_a_machine_without_it_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
