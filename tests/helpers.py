@@ -51,6 +51,21 @@ def checkout_environment(**variables: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **variables}
 
 
+def run_within(command: list[str], limit_s: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(command, capture_output=True, text=True, timeout=limit_s): a limit wide enough for a slow,
+    busy machine. Past it the test fails saying it was a time limit and what the command was waiting for: the last
+    line it wrote to stderr (progress lines), or its start if it wrote none."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=limit_s, **kwargs)
+    except subprocess.TimeoutExpired as expired:
+        stderr = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) else expired.stderr or ""
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        waiting = f"after its last line on stderr: {lines[-1].strip()}" if lines else "at its start (nothing on stderr yet)"
+        shown = " ".join(str(part) for part in command)
+        pytest.fail(f"{shown} ran past its limit of {limit_s:g} s (a time limit, not a wrong result); it was waiting "
+                    f"{waiting}", pytrace=False)
+
+
 def require_reference_fixtures(folder: Path = FIXTURES_DIR) -> Path:
     """The reference fixtures folder. Missing, the test is skipped, except under CI=true, where it fails: CI must
     not go green without its only external ground truth."""
