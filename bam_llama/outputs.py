@@ -7,6 +7,7 @@ Light on purpose (standard library only): the commands import it before they par
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -56,7 +57,8 @@ def staged_output_dir(out_dir: Path, force: bool, inputs: Iterable[Path] = ()) -
     except OSError as error:
         raise OutputError(f"cannot create {out_dir}: {os_error_message(error)}") from None
     try:
-        yield staging
+        with disk_full_named(out_dir):
+            yield staging
         check_output_dir(out_dir, force, inputs)
         apply_umask_permissions(staging)
         move_into_place(staging, out_dir)
@@ -82,7 +84,8 @@ def staged_files(folder: Path, name: str) -> Iterator[Path]:
     except OSError as error:
         raise OutputError(f"cannot write in {folder}: {os_error_message(error)}") from None
     try:
-        yield staging
+        with disk_full_named(folder):
+            yield staging
         apply_umask_permissions(staging)
         with signals_deferred():
             for path in sorted(path for path in staging.rglob("*") if not path.is_dir()):
@@ -109,6 +112,71 @@ def os_error_message(error: OSError) -> str:
     reason = error.strerror or str(error)
     filename = error.filename if error.filename2 is None else f"{error.filename} -> {error.filename2}"
     return f"{reason} ({filename})" if filename else reason
+
+
+# --------------------------------------------------------------------------------------------------------
+# A full disk, whatever library writes: OSError(ENOSPC), which every command reports in one line (status 1)
+# --------------------------------------------------------------------------------------------------------
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+TORCH_ZIP_WRITER = "inline_container.cc"  # PyTorch's torch.save writer fails with "unexpected pos" and no errno
+NEARLY_FULL_BYTES = 1 << 20
+
+
+@contextlib.contextmanager
+def disk_full_named(path: Path) -> Iterator[None]:
+    """An error of the block that says the disk is full becomes an OSError(ENOSPC or EDQUOT) naming `path`
+    (`disk_full_error`); any other error goes through unchanged."""
+    try:
+        yield
+    except Exception as error:
+        full = disk_full_error(error, path)
+        if full is None or full is error:
+            raise
+        raise full from error
+
+
+def disk_full_error(error: BaseException, path: Path | None = None) -> OSError | None:
+    """The OSError a full disk (or quota) is, for `error` raised by any library; None for any other error.
+
+    An OSError with errno ENOSPC or EDQUOT, in `error` or its causes, is kept (given `path` if it names no file).
+    An exception whose message says so (safetensors' SafetensorError "... No space left on device (os error 28)",
+    PyTorch's "write(): fd 3 failed with No space left on device") becomes one. PyTorch's zip writer says only
+    "unexpected pos" or "file write failed": it counts as a full disk when `path`'s file system has under 1 MiB free.
+    """
+    chain = causes(error)
+    for cause in chain:
+        if isinstance(cause, OSError) and cause.errno in DISK_FULL_ERRNOS:
+            if cause.filename is not None or path is None:
+                return cause
+            return OSError(cause.errno, cause.strerror, str(path))
+        for number in DISK_FULL_ERRNOS:
+            if os.strerror(number) in str(cause):
+                return OSError(number, os.strerror(number), *([str(path)] if path is not None else []))
+    if path is not None and any(TORCH_ZIP_WRITER in str(cause) for cause in chain):
+        if free_bytes(path) < NEARLY_FULL_BYTES:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return None
+
+
+def causes(error: BaseException) -> list[BaseException]:
+    """`error`, then what it was raised from or while handling, outermost first."""
+    chain = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes (for unprivileged users) on the file system of `path` or of its nearest existing parent."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return NEARLY_FULL_BYTES  # unknown: not taken for a full disk
 
 
 def move_into_place(staging: Path, out_dir: Path) -> None:

@@ -8,7 +8,11 @@ paged kernels (`bam_llama/serving/paged_kernels.py`: paged_prefill, paged_decode
 `paged_triton.cuda_launch_configs` lists for 1 to 16 query heads per key/value head, SSMax on or off.
 
 One JSON object per compiled variant goes to --json (keys: kernel, arch, dtype, head_dim, config, compiled,
-n_regs, n_spills, shared_bytes, shared_limit, loop_instructions) and a markdown table to stdout.
+n_regs, n_spills, shared_bytes, shared_limit, loop_instructions) and a markdown table to stdout; each variant is
+named on stderr before it compiles. --check makes the result a verdict: exit status 1 when a variant does not
+compile, spills registers or exceeds the shared memory limit (.ci/gpu-readiness runs it so on every bf16 launch at
+head sizes 64 and 128). --sample compiles only the first launch the launcher lists for each kernel (the suite's
+tests/project/test_gpu_readiness.py); --list prints the variants as JSON lines and compiles nothing.
 
 - n_spills is what `CompiledKernel.n_spills` reports on a GPU: the local memory per thread (ptxas' stack frame)
   in 4-byte words. ptxas' spill stores are in the same place (any spill needs a stack frame).
@@ -20,6 +24,7 @@ n_regs, n_spills, shared_bytes, shared_limit, loop_instructions) and a markdown 
 
     python benchmarks/gpu_readiness.py --arch 90 80 --json benchmarks/results/gpu-readiness.jsonl
     python benchmarks/gpu_readiness.py --dtype bf16 --head-dim 128 --kernel forward dq
+    python benchmarks/gpu_readiness.py --dtype bf16 --head-dim 64 128 --check     # .ci/gpu-readiness
 """
 
 from __future__ import annotations
@@ -156,7 +161,8 @@ def matrix(args):
     for kind in args.kernel:
         for dtype_name in args.dtype:
             for head_dim in args.head_dim:
-                for config in launch_configs(kind, head_dim, DTYPES[dtype_name]):
+                configs = launch_configs(kind, head_dim, DTYPES[dtype_name])
+                for config in configs[:1] if args.sample else configs:
                     for flag_name in args.flags:
                         kernel = kernels[names[kind]]
                         if flag_name == "baseline" and "HAS_PRIOR" not in kernel.arg_names:
@@ -175,7 +181,10 @@ def readiness_rows(args):
 
     knobs.nvidia.dump_ptxas_log = True  # the register / stack report, printed by make_cubin
     knobs.compilation.always_compile = True  # a cache hit would skip ptxas and its report
-    for kind, kernel, dtype_name, head_dim, config, constants, label, arch in matrix(args):
+    variants = list(matrix(args))
+    for number, (kind, kernel, dtype_name, head_dim, config, constants, label, arch) in enumerate(variants, 1):
+        print(f"[{number}/{len(variants)}] compiling {kind} for sm_{arch}, {dtype_name}, head size {head_dim}: {label}",
+              file=sys.stderr, flush=True)
         row = dict(kernel=kind, arch=f"sm_{arch}", dtype=dtype_name, head_dim=head_dim, config=label,
                    compiled=False, n_regs=None, n_spills=None, shared_bytes=None, shared_limit=SHARED_LIMIT[arch],
                    loop_instructions=None)
@@ -202,6 +211,18 @@ def per_score(loops: list[int], config) -> str:
     return "/".join(f"{n * threads / (rows * meta['BLOCK_N']):.1f}" for n in loops)
 
 
+def failures(rows) -> list[dict]:
+    """The variants a GPU could not run as launched: not compiled, registers spilled, or too much shared memory."""
+    return [row for row in rows
+            if not row["compiled"] or row["n_spills"] != 0 or row["shared_bytes"] > row["shared_limit"]]
+
+
+def listed_variants(args) -> list[dict]:
+    """The variants `readiness_rows` would compile, without compiling them."""
+    return [dict(kernel=kind, arch=f"sm_{arch}", dtype=dtype_name, head_dim=head_dim, config=label)
+            for kind, _, dtype_name, head_dim, _, _, label, arch in matrix(args)]
+
+
 def markdown(rows) -> str:
     header = ["kernel", "arch", "dtype", "d", "config", "compiled", "regs", "spills", "shared", "limit",
               "loop insts", "insts/score"]
@@ -225,6 +246,11 @@ def parse_args(argv=None):
                         help="flag sets: 'all' turns on padding, documents and every gradient (the most registers), "
                              "'none' turns them off, 'baseline' also drops the prior (kernels that can)")
     parser.add_argument("--json", type=Path, help="write one JSON object per compiled variant to this file")
+    parser.add_argument("--sample", action="store_true",
+                        help="only the first launch configuration of each kernel, head size and dtype")
+    parser.add_argument("--check", action="store_true",
+                        help="exit with status 1 if a variant does not compile, spills or exceeds the shared memory")
+    parser.add_argument("--list", action="store_true", help="print the variants as JSON lines; compile nothing")
     return parser.parse_args(argv)
 
 
@@ -235,6 +261,9 @@ def main(argv=None) -> int:
     except ImportError:
         print("gpu_readiness: the `triton` package is not installed", file=sys.stderr)
         return 2
+    if args.list:
+        print("\n".join(json.dumps(variant) for variant in listed_variants(args)))
+        return 0
     start = time.time()
     rows = list(readiness_rows(args))
     elapsed = time.time() - start
@@ -249,6 +278,11 @@ def main(argv=None) -> int:
         os.replace(handle.name, args.json)
     print(markdown(rows))
     print(f"\n{len(rows)} variants compiled in {elapsed:.0f} s; triton {__import__('triton').__version__}")
+    if args.check and failures(rows):
+        for row in failures(rows):
+            print(f"gpu_readiness: not ready: {json.dumps({key: row.get(key) for key in (*KEYS, 'error')})}",
+                  file=sys.stderr)
+        return 1
     return 0
 
 

@@ -7,7 +7,10 @@ import contextlib
 import errno
 import os
 import re
+import shutil
 import signal
+import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -46,6 +49,21 @@ def checkout_environment(**variables: str) -> dict[str, str]:
     """os.environ for a subprocess that must import this checkout's bam_llama (first on PYTHONPATH)."""
     path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, **variables}
+
+
+def run_within(command: list[str], limit_s: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(command, capture_output=True, text=True, timeout=limit_s): a limit wide enough for a slow,
+    busy machine. Past it the test fails saying it was a time limit and what the command was waiting for: the last
+    line it wrote to stderr (progress lines), or its start if it wrote none."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=limit_s, **kwargs)
+    except subprocess.TimeoutExpired as expired:
+        stderr = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) else expired.stderr or ""
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        waiting = f"after its last line on stderr: {lines[-1].strip()}" if lines else "at its start (nothing on stderr yet)"
+        shown = " ".join(str(part) for part in command)
+        pytest.fail(f"{shown} ran past its limit of {limit_s:g} s (a time limit, not a wrong result); it was waiting "
+                    f"{waiting}", pytrace=False)
 
 
 def require_reference_fixtures(folder: Path = FIXTURES_DIR) -> Path:
@@ -148,17 +166,46 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {path.relative_to(folder).as_posix(): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
 
 
-def disk_full_after_half(write):
+def disk_full_after_half(write, error=None):
     """A stand-in for a file writer `write(self_or_path, path, ...)`: writes half of what the real one writes, then
-    raises ENOSPC naming the file, as a full disk does."""
+    raises ENOSPC naming the file, as a full disk does, or `error` (e.g. the SafetensorError safetensors raises)."""
 
     def write_half_then_fail(target, path, *args, **kwargs):
         write(target, path, *args, **kwargs)
         data = Path(path).read_bytes()
         Path(path).write_bytes(data[: len(data) // 2])
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        raise error or OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     return write_half_then_fail
+
+
+# How safetensors (a Rust library) says the disk is full: no OSError, no errno attribute, only the message.
+SAFETENSORS_DISK_FULL_MESSAGES = [
+    "Error while serializing: I/O error: No space left on device (os error 28)",  # 0.8, on a full tmpfs
+    'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })',  # older
+]
+
+
+@contextlib.contextmanager
+def small_tmpfs(parent: Path, size: str):
+    """A tmpfs of `size` mounted at parent/disk, or a skip where this machine does not let the suite mount one."""
+    mount_point = parent / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", f"bam-test-{uuid.uuid4().hex[:8]}",
+                              str(mount_point)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root, or no mount rights): the injected ENOSPC tests stand in")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def fill(folder: Path, leave: int) -> None:
+    """Fill the file system of `folder` until about `leave` bytes are free."""
+    free = shutil.disk_usage(folder).free - leave
+    if free > 0:
+        (folder / "filler").write_bytes(b"\0" * free)
 
 
 @contextlib.contextmanager

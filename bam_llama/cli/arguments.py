@@ -65,7 +65,7 @@ def length_list(text: str) -> list[int]:
 
 def depth_plan(text: str):
     """`"20"` -> 20 depths at every length; `"20,32k=10,64k=4"` -> 20, but 10 at 32768 tokens and 4 at 65536 (a
-    `DepthPlan`; `k` means 1024)."""
+    `DepthPlan`; `k` means 1024). A length named twice (`300=2,300=5`, or `1k=2,1024=5`) is refused."""
 
     default, *overrides = [part.strip() for part in text.split(",")]
     by_length = {}
@@ -76,6 +76,10 @@ def depth_plan(text: str):
         lengths = length_list(length)
         if len(lengths) != 1:
             raise argparse.ArgumentTypeError(f"{item!r}: one length per LENGTH=N")
+        if lengths[0] in by_length:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: length {lengths[0]} is given its depths twice in {text!r}; name each length once"
+            )
         by_length[lengths[0]] = positive_int(count)
     return DepthPlan(positive_int(default), by_length)
 

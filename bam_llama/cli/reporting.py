@@ -1,7 +1,8 @@
 """How every command stops: one line on stderr and an exit status, never a traceback.
 
     2    bad input: a setting, a file or folder that is missing or not writable, weights that are not finite
-    1    a failure while running: a full disk or another I/O error, a training loss that diverged
+    1    a failure while running: a full disk (whatever library wrote) or another I/O error, a training loss that
+         diverged
     130  Ctrl-C (KeyboardInterrupt); SIGTERM is SystemExit(143) (`outputs.exit_on_sigterm`)
 
 Outputs are staged (`outputs.py`), so whatever stops a command leaves no partial file and keeps earlier results.
@@ -9,7 +10,7 @@ Outputs are staged (`outputs.py`), so whatever stops a command leaves no partial
 
 import sys
 
-from ..outputs import os_error_message
+from ..outputs import disk_full_error, os_error_message
 from ..first_screen import keep_first_screen_quiet
 
 PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
@@ -31,6 +32,11 @@ def run_reported(prog: str, function, *args, bad_input: tuple = (ValueError,), f
         return report(prog, str(error), 1)
     except bad_input as error:
         return report(prog, str(error), 2)
+    except Exception as error:  # a full disk another library reports its own way (outputs.disk_full_error)
+        full = disk_full_error(error)
+        if full is None:
+            raise
+        return report(prog, os_error_message(full), 1)
     return 0
 
 

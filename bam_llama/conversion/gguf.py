@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from ..outputs import leftover_prefix
+from ..outputs import disk_full_named, leftover_prefix
 from .common import ConversionError, dtype_name, print_nothing
 from .llama import convert_llama_checkpoint
 from .options import DEFAULT_MAX_SHARD_SIZE
@@ -135,7 +135,8 @@ def convert_gguf_checkpoint(
     work_parent = out_dir.parent if out_dir.parent.is_dir() else None
     with tempfile.TemporaryDirectory(prefix=leftover_prefix(out_dir), suffix=".work", dir=work_parent) as work:
         llama_dir = Path(work) / "llama"
-        dequantize_to_llama_folder(gguf_path, llama_dir, weights_dtype)
+        with disk_full_named(out_dir):  # the scratch folder lies beside it
+            dequantize_to_llama_folder(gguf_path, llama_dir, weights_dtype)
         return convert_llama_checkpoint(
             llama_dir,
             out_dir,

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from ..data.tokenizers import encode
 from . import plots
 from .decoding import check_positive, model_device, with_cache
+from .memory_needs import check_lengths_fit
 
 
 @dataclass
@@ -124,6 +125,7 @@ def evaluate_perplexity(
         context_lengths=min(context_lengths, default=0), window=window, chunk_size=chunk_size,
         max_sequences=1 if max_sequences is None else max_sequences,
     )
+    check_lengths_fit(model, context_lengths, chunk_size)  # before any sequence is cut
     stream = token_stream(tokenizer, text_or_token_ids)
     bos = [tokenizer.bos_token_id] if add_bos and tokenizer is not None and tokenizer.bos_token_id is not None else []
     device = model_device(model)

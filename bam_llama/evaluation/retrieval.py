@@ -19,6 +19,7 @@ from .costs import measured
 from .decoding import check_positive, greedy_and_teacher_forced, greedy_continuation, model_device
 from .depth_plan import DepthPlan, uniform_depths
 from .intervals import interval_text
+from .memory_needs import check_lengths_fit
 
 
 @dataclass
@@ -71,6 +72,7 @@ def run_retrieval(
     a chunked prefill, and `is_correct(decoded answer, case)`; a case with a `forced_answer` is also scored
     teacher-forced after the same prefill. Each length is timed and its peak memory measured."""
     check_positive(lengths=min(lengths, default=0), chunk_size=chunk_size)
+    check_lengths_fit(model, lengths, chunk_size)  # before any prompt is built
     model.eval()
     rows = RetrievalRows()
     bar = tqdm(total=sum(plan.count(length) for length in lengths), desc=description, disable=not progress)

@@ -18,7 +18,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from ..data.packing import IGNORE_INDEX, collate_packed_rows
 from ..model.prior_bam import is_prior_parameter, is_ssmax_parameter
 from ..model_folders import check_finite_loss
-from ..outputs import move_into_place, signals_deferred
+from ..outputs import disk_full_named, move_into_place, signals_deferred
 from .distributed import parallel_training_arguments
 from .lock import STAGED_CHECKPOINT
 
@@ -84,7 +84,8 @@ class BamTrainer(Trainer):
         staging = run_dir / STAGED_CHECKPOINT.format(name)
         self._checkpoint_staging = staging
         try:
-            super()._save_checkpoint(model, trial)  # into staging / name; rotates nothing there
+            with disk_full_named(run_dir / name):
+                super()._save_checkpoint(model, trial)  # into staging / name; rotates nothing there
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
                 move_into_place(staging / name, run_dir / name)

@@ -8,16 +8,13 @@ mount one (root with mount rights), a real 1 MiB tmpfs. An unwritable folder is 
 PermissionError when the tests run as root (root writes anyway).
 """
 
-import contextlib
 import json
 import shutil
-import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import disk_full_after_half, one_error_line, snapshot, tiny_model, unwritable
+from helpers import SAFETENSORS_DISK_FULL_MESSAGES, disk_full_after_half, fill, one_error_line, small_tmpfs, snapshot, tiny_model, unwritable
 from huggingface_hub import ModelCard
 from matplotlib.figure import Figure
 from safetensors.torch import load_file, save_file
@@ -152,28 +149,6 @@ def test_a_full_disk_keeps_the_earlier_card_and_plots(model_dir, tmp_path, monke
     assert snapshot(model_dir) == before  # the old README.md and the old plot, nothing half-copied
 
 
-@contextlib.contextmanager
-def small_tmpfs(parent: Path, size: str):
-    """A tmpfs of `size` mounted at parent/disk, or a skip where this machine does not let the suite mount one."""
-    mount_point = parent / "disk"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", f"bam-test-{uuid.uuid4().hex[:8]}",
-                              str(mount_point)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (not root, or no mount rights): the injected ENOSPC tests stand in")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
-
-
-def fill(folder: Path, leave: int) -> None:
-    """Fill the file system of `folder` until about `leave` bytes are free."""
-    free = shutil.disk_usage(folder).free - leave
-    if free > 0:
-        (folder / "filler").write_bytes(b"\0" * free)
-
-
 def test_a_real_full_disk_keeps_the_earlier_results_and_card(saved_model, tmp_path, capsys):
     with small_tmpfs(tmp_path, "2m") as disk:
         model_dir = Path(shutil.copytree(saved_model, disk / "tiny-bam"))
@@ -188,6 +163,26 @@ def test_a_real_full_disk_keeps_the_earlier_results_and_card(saved_model, tmp_pa
         status, stderr = run_command(card_cli.main, [str(model_dir), "--description", "x" * 8192], capsys)
         assert status in (1, 2) and "No space left on device" in one_error_line(stderr, "bam-card")
         assert {"results": snapshot(out), "model": snapshot(model_dir)} == before
+
+
+def test_a_full_disk_no_staged_output_named_is_still_one_line_and_a_bug_still_a_traceback(capsys):
+    """reporting's last net, for a writer outside the staged outputs: a library's own full-disk error is status 1
+    and one line; an error that says nothing of the disk is not swallowed."""
+    from safetensors import SafetensorError
+
+    from bam_llama.cli.reporting import run_reported
+
+    def write():
+        raise SafetensorError(SAFETENSORS_DISK_FULL_MESSAGES[1])
+
+    assert run_reported("bam-x", write) == 1
+    assert one_error_line(capsys.readouterr().err, "bam-x") == "bam-x: error: No space left on device"
+
+    def bug():
+        raise RuntimeError("unexpected pos 576 vs 534")
+
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        run_reported("bam-x", bug)
 
 
 # ------------------------------------------------------------------------------------------ an unwritable folder

@@ -1,6 +1,7 @@
 """Staged outputs under interruption: SIGTERM, SIGKILL and crashes between the two renames of a replace, sent to
 real subprocesses; and the stale leftovers of killed runs, cleaned (or put back) by the next run."""
 
+import errno
 import os
 import signal
 import subprocess
@@ -8,12 +9,13 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from helpers import checkout_environment
+from helpers import SAFETENSORS_DISK_FULL_MESSAGES, checkout_environment, fill, small_tmpfs
 
 from bam_llama import outputs as io_bam
-from bam_llama.outputs import OutputError, check_output_dir, staged_output_dir
+from bam_llama.outputs import OutputError, check_output_dir, staged_files, staged_output_dir
 
 # Writes OUT/content.txt through staged_output_dir. ACTION "wait" stops inside the staging block (prints
 # "staged"); "kill-after-rename-N" / "term-after-rename-N" send SIGKILL / SIGTERM to itself right after the N-th
@@ -241,3 +243,100 @@ def test_the_staged_files_of_a_killed_run_are_removed_by_the_next_run(tmp_path, 
         (staging / "result.json").write_text("whole")
     assert (tmp_path / "result.json").read_text() == "whole" and hidden_leftovers(tmp_path) == []
     assert f"removed {leftover.name}" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------- a full disk, however a library says so
+
+NO_SPACE, QUOTA = "No space left on device", "Disk quota exceeded"  # Linux's strerror(ENOSPC), strerror(EDQUOT)
+TORCH_ZIP_WRITER_FAILURE = "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"  # on a full tmpfs
+
+
+def raised_from(error: BaseException, cause: BaseException) -> BaseException:
+    error.__cause__ = cause
+    return error
+
+
+def safetensors_error(message: str) -> BaseException:
+    from safetensors import SafetensorError
+
+    return SafetensorError(message)
+
+
+def stage_then_raise(kind: str, out: Path, error: BaseException, write=None) -> None:
+    """Write into a staged output (`kind`: a whole folder, or files in a shared folder) and fail with `error`."""
+    stager = staged_output_dir(out, force=True) if kind == "folder" else staged_files(out, "results")
+    with stager as staging:
+        (staging / "half.bin").write_bytes(b"half")
+        if write is not None:
+            write(staging)
+        raise error
+
+
+@pytest.mark.parametrize("kind", ["folder", "files"])
+@pytest.mark.parametrize(
+    "error, errno_, reported",
+    [
+        *[pytest.param(lambda message=message: safetensors_error(message), errno.ENOSPC, f"{NO_SPACE} (OUT)",
+                       id=f"safetensors-{index}") for index, message in enumerate(SAFETENSORS_DISK_FULL_MESSAGES)],
+        pytest.param(lambda: RuntimeError(f"write(): fd 3 failed with {NO_SPACE}"), errno.ENOSPC, f"{NO_SPACE} (OUT)",
+                     id="torch-legacy-format"),
+        pytest.param(lambda: OSError(errno.ENOSPC, NO_SPACE), errno.ENOSPC, f"{NO_SPACE} (OUT)", id="no-file-named"),
+        pytest.param(lambda: OSError(errno.ENOSPC, NO_SPACE, "/elsewhere/x.bin"), errno.ENOSPC,
+                     f"{NO_SPACE} (/elsewhere/x.bin)", id="file-named"),
+        pytest.param(lambda: OSError(errno.EDQUOT, QUOTA), errno.EDQUOT, f"{QUOTA} (OUT)", id="quota"),
+        pytest.param(lambda: safetensors_error(f"Error while serializing: I/O error: {QUOTA} (os error 122)"),
+                     errno.EDQUOT, f"{QUOTA} (OUT)", id="safetensors-quota"),
+        pytest.param(lambda: raised_from(RuntimeError("saving the model failed"), OSError(errno.ENOSPC, NO_SPACE)),
+                     errno.ENOSPC, f"{NO_SPACE} (OUT)", id="raised-from"),
+    ],
+)
+def test_a_full_disk_is_one_os_error_naming_the_output_whatever_library_said_it(tmp_path, kind, error, errno_, reported):
+    """Every command reports an OSError in one line (status 1): a full disk becomes one, with the output's name when
+    the library named no file, and the earlier output stays."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "earlier.txt").write_text("earlier")
+    with pytest.raises(OSError) as raised:
+        stage_then_raise(kind, out, error())
+    assert raised.value.errno == errno_
+    assert io_bam.os_error_message(raised.value) == reported.replace("OUT", str(out))
+    assert sorted(os.listdir(tmp_path)) == ["out"] and sorted(os.listdir(out)) == ["earlier.txt"]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [ValueError("a bad value"), RuntimeError("CUDA out of memory"), OSError(errno.EIO, "Input/output error"),
+     RuntimeError(TORCH_ZIP_WRITER_FAILURE), KeyboardInterrupt()],
+    ids=["value", "memory", "eio", "torch-zip-writer-with-room", "ctrl-c"],
+)
+def test_other_errors_pass_through_staged_outputs_unchanged(tmp_path, error):
+    """PyTorch's zip writer names no reason: with room on the disk it is not taken for a full one."""
+    for kind in ("folder", "files"):
+        with pytest.raises(type(error)) as raised:
+            stage_then_raise(kind, tmp_path / kind, error)
+        assert raised.value is error
+
+
+def test_pytorch_s_zip_writer_failing_on_a_nearly_full_disk_is_a_full_disk(tmp_path, monkeypatch):
+    """torch.save's writer fails with "unexpected pos" and no errno: with under 1 MiB free it is a full disk."""
+    nearly_full = SimpleNamespace(total=2**30, used=2**30 - 4096, free=4096)
+    monkeypatch.setattr(io_bam.shutil, "disk_usage", lambda path: nearly_full)
+    with pytest.raises(OSError) as raised:
+        stage_then_raise("folder", tmp_path / "out", RuntimeError(TORCH_ZIP_WRITER_FAILURE))
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "out")
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_torch_save_on_a_real_full_disk_is_a_full_disk(tmp_path, legacy):
+    """Where the suite may mount a tmpfs: torch.save into a staged output on a full one, in both of its formats."""
+    import torch
+
+    with small_tmpfs(tmp_path, "1m") as disk:
+        (disk / "out").mkdir()
+        fill(disk, leave=64 * 1024)
+        with pytest.raises(OSError) as raised:
+            stage_then_raise("folder", disk / "out", RuntimeError("not reached"),
+                             write=lambda staging: torch.save(torch.zeros(2**17), staging / "model.pt",
+                                                              _use_new_zipfile_serialization=not legacy))
+        assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(disk / "out")
+        assert sorted(os.listdir(disk)) == ["filler", "out"] and os.listdir(disk / "out") == []

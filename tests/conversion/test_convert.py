@@ -1,4 +1,5 @@
 import json
+import os
 import re
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -7,11 +8,14 @@ import pytest
 import torch
 from helpers import (
     FIXTURES_DIR,
+    SAFETENSORS_DISK_FULL_MESSAGES,
     checkout_environment,
     default_sigint,
     disk_full_after_half,
+    fill,
     one_error_line,
     require_reference_fixtures,
+    small_tmpfs,
     snapshot,
     unwritable,
 )
@@ -735,6 +739,56 @@ def test_a_full_disk_during_a_conversion_keeps_the_earlier_output(tiny_llama, tm
     assert main(["llama", str(llama_dir), str(out), "--force", "--prior", "alibi"]) == 1
     assert "No space left on device" in one_error_line(capsys.readouterr().err, "bam-convert")
     assert snapshot(tmp_path / "out") == before  # the earlier conversion, and no staging folder beside it
+
+
+@pytest.mark.parametrize("message", SAFETENSORS_DISK_FULL_MESSAGES)
+def test_a_full_disk_that_safetensors_reports_its_own_way_is_one_line_and_keeps_the_earlier_output(
+    tiny_llama, tmp_path, monkeypatch, capsys, message
+):
+    """safetensors raises SafetensorError, not OSError: it is still a full disk, status 1, one line naming the
+    output, and the earlier conversion stays (issue 47: it ended in a traceback)."""
+    from safetensors import SafetensorError
+
+    llama_dir, _ = tiny_llama
+    out = tmp_path / "out" / "bam"
+    assert main(["llama", str(llama_dir), str(out)]) == 0
+    before = snapshot(tmp_path / "out")
+    monkeypatch.setattr("bam_llama.conversion.writing.save_file", disk_full_after_half(save_file, SafetensorError(message)))
+    capsys.readouterr()
+    assert main(["llama", str(llama_dir), str(out), "--force", "--prior", "alibi"]) == 1
+    line = one_error_line(capsys.readouterr().err, "bam-convert")
+    assert line == f"bam-convert: error: No space left on device ({out.resolve()})"
+    assert snapshot(tmp_path / "out") == before
+
+
+def test_a_real_disk_with_room_for_one_copy_refuses_a_forced_conversion_in_one_line(tiny_llama, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """A tmpfs (where the suite may mount one) holding one conversion and less than one shard of free space: the
+    --force conversion fails in safetensors' own writer, in one line, status 1; the earlier output stays whole."""
+    from bam_llama.conversion import writing
+
+    llama_dir, _ = tiny_llama
+    raised = []
+
+    def save_file_recorded(*args, **kwargs):
+        try:
+            return save_file(*args, **kwargs)
+        except Exception as error:
+            raised.append(type(error).__name__)
+            raise
+
+    with small_tmpfs(tmp_path, "2m") as disk:
+        out = disk / "bam"
+        assert main(["llama", str(llama_dir), str(out), "--max-shard-size", "30KB"]) == 0
+        before = snapshot(out)
+        fill(disk, leave=8 * 1024)  # less than one 30 KB shard
+        monkeypatch.setattr(writing, "save_file", save_file_recorded)
+        capsys.readouterr()
+        assert main(["llama", str(llama_dir), str(out), "--force", "--max-shard-size", "30KB"]) == 1
+        line = one_error_line(capsys.readouterr().err, "bam-convert")
+        assert raised == ["SafetensorError"], raised  # the real library's error, not an injected one
+        assert line == f"bam-convert: error: No space left on device ({out})"
+        assert snapshot(out) == before and sorted(os.listdir(disk)) == ["bam", "filler"]
 
 
 def test_an_unwritable_output_folder_is_one_line_for_llama_and_gguf_sources(tiny_llama, tmp_path, monkeypatch, capsys):

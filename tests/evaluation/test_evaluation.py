@@ -1,4 +1,5 @@
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -6,7 +7,7 @@ from pathlib import Path
 import pytest
 import reference
 import torch
-from helpers import randomize_prior
+from helpers import one_error_line, randomize_prior
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
@@ -477,6 +478,114 @@ def test_a_bad_argument_is_named_before_any_weights_are_loaded(argv, argument, t
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("bam-eval") and f"argument {argument}" in error and "Traceback" not in error
+
+
+@pytest.mark.parametrize(
+    "command, lengths, depths, length",
+    [("needles", "300", "4,300=2,300=5", 300), ("passkey", "512,1k", "4,1k=2,1024=3", 1024),
+     ("passkey", "512", "4,512=2,512=2", 512)],
+)
+def test_a_depth_plan_naming_a_length_twice_is_refused_in_one_line(command, lengths, depths, length, tmp_path, capsys):
+    """Which of 300=2 and 300=5 would win is a guess: the parser refuses the plan, naming the length (as a number of
+    tokens, so that 1k and 1024 are the same length), before any weights load."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, str(tmp_path / "no-such-model"), "--lengths", lengths, "--depths", depths])
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    error = stderr.strip().splitlines()[-1]
+    assert error.startswith(f"bam-eval {command}: error: argument --depths: ") and "Traceback" not in stderr
+    assert f"length {length} is given its depths twice" in error and "no-such-model" not in stderr
+
+
+# ------------------------------------------------------------------------------- lengths that cannot fit in memory
+
+NEVER_FITS = 10**12  # tokens: 512 TB of KV cache for the tiny model below, on any machine
+
+
+def forbidden(what):
+    def build(*args, **kwargs):
+        raise AssertionError(f"{what} was built for a length that cannot fit in memory")
+
+    return build
+
+
+@pytest.mark.parametrize("command", ["passkey", "needles", "perplexity"])
+def test_a_length_that_cannot_fit_in_memory_is_refused_in_one_line_before_anything_is_built(
+    command, saved_model, tmp_path, monkeypatch, capsys
+):
+    """bam-eval passkey --lengths 400000000 built its prompt first and died of a MemoryError (issue 47). The tiny
+    model's KV cache is 2 (keys, values) x 2 layers x 4 KV heads x 8 dims x 4 bytes = 512 bytes a token."""
+    from bam_llama.evaluation import needles, passkey, perplexity
+
+    monkeypatch.setattr(passkey, "build_passkey_prompt", forbidden("a passkey prompt"))
+    monkeypatch.setattr(needles, "build_needle_prompt", forbidden("a needle prompt"))
+    monkeypatch.setattr(perplexity, "token_stream", forbidden("a token stream"))
+    text = tmp_path / "text.txt"
+    text.write_text("A line of text. " * 200)
+    extra = {"passkey": [], "needles": ["--tasks", "multikey", "--haystack", str(text), "--depths", "2"],
+             "perplexity": ["--data", str(text)]}[command]
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, str(saved_model), "--lengths", f"300,{NEVER_FITS}", *extra, "--device", "cpu", "--quiet"])
+    assert exit_info.value.code == 2
+    line = one_error_line(capsys.readouterr().err, f"bam-eval {command}")
+    assert f"length {NEVER_FITS} cannot fit in memory" in line
+    assert f"KV cache {512 * NEVER_FITS:,}" in line and "bytes" in line and "are available" in line
+
+
+def token_need(kv_bytes_per_token: int, length: int, chunk_size: int, vocab_size: int = 259) -> dict:
+    """The documented lower bound, written out: KV cache, token ids (a list, two joined copies, an int64 tensor),
+    one chunk's float32 logits."""
+    return {"kv": kv_bytes_per_token * length, "ids": (3 * 8 + 8) * length, "logits": min(chunk_size, length) * vocab_size * 4}
+
+
+@pytest.mark.parametrize("dtype, kv_bytes_per_token", [(torch.float32, 2 * 2 * 2 * 8 * 4), (torch.bfloat16, 2 * 2 * 2 * 8 * 2)])
+@pytest.mark.parametrize("chunk_size", [64, 1024])
+def test_a_length_fits_up_to_the_last_byte_available(monkeypatch, dtype, kv_bytes_per_token, chunk_size):
+    """Grouped heads (2 KV heads for 4 query heads), the model's dtype and the chunk's logits, against the host's
+    available bytes: exactly enough is accepted, one byte less refused. A length 4,000 times the model's declared
+    context stays allowed (extrapolation is what the evaluation measures)."""
+    from bam_llama.evaluation import memory_needs
+    from bam_llama.evaluation.memory_needs import LengthDoesNotFit, check_lengths_fit
+
+    model = tiny_bam(num_key_value_heads=2, max_position_embeddings=64).to(dtype)
+    length = 64 * 4000
+    need = token_need(kv_bytes_per_token, length, chunk_size)
+    total = sum(need.values())
+    monkeypatch.setattr(memory_needs, "available_host_bytes", lambda: total)
+    check_lengths_fit(model, [300, length], chunk_size)
+    monkeypatch.setattr(memory_needs, "available_host_bytes", lambda: total - 1)
+    with pytest.raises(LengthDoesNotFit) as refused:
+        check_lengths_fit(model, [300, length, 2 * length], chunk_size)
+    message = str(refused.value)
+    assert message.startswith(f"length {length} cannot fit in memory: it needs at least {total:,} bytes")
+    assert f"KV cache {need['kv']:,}, token ids {need['ids']:,}, logits of a chunk {need['logits']:,}" in message
+    assert f"and {total - 1:,} bytes" in message
+
+
+def test_on_cuda_the_cache_and_logits_are_the_device_s_and_the_ids_the_host_s(monkeypatch):
+    from bam_llama.evaluation import memory_needs
+    from bam_llama.evaluation.memory_needs import LengthDoesNotFit, check_lengths_fit
+
+    model, length = tiny_bam(num_key_value_heads=2), 10**6
+    need = token_need(2 * 2 * 2 * 8 * 4, length, 1024)
+    monkeypatch.setattr(memory_needs, "model_device", lambda model: torch.device("cuda", 0))
+    room = {"cuda": need["kv"] + need["logits"], "host": need["ids"]}
+    monkeypatch.setattr(memory_needs, "available_bytes", lambda place, device: room[place])
+    check_lengths_fit(model, [length], 1024)
+    for place, less in (("cuda", "the cuda:0"), ("host", "the host")):
+        room[place] -= 1
+        with pytest.raises(LengthDoesNotFit, match=f"on {less} "):
+            check_lengths_fit(model, [length], 1024)
+        room[place] += 1
+
+
+def test_the_host_s_available_memory_is_positive_and_at_most_its_physical_memory():
+    from bam_llama.evaluation.memory_needs import available_host_bytes
+
+    available = available_host_bytes()
+    if available is None:
+        pytest.skip("this system reports no available memory")
+    assert 0 < available <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -65,3 +65,14 @@ def test_ci_installs_and_tests_exactly_what_the_readme_says():
     installs = subprocess.run(["bash", "-c", extract_installs.replace("\\\n", "").replace('"$repo/README.md"', "README.md")],
                               cwd=root, capture_output=True, text=True, check=True).stdout.split("\n")
     assert [line for line in installs if line] == [line for line in commands if line.startswith("pip install")]
+
+
+def test_ci_compiles_every_kernel_launch_after_the_suite_within_a_budget_of_its_own():
+    """The suite compiles a sample of the Triton launches (tests/project/test_gpu_readiness.py); .ci/run then runs
+    .ci/gpu-readiness, which compiles all of them with --check (a failure is CI's) under its own time limit."""
+    root = Path(__file__).resolve().parents[2]
+    run = (root / ".ci" / "run").read_text()
+    assert run.index('eval "$test_command') < run.index("bash .ci/gpu-readiness") < run.index("bash .ci/oldest-transformers")
+    step = (root / ".ci" / "gpu-readiness").read_text()
+    command = next(line for line in step.splitlines() if "benchmarks/gpu_readiness.py" in line and "timeout" in line)
+    assert "--check" in command and "--sample" not in command and '--head-dim 64 128' in command

@@ -139,6 +139,8 @@ def test_a_lock_file_deleted_under_its_holder_stops_it_before_it_writes_and_is_n
     a third run is still refused."""
     with hold_output_dir(tmp_path, "first") as first:
         (tmp_path / LOCK_NAME).unlink()
+        with pytest.raises(OutputDirInUse, match="was removed while this run held"):
+            first.ensure_held()  # no second run yet: a lock file that is gone protects nothing already
         with hold_output_dir(tmp_path, "second") as second:
             with pytest.raises(OutputDirInUse, match=rf"the lock file {tmp_path / LOCK_NAME} was removed while this run held"):
                 first.ensure_held()
@@ -185,6 +187,39 @@ def test_a_lock_file_replaced_between_open_and_lock_is_retried(tmp_path, monkeyp
                 pytest.fail("two runs held the folder")
     finally:
         os.close(taken[0])
+
+
+def open_descriptors():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc/self/fd")
+def test_a_lock_file_deleted_between_open_and_lock_is_retried_on_a_file_at_the_path(tmp_path, monkeypatch):
+    """A releasing holder unlinks its file between this run's open and its lock, and no other run takes the folder:
+    the lock this run gets is on a file no path names, which a second run would never see. The run must notice,
+    close that descriptor and lock a new file at the path, so that a second run is refused."""
+    from bam_llama.training import lock
+
+    real_flock, deleted = lock.fcntl.flock, []
+
+    def flock(descriptor, operation):
+        if not deleted:  # the first attempt only: the file is unlinked just before it is locked
+            (tmp_path / LOCK_NAME).unlink()
+            deleted.append(descriptor)
+        return real_flock(descriptor, operation)
+
+    monkeypatch.setattr(lock.fcntl, "flock", flock)
+    descriptors = open_descriptors()
+    with hold_output_dir(tmp_path, "late") as hold:
+        assert len(deleted) == 1
+        assert '"command": "late"' in (tmp_path / LOCK_NAME).read_text()  # the holder wrote into the file at the path
+        assert open_descriptors() == descriptors + 1  # the orphan's descriptor was closed, the new one is held
+        hold.ensure_held()
+        with pytest.raises(OutputDirInUse, match=rf"\(late, pid {os.getpid()} on "):
+            with hold_output_dir(tmp_path, "second"):
+                pytest.fail("a second run held the folder: the first run's lock was on a deleted file")
+    assert open_descriptors() == descriptors
+    assert not (tmp_path / LOCK_NAME).exists()
 
 
 def test_a_checkpoint_a_killed_run_was_writing_is_removed_by_the_next_holder(tmp_path, capsys):
