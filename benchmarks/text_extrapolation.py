@@ -4,7 +4,11 @@
 Models trained by `bam-pretrain` (its Python API) with one recipe at a short length (128 tokens) on the same data:
 by default BAM, BAM + SSMax, ALiBi, NoPE, RoPE and RoPE local (RoPE with a sliding window of the training length);
 `--models` runs any subset of `MODELS`, which also holds the SSMax study's variants (`bam-ssmax-qk`,
-`bam-ssmax-init`, `bam-ssmax-lr10x`, `bam-ssmax-lr50x`, `bam-ssmax-long`, `bam-long`). The data is the no-download
+`bam-ssmax-init`, `bam-ssmax-lr10x`, `bam-ssmax-lr50x`, `bam-ssmax-long`) and the recipe study's, each changing one
+thing of `bam` (`bam-long`: twice the steps; `bam-prior-lr`: the prior's learning rate 5e-2, bam-demo's, against
+the weights' 1e-3 that `--prior-lr` otherwise gives it; `bam-frozen-prior`: the prior `bam-prior-lr` of the same
+seed learned, frozen, the weights trained from scratch, a diagnostic of prior against content; `bam-wide`: hidden
+192 at the same training FLOPs, 1056 steps). The data is the no-download
 Python corpus (`bam_llama.data.corpus`: language reference + standard library sources, split by file) with synthetic
 passkey documents (the prompt `bam-demo` trains on, answer included) and needle documents (the four tasks of
 `bam_llama.evaluation.needles`, their haystack from the training split) mixed into the training split, so the same
@@ -39,6 +43,15 @@ the earlier 10/6/5) and 20 min of perplexity (8 documents) a model with a prior,
 Every length's seconds and peak RSS are recorded; the learned SSMax scales (and priors) of every BamLlama model
 are read back after training.
 
+`--seeds 0,1,2` makes each seed a run of its own (its passkey and needle documents, BPE, models' initialisation and
+data order, evaluation keys and needle prompts): results.json holds each as `<model>/seed-N` and `means` their mean
+per model and cell (perplexity: the mean of the seeds'; rates: the mean of the seeds', with the pooled count and
+its 95% interval); results.md shows the seeds' rows and the mean's; the targets and plots take the means. With one
+seed (the default, 0) the entries are the models' names, as before. `--recipe passkey` is issue 44's option (a):
+no needle documents, passkey documents 50% of the characters (as before the needles); whole-document packing fills
+the rows >= 95% only without the needle documents, which run longer than half a row (seed 0: 92.7% full with
+needles, 97.6% without).
+
     python benchmarks/text_extrapolation.py              # the full run -> benchmarks/results/text-extrapolation/
     python benchmarks/text_extrapolation.py --quick      # the same pipeline in seconds (numbers mean nothing)
     python benchmarks/text_extrapolation.py --models bam-ssmax,bam-ssmax-qk --scales 1,2,4,8,16,32,64 --no-needles
@@ -50,8 +63,34 @@ thread); `--long-models` names the models with a prior that go on to 128x-512x, 
 
 Results (results.md, results.json, perplexity.png, passkey.png, passkey-*.png, needles.png) are written to a temporary folder
 beside the output folder and renamed into place after every model, marked partial until the last one is done.
-`--resume` continues such a run: the models it left are kept, the others trained (same recipe but for --models,
---long-models and --jobs, same machine, threads and versions, or it says what differs).
+`--resume` continues such a run: the models (each seed's) it left are kept, the others trained (same recipe but
+for --models, --long-models, --seeds and --jobs, same machine, threads and versions, or it says what differs).
+
+Issue 44's recipe study, then its result, each one command (on the 2-core VM, 1 thread a model, two at a time;
+rerun the same command with --resume after a stop):
+
+    # the study, 1x-64x, with the needle recipe and with --recipe passkey (output folders of their own)
+    python benchmarks/text_extrapolation.py --jobs 2 --threads 1 --long-scales none \
+        --models bam-prior-lr,bam-long,bam-frozen-prior,bam,bam-wide --output-dir benchmarks/results/recipe-study/needles
+    python benchmarks/text_extrapolation.py --jobs 2 --threads 1 --long-scales none --recipe passkey \
+        --models bam-prior-lr,bam-long,bam-frozen-prior,bam,bam-wide --output-dir benchmarks/results/recipe-study/passkey
+    # the result: the recipe the study picks, as flags for every model (e.g. --recipe passkey --prior-lr 5e-2;
+    # bam-long's: --steps 4000; bam-wide's: --hidden-size 192 --steps 1056), 3 seeds, to 512x
+    python benchmarks/text_extrapolation.py --jobs 2 --threads 1 --seeds 0,1,2 --models bam,bam-ssmax,alibi \
+        --recipe passkey --prior-lr 5e-2
+
+Their cost, in 1-thread minutes a model, from the last run (training 15.7-16.5 min at 2000 steps, two models at a
+time; evaluation 42 min for bam and 60 for bam-ssmax, 1.4x) and the evaluation's cost above: training 16 (bam-long
+32; bam-wide at most 16: the same FLOPs, and wider matrices run faster per FLOP on a CPU); 1x-64x 5, and 3 more for
+the needles (the needle recipe); 128x-512x 65 (45 passkey, 20 perplexity), and 21 more for the needles (4, 3, 2
+prompts of each task at 16K, 32K, 64K tokens); bam-ssmax's evaluation 1.4x. Building a seed's data takes about a
+minute (the BPE). So:
+
+* the study: 136 model-minutes with needles, 121 with --recipe passkey; two at a time, bam-frozen-prior waiting for
+  bam-prior-lr (the order above starts the longest first), about 72 and 63 min: 2.3 hours for both;
+* the result: per seed 286 model-minutes with --recipe passkey (bam and ALiBi 86 each, bam-ssmax 114), 368 with
+  needles (110, 110, 148); three seeds two at a time about 7.2 hours (passkey) or 9.2 hours (needles); --steps 4000
+  adds 1.2 hours.
 """
 
 from __future__ import annotations
@@ -265,7 +304,8 @@ QUICK = Recipe(
 # --recipe: the training texts' mix. "needles" (the default): passkey documents 35% of the characters, needle
 # documents 15%. "passkey": issue 44's option (a), the passkey share restored to the 50% of before the needles and no
 # needle documents (nor needle evaluation). Whole-document packing fills rows >= 95% only without needle documents:
-# they run longer than half a row, so most leave a gap no other needle document fits.
+# they run longer than half a row, so most leave a gap no other needle document fits (seed 0's rows: 92.7% full
+# with needles, 97.6% with "passkey").
 RECIPES = {
     "needles": {},
     "passkey": {"needles": False, "needle_share": 0.0, "passkey_share": 0.5},

@@ -653,19 +653,20 @@ def test_the_targets_judge_the_mean_of_the_seeds():
     benchmark = load_benchmark()
     recipe = replace(benchmark.Recipe(), train_length=10, scales=(2, 64), long_scales=(512,), seeds=(0, 1))
 
-    def model(found):  # keys found of 20 at 2x, 64x and 512x
-        return {"perplexity": {length: {"last_window": {"perplexity": 10.0}, "past_training_length": None}
-                               for length in (20, 640, 5120)},
+    def model(found, last):  # keys found of 20 at 2x, 64x and 512x; the last-window perplexity at 512x (10 before)
+        return {"perplexity": {length: {"last_window": {"perplexity": value}, "past_training_length": None}
+                               for length, value in zip((20, 640, 5120), (10.0, 10.0, last))},
                 "passkey": {length: {"correct": [[True] * hits + [False] * (20 - hits)]}
                             for length, hits in zip((20, 640, 5120), found)}}
 
-    results = {"bam/seed-0": model([20, 20, 17]), "bam/seed-1": model([20, 17, 15])}
+    results = {"bam/seed-0": model([20, 20, 17], 10.5), "bam/seed-1": model([20, 17, 15], 12.5)}
     means = benchmark.seed_means(results, replace(recipe, models=("bam",)))
     assert means["bam"]["passkey"][640]["correct"]["rate"] == pytest.approx(37 / 40)
     assert benchmark.best_variant_lines(means, recipe, lambda name, scale: benchmark.accuracy(means[name]["passkey"][10 * scale])) == [
         "BAM's best variant: bam",
         "bam passkey at 64x 92% (target >= 95%): MISSED",  # seed 0 alone: 100%
         "bam passkey at 512x 80% (target >= 80%): met",  # 85% and 75%
+        "bam last-window perplexity 512x / 2x = 1.150 (target <= 1.10): MISSED",  # seed 0 alone: 1.05
     ]
 
 
@@ -718,3 +719,24 @@ def test_the_passkey_recipe_drops_the_needles_and_restores_the_passkey_share():
     assert (default.needles, default.needle_share, default.passkey_share, default.prior_learning_rate) == (True, 0.15, 0.35, None)
     assert default.seeds == (0,) and default.seed == 0
     assert recipe("--prior-lr", "0.05").prior_learning_rate == 0.05 and recipe("--seeds", "2,0").seeds == (2, 0)
+
+
+def test_one_at_a_time_bam_frozen_prior_waits_for_the_prior_of_its_seed(monkeypatch):
+    from dataclasses import replace
+
+    benchmark = load_benchmark()
+    recipe = replace(benchmark.QUICK, models=("bam-frozen-prior", "bam-prior-lr", "nope"), seeds=(0, 1), jobs=1)
+    started = []
+
+    def fake(job):  # a learned prior that names its seed
+        started.append((job.name, job.seed, job.frozen_prior, job.frozen_prior_from))
+        learned = {"theta_alpha": [[job.seed]], "theta_beta": [[-job.seed]]}
+        return job, {"learned": learned}, {}
+
+    monkeypatch.setattr(benchmark, "train_and_evaluate", fake)
+    jobs = [benchmark.ModelJob(name, seed, None, recipe.for_seed(seed)) for seed in recipe.seeds for name in recipe.models]
+    finished = [(job.name, job.seed) for job, _, _ in benchmark.trained_models(jobs, recipe)]
+    assert finished == [("bam-prior-lr", 0), ("nope", 0), ("bam-prior-lr", 1), ("nope", 1),
+                        ("bam-frozen-prior", 0), ("bam-frozen-prior", 1)]
+    frozen = {seed: (prior, where) for name, seed, prior, where in started if name == "bam-frozen-prior"}
+    assert frozen == {seed: ({"theta_alpha": [[seed]], "theta_beta": [[-seed]]}, f"bam-prior-lr/seed-{seed}") for seed in (0, 1)}
