@@ -4,7 +4,11 @@
 Models trained by `bam-pretrain` (its Python API) with one recipe at a short length (128 tokens) on the same data:
 by default BAM, BAM + SSMax, ALiBi, NoPE, RoPE and RoPE local (RoPE with a sliding window of the training length);
 `--models` runs any subset of `MODELS`, which also holds the SSMax study's variants (`bam-ssmax-qk`,
-`bam-ssmax-init`, `bam-ssmax-lr10x`, `bam-ssmax-lr50x`, `bam-ssmax-long`, `bam-long`). The data is the no-download
+`bam-ssmax-init`, `bam-ssmax-lr10x`, `bam-ssmax-lr50x`, `bam-ssmax-long`) and the recipe study's, each changing one
+thing of `bam` (`bam-long`: twice the steps; `bam-prior-lr`: the prior's learning rate 5e-2, bam-demo's, against
+the weights' 1e-3 that `--prior-lr` otherwise gives it; `bam-frozen-prior`: the prior `bam-prior-lr` of the same
+seed learned, frozen, the weights trained from scratch, a diagnostic of prior against content; `bam-wide`: hidden
+192 at the same training FLOPs, 1056 steps). The data is the no-download
 Python corpus (`bam_llama.data.corpus`: language reference + standard library sources, split by file) with synthetic
 passkey documents (the prompt `bam-demo` trains on, answer included) and needle documents (the four tasks of
 `bam_llama.evaluation.needles`, their haystack from the training split) mixed into the training split, so the same
@@ -39,6 +43,15 @@ the earlier 10/6/5) and 20 min of perplexity (8 documents) a model with a prior,
 Every length's seconds and peak RSS are recorded; the learned SSMax scales (and priors) of every BamLlama model
 are read back after training.
 
+`--seeds 0,1,2` makes each seed a run of its own (its passkey and needle documents, BPE, models' initialisation and
+data order, evaluation keys and needle prompts): results.json holds each as `<model>/seed-N` and `means` their mean
+per model and cell (perplexity: the mean of the seeds'; rates: the mean of the seeds', with the pooled count and
+its 95% interval); results.md shows the seeds' rows and the mean's; the targets and plots take the means. With one
+seed (the default, 0) the entries are the models' names, as before. `--recipe passkey` is issue 44's option (a):
+no needle documents, passkey documents 50% of the characters (as before the needles); whole-document packing fills
+the rows >= 95% only without the needle documents, which run longer than half a row (seed 0: 92.7% full with
+needles, 97.6% without).
+
     python benchmarks/text_extrapolation.py              # the full run -> benchmarks/results/text-extrapolation/
     python benchmarks/text_extrapolation.py --quick      # the same pipeline in seconds (numbers mean nothing)
     python benchmarks/text_extrapolation.py --models bam-ssmax,bam-ssmax-qk --scales 1,2,4,8,16,32,64 --no-needles
@@ -50,8 +63,34 @@ thread); `--long-models` names the models with a prior that go on to 128x-512x, 
 
 Results (results.md, results.json, perplexity.png, passkey.png, passkey-*.png, needles.png) are written to a temporary folder
 beside the output folder and renamed into place after every model, marked partial until the last one is done.
-`--resume` continues such a run: the models it left are kept, the others trained (same recipe but for --models,
---long-models and --jobs, same machine, threads and versions, or it says what differs).
+`--resume` continues such a run: the models (each seed's) it left are kept, the others trained (same recipe but
+for --models, --long-models, --seeds and --jobs, same machine, threads and versions, or it says what differs).
+
+Issue 44's recipe study, then its result, each one command (on the 2-core VM, 1 thread a model, two at a time;
+rerun the same command with --resume after a stop):
+
+    # the study, 1x-64x, with the needle recipe and with --recipe passkey (output folders of their own)
+    python benchmarks/text_extrapolation.py --jobs 2 --threads 1 --long-scales none \
+        --models bam-prior-lr,bam-long,bam-frozen-prior,bam,bam-wide --output-dir benchmarks/results/recipe-study/needles
+    python benchmarks/text_extrapolation.py --jobs 2 --threads 1 --long-scales none --recipe passkey \
+        --models bam-prior-lr,bam-long,bam-frozen-prior,bam,bam-wide --output-dir benchmarks/results/recipe-study/passkey
+    # the result: the recipe the study picks, as flags for every model (e.g. --recipe passkey --prior-lr 5e-2;
+    # bam-long's: --steps 4000; bam-wide's: --hidden-size 192 --steps 1056), 3 seeds, to 512x
+    python benchmarks/text_extrapolation.py --jobs 2 --threads 1 --seeds 0,1,2 --models bam,bam-ssmax,alibi \
+        --recipe passkey --prior-lr 5e-2
+
+Their cost, in 1-thread minutes a model, from the last run (training 15.7-16.5 min at 2000 steps, two models at a
+time; evaluation 42 min for bam and 60 for bam-ssmax, 1.4x) and the evaluation's cost above: training 16 (bam-long
+32; bam-wide at most 16: the same FLOPs, and wider matrices run faster per FLOP on a CPU); 1x-64x 5, and 3 more for
+the needles (the needle recipe); 128x-512x 65 (45 passkey, 20 perplexity), and 21 more for the needles (4, 3, 2
+prompts of each task at 16K, 32K, 64K tokens); bam-ssmax's evaluation 1.4x. Building a seed's data takes about a
+minute (the BPE). So:
+
+* the study: 136 model-minutes with needles, 121 with --recipe passkey; two at a time, bam-frozen-prior waiting for
+  bam-prior-lr (the order above starts the longest first), about 72 and 63 min: 2.3 hours for both;
+* the result: per seed 286 model-minutes with --recipe passkey (bam and ALiBi 86 each, bam-ssmax 114), 368 with
+  needles (110, 110, 148); three seeds two at a time about 7.2 hours (passkey) or 9.2 hours (needles); --steps 4000
+  adds 1.2 hours.
 """
 
 from __future__ import annotations
@@ -86,7 +125,7 @@ from benchmarks.machine import cpu_model  # noqa: E402
 @dataclass(frozen=True)
 class Variant:
     """One trained model: bam-pretrain's --positional (a `POSITIONAL_VARIANTS` name) and Scalable Softmax settings,
-    and what it changes."""
+    what else it changes of the recipe, and what that is."""
 
     positional: str
     ssmax: bool = False
@@ -94,11 +133,14 @@ class Variant:
     ssmax_scale_init: float | str | None = None  # "neutral": 1 / ln(training length), the factor 1 there
     ssmax_learning_rate_factor: float | None = None  # the scales' rate, times the recipe's learning rate
     steps_factor: int = 1
+    prior_learning_rate: float | None = None  # None: the recipe's
+    frozen_prior: bool = False  # the prior set to FROZEN_PRIOR_SOURCE's learned one and frozen; the weights train
+    hidden_factor: float = 1.0  # the hidden size times this, the steps cut to keep the training FLOPs (`training_flops`)
     what: str = ""
 
     def pretrain_overrides(self, recipe: Recipe) -> dict:
         """PretrainArguments fields besides the recipe's."""
-        values = {"positional": self.positional, "ssmax": self.ssmax, "max_steps": recipe.steps * self.steps_factor}
+        values = {"positional": self.positional, "ssmax": self.ssmax, "max_steps": self.steps(recipe)}
         if self.ssmax_prior is not None:
             values["ssmax_prior"] = self.ssmax_prior
         if self.ssmax_scale_init is not None:
@@ -106,13 +148,43 @@ class Variant:
             values["ssmax_scale_init"] = neutral if self.ssmax_scale_init == "neutral" else self.ssmax_scale_init
         if self.ssmax_learning_rate_factor is not None:
             values["ssmax_learning_rate"] = self.ssmax_learning_rate_factor * recipe.learning_rate
+        if self.prior_learning_rate is not None:
+            values["prior_learning_rate"] = self.prior_learning_rate
+        if self.hidden_factor != 1:
+            values["hidden_size"] = self.hidden_size(recipe)
         return values
+
+    def hidden_size(self, recipe: Recipe) -> int:
+        hidden = round(recipe.hidden_size * self.hidden_factor)
+        if hidden % recipe.heads:
+            raise ValueError(f"a hidden size of {hidden} ({self.hidden_factor} x {recipe.hidden_size}) does not divide "
+                             f"into {recipe.heads} heads")
+        return hidden
+
+    def steps(self, recipe: Recipe) -> int:
+        """The recipe's steps times `steps_factor`; a wider model as many fewer as its training FLOPs per token are
+        more, so that it trains in about the same time."""
+        flops = training_flops(recipe, recipe.hidden_size) / training_flops(recipe, self.hidden_size(recipe))
+        return max(round(recipe.steps * self.steps_factor * flops), 1)
 
     @property
     def has_prior(self) -> bool:
         """A BamLlama whose prior carries position (BAM, ALiBi): evaluated to 512x and on the needles."""
         return POSITIONAL_VARIANTS[self.positional].prior_carries_position
 
+
+def training_flops(recipe: Recipe, hidden: int) -> int:
+    """A training token's multiply-adds x 2 at `hidden` (forward, and backward at twice the forward): per layer the
+    attention's four and the SwiGLU's three matrices (4h^2 + 3 x 2h^2) and the causal attention's scores and
+    values (about 2 x length/2 x h); the output layer (vocabulary x h), which at the recipe's sizes is 40% of the
+    total. The embedding is a lookup; norms and the prior's bias are left out. At 128 -> 192 hidden the ratio is 1.89
+    ((192/128)^2 = 2.25 counts the layers' matrices only); on the busy 2-core VM one 1-thread training step took
+    1.3-1.5x as long, so the wide model's wall time is, if anything, below bam's (the run records both)."""
+    per_layer = 10 * hidden * hidden + recipe.train_length * hidden
+    return 3 * 2 * (recipe.layers * per_layer + recipe.vocab_size * hidden)
+
+
+FROZEN_PRIOR_SOURCE = "bam-prior-lr"  # whose learned prior bam-frozen-prior starts from and keeps (same seed)
 
 MODELS = {
     "bam": Variant("bam", what="learned GGD prior"),
@@ -129,7 +201,14 @@ MODELS = {
     "bam-ssmax-lr50x": Variant("bam", ssmax=True, ssmax_learning_rate_factor=50,
                                what="the scales' learning rate 50x (bam-demo's prior rate)"),
     "bam-ssmax-long": Variant("bam", ssmax=True, steps_factor=2, what="twice the steps"),
+    # The recipe study (issue 44): each changes one thing of bam
     "bam-long": Variant("bam", steps_factor=2, what="bam with twice the steps (bam-ssmax-long's control)"),
+    "bam-prior-lr": Variant("bam", prior_learning_rate=5e-2, what="the prior's learning rate 5e-2 (bam-demo's)"),
+    "bam-frozen-prior": Variant("bam", frozen_prior=True,
+                                what=f"the prior set to {FROZEN_PRIOR_SOURCE}'s learned one (same seed) and frozen, "
+                                     "the weights trained from scratch: prior against content"),
+    "bam-wide": Variant("bam", hidden_factor=1.5, what="1.5x the hidden size (the recipe's 128: 192, head size 48), "
+                                                      "the steps cut to the same training FLOPs (2000: 1056)"),
 }
 DEFAULT_MODELS = ("bam", "bam-ssmax", "alibi", "nope", "rope", "rope-local")
 ROPE_EXTENSIONS = ("dynamic", "yarn")
@@ -154,6 +233,7 @@ class Recipe:
     steps: int = 2000
     batch_size: int = 16
     learning_rate: float = 1e-3
+    prior_learning_rate: float | None = None  # the prior's (and SSMax scales'); None: learning_rate, as before issue 44
     warmup_steps: int = 100
     vocab_size: int = 4096
     passkey_share: float = 0.35  # passkey documents' share of the training characters
@@ -168,10 +248,22 @@ class Recipe:
     needle_depths: int = 10
     long_needle_depths: dict = field(default_factory=lambda: {128: 4, 256: 3, 512: 2})
     needles: bool = True
-    seed: int = 0
+    seeds: tuple[int, ...] = (0,)  # each a whole run of its own: training data, tokenizer, models, evaluation keys
+    frozen_prior_from: str | None = None  # bam-frozen-prior's prior: a saved model or results folder (`frozen_prior_source`)
     threads: int | None = None  # torch threads of each model; None: PyTorch's default (one per core), 1 with jobs > 1
     jobs: int = 1  # models trained and evaluated at once, each in a process of its own
     models: tuple[str, ...] = DEFAULT_MODELS  # which of MODELS to train (rope brings its two extensions)
+
+    @property
+    def seed(self) -> int:
+        """The seed of a one-seed recipe (`for_seed`): its passkey and needle documents, the model's initialisation
+        and data order, the evaluation keys and needle prompts."""
+        if len(self.seeds) != 1:
+            raise ValueError(f"a recipe of seeds {self.seeds} has no one seed: take for_seed(seed)")
+        return self.seeds[0]
+
+    def for_seed(self, seed: int) -> Recipe:
+        return replace(self, seeds=(seed,))
 
     @property
     def lengths(self) -> list[int]:
@@ -208,6 +300,16 @@ QUICK = Recipe(
     num_depths=2, long_depths={4: 1}, needle_depths=2, long_needle_depths={4: 1}, threads=1,
     needle_sizes=dict(keys=2, values=2, queries=2, chains=1, hops=1),
 )
+
+# --recipe: the training texts' mix. "needles" (the default): passkey documents 35% of the characters, needle
+# documents 15%. "passkey": issue 44's option (a), the passkey share restored to the 50% of before the needles and no
+# needle documents (nor needle evaluation). Whole-document packing fills rows >= 95% only without needle documents:
+# they run longer than half a row, so most leave a gap no other needle document fits (seed 0's rows: 92.7% full
+# with needles, 97.6% with "passkey").
+RECIPES = {
+    "needles": {},
+    "passkey": {"needles": False, "needle_share": 0.0, "passkey_share": 0.5},
+}
 
 
 # ------------------------------------------------------------------------------------------------- data
@@ -379,26 +481,72 @@ def perplexity_documents(heldout: list[Document], tokenizer, recipe: Recipe,
 # ------------------------------------------------------------------------------------------------- models
 
 
-def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe):
-    """(saved folder, training summary with the learned prior and SSMax scales)."""
+def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe, frozen_prior: dict | None = None):
+    """(saved folder, training summary with the learned prior and SSMax scales). `frozen_prior`: bam-frozen-prior's
+    prior, theta_alpha and theta_beta per layer and head."""
     from bam_llama.training.pretrain import PretrainArguments, run_pretraining
+    from bam_llama.training.run import run_training
 
     variant = MODELS[name]
-    args = PretrainArguments(
+    fields = dict(
         data=str(data), output_dir=str(work / name), context_length=recipe.train_length,
         hidden_size=recipe.hidden_size, num_hidden_layers=recipe.layers,
         num_attention_heads=recipe.heads, tokenizer=str(tokenizer_dir), learning_rate=recipe.learning_rate,
+        prior_learning_rate=recipe.prior_learning_rate,
         warmup_steps=recipe.warmup_steps, per_device_train_batch_size=recipe.batch_size,
-        save_steps=max(recipe.steps * variant.steps_factor, 1), save_total_limit=1,
+        save_steps=variant.steps(recipe), save_total_limit=1,
         logging_steps=max(recipe.steps // 10, 1), seed=recipe.seed, disable_progress_bars=True, eval_rows=8,
         **({"prior_scope": recipe.prior_scope} if POSITIONAL_VARIANTS[variant.positional].is_bam_llama else {}),
-        **variant.pretrain_overrides(recipe),
     )
+    args = PretrainArguments(**{**fields, **variant.pretrain_overrides(recipe)})
+    if variant.frozen_prior and frozen_prior is None:
+        raise ValueError(f"{name} needs the prior it freezes ({FROZEN_PRIOR_SOURCE}'s learned one)")
     started = time.perf_counter()
-    summary, model, _ = run_pretraining(args)
+    if variant.frozen_prior:
+        summary, model, _ = run_training(frozen_prior_pretraining(args, frozen_prior))
+    else:
+        summary, model, _ = run_pretraining(args)
     return Path(summary.final_dir), {
         **asdict(summary), "train_seconds": time.perf_counter() - started, "learned": learned_parameters(model),
     }
+
+
+def frozen_prior_pretraining(args, prior: dict):
+    """bam-pretrain's command whose fresh model gets `prior` (theta_alpha and theta_beta per layer and head) as a
+    frozen prior (`freeze_prior`) before training: the weights train, the prior stays."""
+    from bam_llama.training.pretrain import Pretraining
+
+    class FrozenPriorPretraining(Pretraining):
+        def build_model(self, data):
+            model = super().build_model(data)
+            freeze_prior(model, prior)
+            self.parameters = sum(parameter.numel() for parameter in model.parameters())
+            return model
+
+    return FrozenPriorPretraining(args)
+
+
+def freeze_prior(model, prior: dict) -> None:
+    """Set a BamLlama's prior to `prior` ([layer][head] lists of theta_alpha and theta_beta) and freeze it: the
+    config says so (`train_theta_alpha` / `train_theta_beta` False, saved with the model), and the tensors become
+    buffers no optimizer sees (`apply_prior_trainability`)."""
+    import torch
+
+    config, layers = model.config, model.model.layers
+    config.train_theta_alpha = config.train_theta_beta = False
+    model.apply_prior_trainability()
+    values = {}
+    for name in ("theta_alpha", "theta_beta"):
+        rows = prior[name]
+        if len(rows) != len(layers) or any(len(row) != config.num_attention_heads for row in rows):
+            raise ValueError(f"the frozen prior's {name} is {len(rows)} layers x {[len(row) for row in rows]} heads; "
+                             f"the model has {len(layers)} x {config.num_attention_heads}")
+        for layer, row in zip(layers, rows):
+            module = getattr(layer.self_attn, "prior", None) or model.model.prior  # a global prior: one for all
+            if values.setdefault((id(module), name), row) != row:
+                raise ValueError("a global prior cannot take a prior that differs between layers")
+            with torch.no_grad():
+                getattr(module, name).copy_(torch.tensor(row, dtype=torch.float32))
 
 
 def learned_parameters(model) -> dict:
@@ -492,19 +640,94 @@ def evaluate(folder: Path, extension: str | None, data: EvaluationData, tokenize
 
 
 def found(retrieval_result: dict, score: str = "correct") -> tuple[int, int]:
-    """(prompts found, prompts) of a retrieval result: `correct` (strict) or `teacher_forced`."""
-    flags = [flag for row in retrieval_result[score] for flag in row]
+    """(prompts found, prompts) of a retrieval result: `correct` (strict) or `teacher_forced`; of a mean over seeds
+    (`mean_over_seeds`), the seeds' pooled counts."""
+    cell = retrieval_result[score]
+    if isinstance(cell, dict):
+        return cell["found"], cell["prompts"]
+    flags = [flag for row in cell for flag in row]
     return sum(flags), len(flags)
 
 
 def accuracy(retrieval_result: dict, score: str = "correct") -> float:
+    """The share of prompts found; of a mean over seeds, the mean of the seeds' shares."""
+    cell = retrieval_result[score]
+    if isinstance(cell, dict):
+        return cell["rate"]
     hits, prompts = found(retrieval_result, score)
     return hits / prompts
 
 
-def rate_cell(hits: int, prompts: int) -> str:
-    """"45% (23-69)": the rate and its 95% Clopper-Pearson interval."""
-    return f"{hits / prompts:.0%} ({interval_text(hits, prompts)})"
+def rate_cell(hits: int, prompts: int, count: bool = False) -> str:
+    """"45% (23-69)": the rate and its 95% Clopper-Pearson interval; with `count`, "45% (23-69) 9/20"."""
+    return f"{hits / prompts:.0%} ({interval_text(hits, prompts)})" + (f" {hits}/{prompts}" if count else "")
+
+
+def retrieval_cell(retrieval_result: dict, score: str = "correct") -> str:
+    """`rate_cell`; a mean over seeds with its pooled count."""
+    return rate_cell(*found(retrieval_result, score), count=isinstance(retrieval_result[score], dict))
+
+
+def entry_name(row: str, seed: int, seeds: tuple[int, ...]) -> str:
+    """A row's (a model's, or a RoPE extension's) entry of the results and training summaries: the row itself in a
+    one-seed run, `<row>/seed-N` in a run of several."""
+    return row if len(seeds) == 1 else f"{row}/seed-{seed}"
+
+
+def model_rows(name: str) -> list[str]:
+    """The result rows of model `name`: RoPE brings its extensions."""
+    return [name] + [f"rope-{extension}" for extension in ROPE_EXTENSIONS] * (name == "rope")
+
+
+def mean_over_seeds(results: list[dict]) -> dict:
+    """One row's mean over its seeds' results, cell by cell: each perplexity the mean of the seeds' (`by_seed`
+    beside it); each retrieval rate the mean of the seeds' rates, with the pooled count of prompts found (every seed
+    asks as many prompts, so the pooled rate is the mean) for its 95% interval; the evaluation keys summed."""
+    first = results[0]
+    mean = {"seeds": len(results), "perplexity": {}, "passkey": {}}
+    for length in first["perplexity"]:
+        points = [result["perplexity"][length] for result in results]
+        mean["perplexity"][length] = {measure: mean_point([point[measure] for point in points])
+                                      for measure in ("last_window", "past_training_length")}
+    for length, cell in first["passkey"].items():
+        mean["passkey"][length] = {score: pooled_rate([result["passkey"][length] for result in results], score)
+                                   for score in ("correct", "teacher_forced") if score in cell}
+    if "needles" in first:
+        mean["needles"] = {kind: {length: {"correct": pooled_rate([result["needles"][kind][length] for result in results])}
+                                  for length in by_length} for kind, by_length in first["needles"].items()}
+    if all("evaluation_keys" in result for result in results):
+        mean["evaluation_keys"] = {key: sum(result["evaluation_keys"][key] for result in results)
+                                   for key in first["evaluation_keys"]}
+    return mean
+
+
+def mean_point(points: list[dict | None]) -> dict | None:
+    """The mean of the seeds' perplexities of one measure (None where a seed has none)."""
+    if any(point is None for point in points):
+        return None
+    values = [point["perplexity"] for point in points]
+    return {"perplexity": sum(values) / len(values), "by_seed": values}
+
+
+def pooled_rate(retrieval_results: list[dict], score: str = "correct") -> dict:
+    counts = [found(result, score) for result in retrieval_results]
+    rates = [hits / prompts for hits, prompts in counts]
+    hits, prompts = sum(hits for hits, _ in counts), sum(prompts for _, prompts in counts)
+    return {"rate": sum(rates) / len(rates), "found": hits, "prompts": prompts,
+            "interval": list(clopper_pearson(hits, prompts)), "by_seed": rates}
+
+
+def seed_means(results: dict, recipe: Recipe) -> dict:
+    """Every row's `mean_over_seeds`, over the seeds it has results of so far ({} for a one-seed run)."""
+    if len(recipe.seeds) == 1:
+        return {}
+    means = {}
+    for name in recipe.models:
+        for row in model_rows(name):
+            done = [results[key] for seed in recipe.seeds if (key := entry_name(row, seed, recipe.seeds)) in results]
+            if done:
+                means[row] = mean_over_seeds(done)
+    return means
 
 
 def needles_found(result: dict, length: int) -> tuple[int, int] | None:
@@ -549,24 +772,24 @@ def percent(value: float | None) -> str | None:
     return None if value is None else f"{value:.0%}"
 
 
-def tables(results: dict, recipe: Recipe, documents: dict[str, list[int]]) -> str:
+def tables(results: dict, recipe: Recipe, documents: int) -> str:
     every_length = recipe.lengths + recipe.long_lengths
     table = lambda chosen, lengths, cell: markdown_table(chosen, lengths, recipe.train_length, cell)  # noqa: E731
-    on = f"{len(documents)} never-trained documents, each its own sequence behind BOS"
+    on = f"{documents} never-trained documents, each its own sequence behind BOS"
     past = lambda result, length: (  # noqa: E731
         f"{value:.2f}" if (value := window_perplexity(result, length, "past_training_length")) else None)
     window = lambda result, length: f"{value:.2f}" if (value := window_perplexity(result, length)) else None  # noqa: E731
     sections = [
         (f"Perplexity of the positions past the training length {recipe.train_length} ({on}; "
-         f"{len(documents)} x (length - {recipe.train_length}) tokens)", table(results, every_length[1:], past)),
+         f"{documents} x (length - {recipe.train_length}) tokens)", table(results, every_length[1:], past)),
         (f"Perplexity of the last {recipe.train_length} positions of each length ({on}; "
-         f"{len(documents) * recipe.train_length} tokens at every length)", table(results, every_length, window)),
+         f"{documents * recipe.train_length} tokens at every length)", table(results, every_length, window)),
     ]
     for score, what in (("correct", "strict: the greedy answer is the key and no further digit"),
                         ("teacher_forced", "teacher-forced, the reference code's scoring: the first digit given, every "
                                            "later digit the argmax given the true ones before it")):
         cell = lambda result, length, score=score: (  # noqa: E731
-            rate_cell(*found(result["passkey"][length], score)) if length in result["passkey"] else None)
+            retrieval_cell(result["passkey"][length], score) if length in result["passkey"] else None)
         sections.append((f"Passkey retrieval, {what} ({depths_line(recipe, recipe.passkey_depths)}; 95% intervals)",
                          table(results, every_length, cell)))
     with_needles = {name: result for name, result in results.items() if "needles" in result}
@@ -575,15 +798,17 @@ def tables(results: dict, recipe: Recipe, documents: dict[str, list[int]]) -> st
         for kind in NEEDLE_KINDS:
             task = recipe.needle_task(kind)
             cell = lambda result, length, kind=kind: (  # noqa: E731
-                rate_cell(*found(result["needles"][kind][length])) if length in result["needles"][kind] else None)
+                retrieval_cell(result["needles"][kind][length]) if length in result["needles"][kind] else None)
             sections.append((f"Needles, {kind} ({task.describe()}; {depths}; exact answers; 95% intervals)",
                              table(with_needles, every_length, cell)))
-        pooled = lambda result, length: rate_cell(*counts) if (counts := needles_found(result, length)) else None  # noqa: E731
+        pooled = lambda result, length: (  # noqa: E731
+            rate_cell(*counts, count="seeds" in result) if (counts := needles_found(result, length)) else None)
         sections.append(("Needles, the four tasks together", table(with_needles, every_length, pooled)))
+    measured = {name: result for name, result in results.items() if "seconds" in result}  # not the means over seeds
     seconds = lambda result, length: f"{result['seconds'][length]:.0f}" if length in result["seconds"] else None  # noqa: E731
-    sections.append(("Seconds per length (perplexity, passkey and needles of the length)", table(results, every_length, seconds)))
+    sections.append(("Seconds per length (perplexity, passkey and needles of the length)", table(measured, every_length, seconds)))
     rss = lambda result, length: f"{result['peak_rss_mib'][length]:.0f}" if result["peak_rss_mib"].get(length) else None  # noqa: E731
-    sections.append(("Peak RSS per length (MiB)", table(results, every_length, rss)))
+    sections.append(("Peak RSS per length (MiB)", table(measured, every_length, rss)))
     return "".join(f"{title}\n\n{body}\n\n" for title, body in sections)
 
 
@@ -595,38 +820,67 @@ def depths_line(recipe: Recipe, count) -> str:
     return f"{usual} depths per length" + (", " + ", ".join(others) if others else "")
 
 
-def ssmax_study(results: dict, training: dict, recipe: Recipe) -> str:
-    """What each SSMax variant changes, against bam and bam-ssmax: passkey (strict) and needles by length, the
-    last-window perplexity at 1x and its ratio at the longest length, the learned scales (mean per layer)."""
-    names = [name for name in results if MODELS.get(name, Variant("")).ssmax or name in ("bam", "bam-long")]
+def studies(results: dict, training: dict, recipe: Recipe) -> str:
+    """The SSMax study's and the recipe study's tables, each where one of its variants ran."""
+    ssmax = study_table("SSMax study", [name for name in results if name in MODELS and
+                                        (MODELS[name].ssmax or name in ("bam", "bam-long"))],
+                        results, training, recipe, "learned s, mean per layer", "ssmax_scale", mean_per_layer)
+    recipe_study = study_table("Recipe study", [name for name in results if name in MODELS and
+                                                MODELS[name].positional == "bam" and not MODELS[name].ssmax],
+                               results, training, recipe, "theta_beta, lowest to highest head per layer", "theta_beta",
+                               range_per_layer)
+    return ssmax + recipe_study
+
+
+def mean_per_layer(rows: list[list[float]]) -> str:
+    return ", ".join(f"{sum(layer) / len(layer):.2f}" for layer in rows)
+
+
+def range_per_layer(rows: list[list[float]]) -> str:
+    return ", ".join(f"{min(layer):.2f} to {max(layer):.2f}" for layer in rows)
+
+
+def study_table(title: str, names: list[str], results: dict, training: dict, recipe: Recipe, learned_title: str,
+                parameter: str, learned_text) -> str:
+    """What each variant of a study changes, against bam: passkey (strict) and needles by length, the last-window
+    perplexity at 1x and its ratio at the longest length, a learned parameter (`learned_text` of its [layer][head]
+    values; none for a mean over seeds: every seed's are in the tables of learned values)."""
     if not any(name not in DEFAULT_MODELS for name in names):
         return ""
     lengths = recipe.lengths
     longest = max(lengths)
     header = ("| model | what | passkey " + " / ".join(f"{length // recipe.train_length}x" for length in lengths)
-              + f" | needles at {longest // recipe.train_length}x | last-window perplexity 1x | {longest // recipe.train_length}x / 1x | learned s, mean per layer |")
+              + f" | needles at {longest // recipe.train_length}x | last-window perplexity 1x | {longest // recipe.train_length}x / 1x | {learned_title} |")
     rows = [header, "|---|---|---|---:|---:|---:|---|"]
     for name in names:
-        result, learned = results[name], training[name].get("learned", {})
+        result, learned = results[name], training.get(name, {}).get("learned", {})
         passkey = " / ".join(f"{100 * accuracy(result['passkey'][length]):.0f}" for length in lengths)
         first, last = (window_perplexity(result, length) for length in (lengths[0], longest))
-        scales = ", ".join(f"{sum(layer) / len(layer):.2f}" for layer in learned.get("ssmax_scale", [])) or "—"
         rows.append(f"| {name} | {MODELS[name].what} | {passkey} | {percent(needle_accuracy(result, longest)) or '—'} "
-                    f"| {first:.2f} | {last / first:.3f} | {scales} |")
-    return "SSMax study (passkey in %)\n\n" + "\n".join(rows) + "\n\n"
+                    f"| {first:.2f} | {last / first:.3f} | {learned_text(learned[parameter]) if parameter in learned else '—'} |")
+    means = f", the mean of {len(recipe.seeds)} seeds" if len(recipe.seeds) > 1 else ""
+    return f"{title} (passkey in %{means})\n\n" + "\n".join(rows) + "\n\n"
 
 
-def learned_scales(training: dict) -> str:
-    """Every SSMax model's learned scale per layer and head."""
+def learned_tables(training: dict) -> str:
+    """Every SSMax model's learned scales, and every BAM model's prior (learned, or frozen), per layer and head."""
+    bams = {entry: summary for entry, summary in training.items() if MODELS[entry.split("/")[0]].positional == "bam"}
+    return (learned_table(training, "ssmax_scale", "Learned SSMax scales s (c = s ln n)")
+            + learned_table(bams, "theta_alpha", "BAM priors: theta_alpha (the bias's scale exp(theta_alpha))")
+            + learned_table(bams, "theta_beta", "BAM priors: theta_beta (the shape: the bias grows as distance^theta_beta)"))
+
+
+def learned_table(training: dict, parameter: str, title: str) -> str:
+    """A row per model and layer, a column per head: the learned `parameter` ("" where no model has it)."""
     lines = []
     for name, summary in training.items():
-        for layer, heads in enumerate(summary.get("learned", {}).get("ssmax_scale", [])):
+        for layer, heads in enumerate(summary.get("learned", {}).get(parameter, [])):
             lines.append(f"| {name} | {layer} | " + " | ".join(f"{value:.3f}" for value in heads) + " |")
     if not lines:
         return ""
     heads = lines[0].count("|") - 3
     header = "| model | layer | " + " | ".join(f"head {head}" for head in range(heads)) + " |"
-    return "Learned SSMax scales s (c = s ln n)\n\n" + "\n".join([header, "|---|---:|" + "---:|" * heads, *lines]) + "\n\n"
+    return f"{title}\n\n" + "\n".join([header, "|---|---:|" + "---:|" * heads, *lines]) + "\n\n"
 
 
 def target_lines(results: dict, recipe: Recipe) -> list[str]:
@@ -756,35 +1010,72 @@ def plot_needles(results: dict, recipe: Recipe, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def write_report(staging: Path, report: dict, results: dict, recipe: Recipe, data: EvaluationData) -> str:
+def write_report(staging: Path, report: dict, recipe: Recipe, documents: dict[int, list[str]]) -> str:
+    """results.json, results.md and the plots of `report`; `documents`: each seed's perplexity documents. With
+    several seeds, the tables hold each seed's row and their mean's, and the targets and plots take the means."""
     from bam_llama.evaluation.passkey import PasskeyResults
 
     (staging / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    results, means = report["results"], report.get("means", {})
+    judged = means if len(recipe.seeds) > 1 else results
     machine = report["machine"]
     summary = (
-        f"Trained at {recipe.train_length} tokens for {recipe.steps} steps of {recipe.batch_size} rows. Perplexity "
-        f"is position-matched on the same {len(data.documents)} never-trained documents at every length and for "
-        f"every model ({', '.join(data.documents)}; generated tables left out), each document's first tokens one "
-        f"sequence behind BOS. {evaluation_keys_line(results)} "
-        + ("" if report["complete"] else f"**Partial: {len(report['training'])} of the recipe's {len(recipe.models)} "
-                                        "models; the run went on, or was stopped.** ")
+        f"Trained at {recipe.train_length} tokens for {recipe.steps} steps of {recipe.batch_size} rows, learning rate "
+        f"{recipe.learning_rate:g}, the prior's {recipe.prior_learning_rate or recipe.learning_rate:g}. "
+        f"{seeds_line(recipe)}Perplexity is position-matched on the same {documents_line(documents)} at every length "
+        f"and for every model (generated tables left out), each document's first tokens one sequence behind BOS. "
+        f"{evaluation_keys_line(results)} "
+        + ("" if report["complete"] else f"**Partial: {len(report['training'])} of the recipe's "
+                                        f"{len(recipe.models) * len(recipe.seeds)} models; the run went on, or was stopped.** ")
         + (f"{', '.join(report['resumed'])} measured by the earlier run this one resumed (--resume; the minutes "
            "add up both). " if report.get("resumed") else "")
         + f"{report['minutes']:.1f} min, peak RSS {report['peak_rss_mib']:.0f} MiB, {machine['threads']} threads on "
         f"{machine['processor']}, torch {machine['torch']}, transformers {machine['transformers']}.\n\n"
     )
-    targets = "\n".join(f"- {line}" for line in target_lines(results, recipe))
-    text = (summary + tables(results, recipe, data.documents) + ssmax_study(results, report["training"], recipe)
-            + learned_scales(report["training"]) + ("Targets\n\n" + targets + "\n" if targets else ""))
+    targets = "\n".join(f"- {line}" for line in target_lines(judged, recipe))
+    judged_on = f" (judged on the mean of seeds {', '.join(map(str, recipe.seeds))})" if means else ""
+    text = (summary + tables(rows_with_means(results, means, recipe), recipe, len(documents[recipe.seeds[0]]))
+            + studies(judged, report["training"], recipe) + learned_tables(report["training"])
+            + (f"Targets{judged_on}\n\n" + targets + "\n" if targets else ""))
     (staging / "results.md").write_text(text)
-    plot_perplexity(results, recipe, staging / "perplexity.png", len(data.documents))
-    plot_passkey(results, recipe, staging / "passkey.png")
-    if any("needles" in result for result in results.values()):
-        plot_needles(results, recipe, staging / "needles.png")
+    plot_perplexity(judged, recipe, staging / "perplexity.png", len(documents[recipe.seeds[0]]))
+    plot_passkey(judged, recipe, staging / "passkey.png")
+    if any("needles" in result for result in judged.values()):
+        plot_needles(judged, recipe, staging / "needles.png")
     for name, result in results.items():
         merged = PasskeyResults.concatenate([PasskeyResults.from_dict(value) for value in result["passkey"].values()])
-        merged.save_heatmap(staging / f"passkey-{name}.png", title=f"{name}, trained at {recipe.train_length} tokens")
+        merged.save_heatmap(staging / f"passkey-{name.replace('/', '-')}.png",
+                            title=f"{name}, trained at {recipe.train_length} tokens")
     return text
+
+
+def seeds_line(recipe: Recipe) -> str:
+    if len(recipe.seeds) == 1:
+        return f"Seed {recipe.seed}. "
+    return (f"Seeds {', '.join(map(str, recipe.seeds))}, each a run of its own (passkey and needle documents, BPE, "
+            "model initialisation and data order, evaluation keys): a row per seed (`<model>/seed-N`) and their mean "
+            "(each perplexity the mean of the seeds'; each rate the mean of the seeds' rates, with the pooled count of "
+            "prompts found and its 95% interval, which takes every seed's prompts as independent draws). ")
+
+
+def documents_line(documents: dict[int, list[str]]) -> str:
+    """"8 never-trained documents (a.py, ...)", each seed's where their tokenizers chose different ones."""
+    names = list(documents.values())
+    if all(chosen == names[0] for chosen in names):
+        return f"{len(names[0])} never-trained documents ({', '.join(names[0])})"
+    return f"{len(names[0])} never-trained documents of each seed (" + "; ".join(
+        f"seed {seed}: {', '.join(chosen)}" for seed, chosen in documents.items()) + ")"
+
+
+def rows_with_means(results: dict, means: dict, recipe: Recipe) -> dict:
+    """The tables' rows: each result row, and after a row's seeds their mean."""
+    if not means:
+        return results
+    rows = {}
+    for row, mean in means.items():
+        rows.update({key: results[key] for seed in recipe.seeds if (key := entry_name(row, seed, recipe.seeds)) in results})
+        rows[f"{row}, mean of {mean['seeds']} seeds"] = mean
+    return rows
 
 
 def evaluation_keys_line(results: dict) -> str:
@@ -801,7 +1092,7 @@ class ResumeError(ValueError):
     """--resume found no earlier run it may continue."""
 
 
-RESUMABLE_CHANGES = ("models", "long_models", "jobs")  # what a resumed run may change of the earlier one's recipe
+RESUMABLE_CHANGES = ("models", "long_models", "jobs", "seeds")  # what a resumed run may change of the earlier one's recipe
 
 
 def as_json(value):
@@ -817,13 +1108,21 @@ def with_length_keys(value):
     return value
 
 
+def recorded_seeds(recipe: dict) -> tuple[int, ...]:
+    """The seeds of a recipe read back from results.json (one `seed` before there were several)."""
+    return tuple(recipe["seeds"]) if "seeds" in recipe else (recipe["seed"],)
+
+
 def earlier_run(output_dir: Path, recipe: Recipe, machine: dict) -> dict:
     """The report of the run in `output_dir` that `recipe` continues (--resume): same recipe but for the models, which
-    of them go long and --jobs, on the same machine, threads and versions. A ResumeError names what differs."""
+    of them go long, the seeds and --jobs, on the same machine, threads and versions. A ResumeError names what
+    differs."""
     path = output_dir / "results.json"
     if not path.is_file():
         raise ResumeError(f"--resume: {output_dir} holds no results.json of an earlier run")
     earlier = json.loads(path.read_text())
+    earlier["recipe"]["seeds"] = list(recorded_seeds(earlier["recipe"]))
+    earlier["recipe"].pop("seed", None)
     now = as_json(asdict(recipe))
     changed = sorted(key for key in now.keys() | earlier["recipe"].keys()
                      if key not in RESUMABLE_CHANGES and now.get(key) != earlier["recipe"].get(key))
@@ -834,22 +1133,126 @@ def earlier_run(output_dir: Path, recipe: Recipe, machine: dict) -> dict:
     return earlier
 
 
-def kept_models(earlier: dict, recipe: Recipe) -> list[str]:
-    """The models of `earlier` this run keeps instead of training again: asked for now, and evaluated at the same
-    lengths (a model that goes long now must have gone long then, and the reverse)."""
+def kept_models(earlier: dict, recipe: Recipe) -> dict[tuple[str, int], str]:
+    """The (model, seed) pairs of `earlier` this run keeps instead of training again, with their entry there: asked
+    for now, and evaluated at the same lengths (a model that goes long now must have gone long then, and the
+    reverse)."""
     went_long = earlier["recipe"]["long_models"]
-    return [name for name in recipe.models if name in earlier["training"]
-            and recipe.goes_long(name) == (went_long is None or name in went_long)]
+    seeds = recorded_seeds(earlier["recipe"])
+    kept = {}
+    for name in recipe.models:
+        for seed in recipe.seeds:
+            entry = entry_name(name, seed, seeds)
+            if seed in seeds and entry in earlier["training"] and recipe.goes_long(name) == (went_long is None or name in went_long):
+                kept[name, seed] = entry
+    return kept
+
+
+@dataclass
+class SeedData:
+    """What one seed's models train on and are evaluated on."""
+
+    work: Path  # the seed's scratch folder: its tokenizer, training texts and trained models
+    evaluation: EvaluationData
+    corpus: dict  # the training texts' counts and the perplexity documents' tokens, for results.json
+
+    @property
+    def texts(self) -> Path:
+        return self.work / "train.jsonl"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.work / "tokenizer"
+
+
+def seed_data(train_documents: list[Document], heldout_documents: list[Document], recipe: Recipe, work: Path,
+              suites: list[Document]) -> SeedData:
+    """The training texts and tokenizer of a one-seed recipe, written in `work`, and its evaluation data."""
+    from bam_llama.evaluation.needles import Haystack
+
+    texts, tokenizer, needles = training_data(train_documents, recipe)
+    tokenizer.save_pretrained(work / "tokenizer")
+    (work / "train.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    with_prior = any(MODELS[name].has_prior for name in recipe.models)
+    evaluation = EvaluationData(
+        documents=perplexity_documents(heldout_documents, tokenizer, recipe, suites),
+        haystack=Haystack([document.text for document in heldout_documents]) if with_prior and recipe.needles else None,
+        training_keys=frozenset(keys_in_texts(texts, PASSKEY_DIGITS)),
+    )
+    corpus = {"train_used": {"texts": len(texts), "characters": sum(map(len, texts)), "needle_documents": len(needles),
+                             "needle_characters": sum(map(len, needles))},
+              "perplexity_documents": {name: len(tokens) for name, tokens in evaluation.documents.items()}}
+    return SeedData(work, evaluation, corpus)
+
+
+@dataclass
+class ModelJob:
+    """One model of one seed to train and evaluate; bam-frozen-prior's carries the prior it freezes once known."""
+
+    name: str
+    seed: int
+    data: SeedData
+    recipe: Recipe  # the run's, for this seed (`Recipe.for_seed`)
+    frozen_prior: dict | None = None  # theta_alpha and theta_beta [layer][head]
+    frozen_prior_from: str | None = None  # where they come from
+
+    @property
+    def ready(self) -> bool:
+        """Whether it can start: all but bam-frozen-prior at once, that one once its prior is known."""
+        return not MODELS[self.name].frozen_prior or self.frozen_prior is not None
+
+    def with_prior_of(self, entry: str, summary: dict) -> ModelJob:
+        """This job with the prior learned by `entry` (its training summary) to freeze."""
+        learned = summary["learned"]
+        return replace(self, frozen_prior={name: learned[name] for name in ("theta_alpha", "theta_beta")},
+                       frozen_prior_from=entry)
+
+
+def frozen_prior_source(folder: Path, seed: int) -> tuple[dict, str]:
+    """(prior, where from) for bam-frozen-prior from --frozen-prior-from: a saved BamLlama (config.json), whose
+    prior every seed takes, or the output folder of an earlier run of this benchmark (results.json), whose
+    bam-prior-lr of the same seed gives its learned prior. A ValueError where neither holds one."""
+    if (folder / "config.json").is_file():
+        from transformers import AutoModelForCausalLM
+
+        learned = learned_parameters(AutoModelForCausalLM.from_pretrained(folder))
+        where = str(folder)
+    elif (folder / "results.json").is_file():
+        report = json.loads((folder / "results.json").read_text())
+        entry = entry_name(FROZEN_PRIOR_SOURCE, seed, recorded_seeds(report["recipe"]))
+        if seed not in recorded_seeds(report["recipe"]) or entry not in report["training"]:
+            raise ValueError(f"--frozen-prior-from {folder}: its run has no {FROZEN_PRIOR_SOURCE} of seed {seed}")
+        learned, where = report["training"][entry]["learned"], f"{entry} of {folder}"
+    else:
+        raise ValueError(f"--frozen-prior-from {folder}: neither a saved model (config.json) nor a run of this "
+                         "benchmark (results.json)")
+    if "theta_beta" not in learned:
+        raise ValueError(f"--frozen-prior-from {folder}: no BamLlama prior there")
+    return {name: learned[name] for name in ("theta_alpha", "theta_beta")}, where
+
+
+def check_frozen_prior_source(recipe: Recipe) -> None:
+    """bam-frozen-prior needs a prior to freeze: --frozen-prior-from's for every seed, or bam-prior-lr in the same
+    run. A ValueError otherwise."""
+    if "bam-frozen-prior" not in recipe.models:
+        return
+    if recipe.frozen_prior_from is not None:
+        for seed in recipe.seeds:
+            frozen_prior_source(Path(recipe.frozen_prior_from), seed)
+    elif FROZEN_PRIOR_SOURCE not in recipe.models:
+        raise ValueError(f"--models bam-frozen-prior freezes the prior {FROZEN_PRIOR_SOURCE} learned: add "
+                         f"{FROZEN_PRIOR_SOURCE} to --models (trained first, same seed), or give --frozen-prior-from "
+                         "(a saved model, or the output folder of a run with it)")
 
 
 def run(recipe: Recipe, output_dir: Path, resume: bool = False) -> dict:
-    """Train and evaluate `recipe.models`, publishing the results in `output_dir` after every model. With `resume`,
-    the models an earlier run of the same recipe left there are kept (`kept_models`), the others trained."""
+    """Train and evaluate `recipe.models` with each of `recipe.seeds`, publishing the results in `output_dir` after
+    every model. With `resume`, the models an earlier run of the same recipe left there are kept (`kept_models`),
+    the others trained."""
     import torch
     import transformers
 
-    from bam_llama.evaluation.needles import Haystack
-
+    check_frozen_prior_source(recipe)
     if recipe.threads is not None:
         torch.set_num_threads(recipe.threads)
     started = time.perf_counter()
@@ -857,27 +1260,28 @@ def run(recipe: Recipe, output_dir: Path, resume: bool = False) -> dict:
                "jobs": recipe.jobs, "python": platform.python_version(), "torch": torch.__version__,
                "transformers": transformers.__version__}
     earlier = earlier_run(output_dir, recipe, machine) if resume else None
-    kept = kept_models(earlier, recipe) if earlier else []
+    kept = kept_models(earlier, recipe) if earlier else {}
     earlier_minutes = earlier["minutes"] if kept else 0.0
+    earlier_seeds = recorded_seeds(earlier["recipe"]) if earlier else ()
     train_documents, heldout_documents = split_documents(python_documents(), recipe.heldout_fraction)
-    with_prior = any(MODELS[name].has_prior for name in recipe.models)
+    suites = python_test_suites()
     with tempfile.TemporaryDirectory(prefix="text-extrapolation-") as scratch:
         work = Path(scratch)
-        texts, tokenizer, needles = training_data(train_documents, recipe)
-        tokenizer.save_pretrained(work / "tokenizer")
-        data = work / "train.jsonl"
-        data.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
-        evaluation = EvaluationData(
-            documents=perplexity_documents(heldout_documents, tokenizer, recipe, python_test_suites()),
-            haystack=Haystack([document.text for document in heldout_documents]) if with_prior and recipe.needles else None,
-            training_keys=frozenset(keys_in_texts(texts, PASSKEY_DIGITS)),
-        )
+        data = {}
+        for seed in recipe.seeds:
+            (work / f"seed-{seed}").mkdir()
+            data[seed] = seed_data(train_documents, heldout_documents, recipe.for_seed(seed), work / f"seed-{seed}", suites)
         corpus = corpus_statistics(train_documents, heldout_documents, recipe.heldout_fraction)
-        corpus["train_used"] = {"texts": len(texts), "characters": sum(map(len, texts)), "needle_documents": len(needles),
-                                "needle_characters": sum(map(len, needles))}
-        corpus["perplexity_documents"] = {name: len(tokens) for name, tokens in evaluation.documents.items()}
-        training = {name: earlier["training"][name] for name in kept}
-        results = {key: with_length_keys(earlier["results"][key]) for key in result_names(replace(recipe, models=tuple(kept)))}
+        corpus.update(data[recipe.seeds[0]].corpus)
+        if len(recipe.seeds) > 1:
+            corpus["by_seed"] = {f"seed-{seed}": data[seed].corpus for seed in recipe.seeds}
+        documents = {seed: list(data[seed].evaluation.documents) for seed in recipe.seeds}
+        training, results = {}, {}
+        for (name, seed), entry in kept.items():
+            training[entry_name(name, seed, recipe.seeds)] = earlier["training"][entry]
+            for row in model_rows(name):
+                results[entry_name(row, seed, recipe.seeds)] = with_length_keys(earlier["results"][entry_name(row, seed, earlier_seeds)])
+        resumed = [entry_name(name, seed, recipe.seeds) for name, seed in kept]
 
         def publish() -> tuple[dict, str]:
             """The report of the models done so far, renamed into `output_dir` whole."""
@@ -886,37 +1290,61 @@ def run(recipe: Recipe, output_dir: Path, resume: bool = False) -> dict:
             report = {
                 "recipe": asdict(recipe),
                 "models": {name: asdict(MODELS[name]) for name in recipe.models},
-                "complete": len(training) == len(recipe.models),
-                "resumed": kept,  # models measured by the earlier run this one continued
+                "complete": len(training) == len(recipe.models) * len(recipe.seeds),
+                "resumed": resumed,  # models measured by the earlier run this one continued
                 "corpus": corpus,
                 "minutes": earlier_minutes + (time.perf_counter() - started) / 60,
                 "peak_rss_mib": max(peak_rss, earlier["peak_rss_mib"] if kept else 0.0),
                 "machine": machine,
                 "training": training_here,
                 "results": results,
+                **({"means": seed_means(results, recipe)} if len(recipe.seeds) > 1 else {}),
             }
             with staged_output_dir(output_dir, force=True) as staging:
-                return report, write_report(staging, report, results, recipe, evaluation)
+                return report, write_report(staging, report, recipe, documents)
 
-        to_train = tuple(name for name in recipe.models if name not in kept)
-        if not to_train:
+        jobs = model_jobs(recipe, data, kept, training)
+        if not jobs:
             report, text = publish()
-        for name, summary, model_results in trained_models(replace(recipe, models=to_train), data, work, evaluation):
-            training[name] = summary
-            results.update(model_results)
+        for job, summary, model_results in trained_models(jobs, recipe):
+            training[entry_name(job.name, job.seed, recipe.seeds)] = summary
+            results.update({entry_name(row, job.seed, recipe.seeds): result for row, result in model_results.items()})
             results = {key: results[key] for key in result_names(recipe) if key in results}
-            training = {key: training[key] for key in recipe.models if key in training}
-            for key, result in model_results.items():
-                print(progress_line(key, result, recipe, started), flush=True)
+            training = {key: training[key] for key in training_names(recipe) if key in training}
+            for row, result in model_results.items():
+                print(progress_line(entry_name(row, job.seed, recipe.seeds), result, recipe, started), flush=True)
             # Every model's results are published as soon as it is done: a run of hours stopped early keeps what it measured
             report, text = publish()
     print(text)
     return report
 
 
+def model_jobs(recipe: Recipe, data: dict[int, SeedData], kept: dict, training: dict) -> list[ModelJob]:
+    """The (model, seed) pairs to train, seed by seed in the recipe's order; bam-frozen-prior's with its prior where
+    it is known already (--frozen-prior-from, or bam-prior-lr kept from the earlier run)."""
+    jobs = []
+    for seed in recipe.seeds:
+        for name in recipe.models:
+            if (name, seed) in kept:
+                continue
+            job = ModelJob(name, seed, data[seed], recipe.for_seed(seed))
+            source = entry_name(FROZEN_PRIOR_SOURCE, seed, recipe.seeds)
+            if MODELS[name].frozen_prior and recipe.frozen_prior_from is not None:
+                prior, where = frozen_prior_source(Path(recipe.frozen_prior_from), seed)
+                job = replace(job, frozen_prior=prior, frozen_prior_from=where)
+            elif MODELS[name].frozen_prior and source in training:
+                job = job.with_prior_of(source, training[source])
+            jobs.append(job)
+    return jobs
+
+
 def result_names(recipe: Recipe) -> list[str]:
-    """The rows of the results in the recipe's order, RoPE's extensions after it."""
-    return [key for name in recipe.models for key in ([name] + [f"rope-{extension}" for extension in ROPE_EXTENSIONS] * (name == "rope"))]
+    """The rows of the results in the recipe's order, RoPE's extensions after it, each row's seeds together."""
+    return [entry_name(row, seed, recipe.seeds) for name in recipe.models for row in model_rows(name) for seed in recipe.seeds]
+
+
+def training_names(recipe: Recipe) -> list[str]:
+    return [entry_name(name, seed, recipe.seeds) for name in recipe.models for seed in recipe.seeds]
 
 
 def model_threads(recipe: Recipe) -> int:
@@ -925,42 +1353,78 @@ def model_threads(recipe: Recipe) -> int:
     return recipe.threads or (1 if recipe.jobs > 1 else torch.get_num_threads())
 
 
-def train_and_evaluate(name: str, data: Path, work: Path, evaluation: EvaluationData, recipe: Recipe) -> tuple[str, dict, dict]:
-    """One model trained and evaluated (RoPE also with its extensions): (name, training summary, results by row)."""
+def train_and_evaluate(job: ModelJob) -> tuple[ModelJob, dict, dict]:
+    """One model trained and evaluated (RoPE also with its extensions): (job, training summary, results by row)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer")
-    folder, summary = train(name, data, work / "tokenizer", work, recipe)
-    results = {name: evaluate(folder, None, evaluation, tokenizer, recipe, name)}
-    if name == "rope":
-        for extension in ROPE_EXTENSIONS:
-            results[f"rope-{extension}"] = evaluate(folder, extension, evaluation, tokenizer, recipe, name)
-    return name, summary, results
+    tokenizer = AutoTokenizer.from_pretrained(job.data.tokenizer)
+    folder, summary = train(job.name, job.data.texts, job.data.tokenizer, job.data.work, job.recipe, job.frozen_prior)
+    if job.frozen_prior_from is not None:
+        summary["frozen_prior_from"] = job.frozen_prior_from
+    results = {row: evaluate(folder, None if row == job.name else row.removeprefix("rope-"), job.data.evaluation,
+                             tokenizer, job.recipe, job.name) for row in model_rows(job.name)}
+    return job, summary, results
 
 
-def trained_models(recipe: Recipe, data: Path, work: Path, evaluation: EvaluationData):
-    """`train_and_evaluate` of every model: one after another here, or with `recipe.jobs` > 1 in a pool of spawned
-    processes (a fresh PyTorch each, `model_threads` threads), yielded as each finishes. The workers ignore Ctrl-C;
-    this process stops them on Ctrl-C, SIGTERM or an error."""
+def trained_models(jobs: list[ModelJob], recipe: Recipe):
+    """`train_and_evaluate` of every job, yielded as each finishes: one after another here, or with `recipe.jobs` > 1
+    in a pool of spawned processes (a fresh PyTorch each, `model_threads` threads). A bam-frozen-prior job starts
+    once the bam-prior-lr of its seed is done (`ModelJob.ready`). The workers ignore Ctrl-C; this process stops them
+    on Ctrl-C, SIGTERM or an error."""
+    waiting = list(jobs)
+
+    def ready_after(done: tuple | None) -> list[ModelJob]:
+        """The waiting jobs that can start, once `done` (a finished job's result) is known."""
+        if done is not None and done[0].name == FROZEN_PRIOR_SOURCE:
+            source, summary = done[0], done[1]
+            for index, job in enumerate(waiting):
+                if MODELS[job.name].frozen_prior and job.frozen_prior is None and job.seed == source.seed:
+                    waiting[index] = job.with_prior_of(entry_name(source.name, source.seed, recipe.seeds), summary)
+        ready = [job for job in waiting if job.ready]
+        for job in ready:
+            waiting.remove(job)
+        return ready
+
     if recipe.jobs == 1:
-        for name in recipe.models:
-            yield train_and_evaluate(name, data, work, evaluation, recipe)
-        return
-    import multiprocessing
+        queue = ready_after(None)
+        while queue:
+            done = train_and_evaluate(queue.pop(0))
+            yield done
+            queue += ready_after(done)
+    else:
+        yield from pooled(ready_after, min(recipe.jobs, len(jobs)), model_threads(recipe))
+    if waiting:
+        raise ValueError(f"{', '.join(job.name for job in waiting)}: no {FROZEN_PRIOR_SOURCE} trained to take the prior from")
 
-    pool = multiprocessing.get_context("spawn").Pool(min(recipe.jobs, len(recipe.models)), initializer=_start_worker,
-                                                    initargs=(model_threads(recipe),))
+
+def pooled(ready_after, processes: int, threads: int):
+    """The jobs `ready_after(None)` gives, and those it gives after each finished one, in a pool of `processes`
+    spawned processes; yielded as each finishes."""
+    import multiprocessing
+    import queue
+
+    if processes == 0:
+        return
+    finished = queue.SimpleQueue()
+    pool = multiprocessing.get_context("spawn").Pool(processes, initializer=_start_worker, initargs=(threads,))
     try:
-        jobs = [(name, data, work, evaluation, recipe) for name in recipe.models]
-        yield from pool.imap_unordered(_model_job, jobs)
+        running = 0
+        for job in ready_after(None):
+            pool.apply_async(train_and_evaluate, (job,), callback=finished.put, error_callback=finished.put)
+            running += 1
+        while running:
+            done = finished.get()
+            running -= 1
+            if isinstance(done, BaseException):
+                raise done
+            yield done
+            for job in ready_after(done):
+                pool.apply_async(train_and_evaluate, (job,), callback=finished.put, error_callback=finished.put)
+                running += 1
         pool.close()
     finally:
         pool.terminate()
         pool.join()
-
-
-def _model_job(job: tuple) -> tuple[str, dict, dict]:
-    return train_and_evaluate(*job)
 
 
 def _start_worker(threads: int) -> None:
@@ -980,6 +1444,23 @@ def scale_list(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = argument_parser()
+    args = parser.parse_args(argv)
+    recipe = QUICK if args.quick else Recipe()
+    try:
+        recipe = recipe_from_args(recipe, args)
+    except ValueError as error:
+        parser.error(str(error))
+    output_dir = args.output_dir or REPOSITORY / "benchmarks" / "results" / ("text-extrapolation-quick" if args.quick else "text-extrapolation")
+    exit_on_sigterm()  # like Ctrl-C: the model processes are stopped, the last published results kept
+    try:
+        run(recipe, output_dir, resume=args.resume)
+    except ResumeError as error:
+        parser.error(str(error))
+    return 0
+
+
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny models, few steps, 1x-4x: seconds (the numbers mean nothing)")
     parser.add_argument("--output-dir", type=Path, default=None,
@@ -1001,22 +1482,21 @@ def main(argv: list[str] | None = None) -> int:
                         "long scales (default: all of them; the SSMax study's variants need only 1x-64x)")
     parser.add_argument("--resume", action="store_true", help="keep the models an earlier run of the same recipe "
                         "left in --output-dir (stopped, or with other --models) and train only the others")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds, each a run of its own (training data, "
+                        "tokenizer, models, evaluation keys): results per <model>/seed-N and their mean (default 0)")
+    parser.add_argument("--recipe", choices=RECIPES, default=None, help="the training texts' mix: needles (default: "
+                        "passkey 35%%, needles 15%%) or passkey (passkey 50%%, no needle documents, no needle evaluation; "
+                        "packed rows >= 95%% full); the share flags below override it")
+    parser.add_argument("--prior-lr", type=float, default=None, help="the prior's (and SSMax scales') learning rate "
+                        "(default: the weights' 1e-3; bam-prior-lr trains at 5e-2 whatever this says)")
+    parser.add_argument("--hidden-size", type=int, default=None, help="every model's hidden size (default 128)")
+    parser.add_argument("--frozen-prior-from", default=None, help="bam-frozen-prior's prior: a saved BamLlama folder, "
+                        "or the output folder of a run of this benchmark with bam-prior-lr (its learned prior of the "
+                        "same seed); default: bam-prior-lr of this run, which --models must then hold")
     parser.add_argument("--no-needles", action="store_true", help="no needle documents in training, no needle evaluation")
     parser.add_argument("--passkey-share", type=float, default=None, help="passkey documents' share of the training characters (default 0.35)")
     parser.add_argument("--needle-share", type=float, default=None, help="needle documents' share of the training characters (default 0.15)")
-    args = parser.parse_args(argv)
-    recipe = QUICK if args.quick else Recipe()
-    try:
-        recipe = recipe_from_args(recipe, args)
-    except ValueError as error:
-        parser.error(str(error))
-    output_dir = args.output_dir or REPOSITORY / "benchmarks" / "results" / ("text-extrapolation-quick" if args.quick else "text-extrapolation")
-    exit_on_sigterm()  # like Ctrl-C: the model processes are stopped, the last published results kept
-    try:
-        run(recipe, output_dir, resume=args.resume)
-    except ResumeError as error:
-        parser.error(str(error))
-    return 0
+    return parser
 
 
 def recipe_from_args(recipe: Recipe, args: argparse.Namespace) -> Recipe:
@@ -1051,6 +1531,25 @@ def recipe_from_args(recipe: Recipe, args: argparse.Namespace) -> Recipe:
         if outside:
             raise ValueError(f"--long-models takes models with a prior among --models, got {', '.join(outside)}")
         recipe = replace(recipe, long_models=long_models)
+    if args.seeds is not None:
+        parts = [part.strip() for part in args.seeds.split(",") if part.strip()]
+        seeds = tuple(int(part) for part in parts if part.isdigit())
+        if not seeds or len(seeds) != len(parts) or len(set(seeds)) != len(seeds):
+            raise ValueError(f"--seeds takes distinct seeds >= 0, got {args.seeds!r}")
+        recipe = replace(recipe, seeds=seeds)
+    if args.prior_lr is not None:
+        if not args.prior_lr > 0:
+            raise ValueError(f"--prior-lr must be positive, got {args.prior_lr}")
+        recipe = replace(recipe, prior_learning_rate=args.prior_lr)
+    if args.hidden_size is not None:
+        if args.hidden_size <= 0 or args.hidden_size % recipe.heads:
+            raise ValueError(f"--hidden-size must be a positive multiple of the {recipe.heads} heads, got {args.hidden_size}")
+        recipe = replace(recipe, hidden_size=args.hidden_size)
+    if args.frozen_prior_from is not None:
+        recipe = replace(recipe, frozen_prior_from=args.frozen_prior_from)
+    check_frozen_prior_source(recipe)
+    if args.recipe is not None:
+        recipe = replace(recipe, **RECIPES[args.recipe])
     if args.no_needles:
         recipe = replace(recipe, needles=False, needle_share=0.0)
     for name in ("passkey_share", "needle_share"):

@@ -175,6 +175,11 @@ def test_codec_tables_are_generated_tables_and_code_is_not():
         (["--jobs", "0"], "--jobs"),
         (["--models", "bam,nope", "--long-models", "nope"], "--long-models"),
         (["--models", "bam", "--long-models", "alibi"], "--long-models"),
+        (["--models", "bam-frozen-prior"], "--models bam-frozen-prior"),
+        (["--models", "bam-frozen-prior", "--frozen-prior-from", "/nonexistent"], "--frozen-prior-from"),
+        (["--seeds", "0,0"], "--seeds"),
+        (["--seeds", "1,x"], "--seeds"),
+        (["--prior-lr", "0"], "--prior-lr"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(argv, named, capsys):
@@ -350,7 +355,22 @@ def test_study_variants_change_one_setting_each():
     }
     for name, change in changes.items():
         assert benchmark.MODELS[name].pretrain_overrides(recipe) == {**base, **change}, name
-    assert benchmark.MODELS["bam-long"].pretrain_overrides(recipe) == {"positional": "bam", "ssmax": False, "max_steps": 2 * recipe.steps}
+    bam = benchmark.MODELS["bam"].pretrain_overrides(recipe)
+    assert bam == {"positional": "bam", "ssmax": False, "max_steps": recipe.steps}
+
+    def flops(hidden):  # a training token's: the layers' matrices, attention's scores and values, the output layer
+        return recipe.layers * (4 * hidden**2 + 3 * hidden * 2 * hidden + 2 * (recipe.train_length // 2) * hidden) + recipe.vocab_size * hidden
+
+    changes = {
+        "bam-long": {"max_steps": 2 * recipe.steps},
+        "bam-prior-lr": {"prior_learning_rate": 5e-2},
+        "bam-frozen-prior": {},  # its prior is set and frozen by `train`
+        "bam-wide": {"hidden_size": 192, "max_steps": round(recipe.steps * flops(128) / flops(192))},
+    }
+    for name, change in changes.items():
+        assert benchmark.MODELS[name].pretrain_overrides(recipe) == {**bam, **change}, name
+    assert changes["bam-wide"]["max_steps"] == 1056 and benchmark.MODELS["bam-frozen-prior"].frozen_prior
+    assert "bam-frozen-prior" not in benchmark.DEFAULT_MODELS and "bam-prior-lr" not in benchmark.DEFAULT_MODELS
     assert set(benchmark.DEFAULT_MODELS) < set(benchmark.MODELS)
 
 
@@ -403,9 +423,9 @@ def test_resume_keeps_the_models_of_an_earlier_run_and_trains_only_the_others(tm
     trained = []
     train_and_evaluate = benchmark.train_and_evaluate
 
-    def recorded(name, *args):
-        trained.append(name)
-        return train_and_evaluate(name, *args)
+    def recorded(job):
+        trained.append(job.name)
+        return train_and_evaluate(job)
 
     monkeypatch.setattr(benchmark, "train_and_evaluate", recorded)
     benchmark.run(replace(recipe, models=("alibi", "nope")), output, resume=True)
@@ -439,8 +459,10 @@ def test_resume_refuses_another_recipe_and_an_empty_folder(tmp_path, capsys):
     before = (output / "results.json").read_text()
     with pytest.raises(benchmark.ResumeError, match=r"differs in steps\b"):
         benchmark.run(replace(recipe, steps=recipe.steps + 1), output, resume=True)
-    with pytest.raises(benchmark.ResumeError, match="differs in seed, vocab_size"):
-        benchmark.run(replace(recipe, seed=1, vocab_size=999), output, resume=True)
+    with pytest.raises(benchmark.ResumeError, match="differs in learning_rate, vocab_size"):
+        benchmark.run(replace(recipe, learning_rate=1e-4, vocab_size=999), output, resume=True)
+    with pytest.raises(benchmark.ResumeError, match="differs in prior_learning_rate"):
+        benchmark.run(replace(recipe, prior_learning_rate=5e-2), output, resume=True)
     assert (output / "results.json").read_text() == before
     with pytest.raises(SystemExit) as exit_info:
         benchmark.main(["--quick", "--resume", "--output-dir", str(tmp_path / "none")])
@@ -487,3 +509,234 @@ def test_sigterm_stops_the_model_processes(tmp_path):
     time.sleep(1)
     assert not still_running(workers)
     assert sorted(path.name for path in tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------------- the recipe study
+
+
+def tiny_training_folder(tmp_path):
+    """A byte tokenizer's folder and a few hundred rows of Python source to train on, for `train` in this process."""
+    import inspect
+    import json as json_module
+
+    from bam_llama.data.tokenizers import build_byte_tokenizer
+
+    build_byte_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    source = inspect.getsource(json_module.decoder) + inspect.getsource(json_module.encoder)
+    texts = [source[start:start + 600] for start in range(0, len(source), 600)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return data, tmp_path / "tokenizer"
+
+
+@pytest.fixture
+def optimizer_rates(monkeypatch):
+    """The learning rate of every trained parameter, by name, as BamTrainer's optimizer holds it when it is made (one
+    dict per optimizer)."""
+    from bam_llama.training.trainer import BamTrainer
+
+    made = []
+    create_optimizer = BamTrainer.create_optimizer
+
+    def recorded(self, model=None):
+        optimizer = create_optimizer(self, model)
+        names = {id(parameter): name for name, parameter in self.model.named_parameters()}
+        made.append({names[id(parameter)]: group["lr"] for group in optimizer.param_groups for parameter in group["params"]})
+        return optimizer
+
+    monkeypatch.setattr(BamTrainer, "create_optimizer", recorded)
+    return made
+
+
+def test_the_prior_learning_rate_reaches_the_prior_s_optimizer_group(tmp_path, optimizer_rates):
+    from dataclasses import replace
+
+    benchmark = load_benchmark()
+    data, tokenizer = tiny_training_folder(tmp_path)
+    recipe = replace(benchmark.QUICK, steps=1, learning_rate=3e-3, prior_learning_rate=2e-2)
+    for name in ("bam", "bam-prior-lr"):
+        benchmark.train(name, data, tokenizer, tmp_path, recipe)
+    default = replace(recipe, prior_learning_rate=None)
+    benchmark.train("bam-ssmax", data, tokenizer, tmp_path / "default", default)
+    expected_prior = {"bam": 2e-2, "bam-prior-lr": 5e-2, "bam-ssmax": 3e-3}  # None: the weights' rate, as before
+    for (name, prior_rate), rates in zip(expected_prior.items(), optimizer_rates, strict=True):
+        prior = {key: rate for key, rate in rates.items() if re.search(r"\.(prior\.theta_(alpha|beta)|ssmax\.scale)$", key)}
+        weights = {key: rate for key, rate in rates.items() if key not in prior}
+        assert len(prior) == (3 if name == "bam-ssmax" else 2) * recipe.layers, (name, sorted(prior))  # alpha, beta (, s)
+        assert list(prior.values()) == pytest.approx([prior_rate] * len(prior)), name
+        assert list(weights.values()) == pytest.approx([3e-3] * len(weights)) and "lm_head.weight" in weights, name
+
+
+def test_the_frozen_prior_is_the_source_s_learned_prior_and_does_not_train(tmp_path, optimizer_rates):
+    from dataclasses import replace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    benchmark = load_benchmark()
+    data, tokenizer = tiny_training_folder(tmp_path)
+    recipe = replace(benchmark.QUICK, steps=3)
+    source_folder, source = benchmark.train("bam-prior-lr", data, tokenizer, tmp_path, recipe)
+    prior = {name: source["learned"][name] for name in ("theta_alpha", "theta_beta")}
+    assert any(value != 0 for rows in prior.values() for row in rows for value in row)  # trained away from uniform
+    with pytest.raises(ValueError, match="needs the prior it freezes"):
+        benchmark.train("bam-frozen-prior", data, tokenizer, tmp_path, recipe)
+    folder, frozen = benchmark.train("bam-frozen-prior", data, tokenizer, tmp_path, recipe, frozen_prior=prior)
+    assert {name: frozen["learned"][name] for name in prior} == prior  # exactly, after 3 steps of training
+    assert frozen["loss_after"] != frozen["loss_before"]  # the weights trained
+    assert not any("prior" in name for name in optimizer_rates[-1]) and "lm_head.weight" in optimizer_rates[-1]
+    saved = AutoModelForCausalLM.from_pretrained(folder)
+    assert saved.config.train_theta_alpha is False and saved.config.train_theta_beta is False
+    for index, layer in enumerate(saved.model.layers):
+        for name, rows in prior.items():
+            assert torch.equal(getattr(layer.self_attn.prior, name), torch.tensor(rows[index]))
+    assert benchmark.frozen_prior_source(source_folder, 7) == (prior, str(source_folder))  # --frozen-prior-from a model
+    with pytest.raises(ValueError, match="2 layers"):
+        benchmark.train("bam-frozen-prior", data, tokenizer, tmp_path / "three", replace(recipe, layers=3),
+                        frozen_prior=prior)
+
+
+def test_seeds_give_an_entry_per_model_and_seed_and_their_mean(tmp_path):
+    """--seeds 0,1 with two models at once: bam-frozen-prior (asked first) waits for bam-prior-lr of its seed; each
+    seed has its own data and keys; the means are the seeds' means; the targets judge the means."""
+    from dataclasses import replace
+
+    output = tmp_path / "seeds"
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--models", "bam-frozen-prior,bam-prior-lr,nope", "--seeds", "0,1",
+         "--prior-lr", "0.02", "--jobs", "2", "--threads", "1", "--output-dir", str(output)],
+        capture_output=True, text=True, timeout=900, env=checkout_environment(),
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads((output / "results.json").read_text())
+    assert report["recipe"]["seeds"] == [0, 1] and report["recipe"]["prior_learning_rate"] == 0.02
+    rows = ("bam-frozen-prior", "bam-prior-lr", "nope")
+    assert list(report["results"]) == [f"{row}/seed-{seed}" for row in rows for seed in (0, 1)]
+    assert list(report["training"]) == list(report["results"]) and list(report["means"]) == list(rows)
+    training, results = report["training"], report["results"]
+    for seed in (0, 1):
+        source, frozen = training[f"bam-prior-lr/seed-{seed}"], training[f"bam-frozen-prior/seed-{seed}"]
+        for name in ("theta_alpha", "theta_beta"):
+            assert frozen["learned"][name] == source["learned"][name]
+        assert frozen["frozen_prior_from"] == f"bam-prior-lr/seed-{seed}"
+    assert training["bam-prior-lr/seed-0"]["learned"] != training["bam-prior-lr/seed-1"]["learned"]
+    keys = {seed: results[f"nope/seed-{seed}"]["passkey"]["128"]["passkeys"] for seed in (0, 1)}
+    assert keys[0] != keys[1]  # each seed its own evaluation keys
+    assert report["corpus"]["by_seed"]["seed-0"]["train_used"] != report["corpus"]["by_seed"]["seed-1"]["train_used"]
+    for row in rows:
+        mean, seeds = report["means"][row], [results[f"{row}/seed-{seed}"] for seed in (0, 1)]
+        for length, cell in mean["passkey"].items():
+            for score in ("correct", "teacher_forced"):
+                flags = [[flag for depths in seed["passkey"][length][score] for flag in depths] for seed in seeds]
+                assert cell[score]["rate"] == pytest.approx(sum(sum(found) / len(found) for found in flags) / 2)
+                assert (cell[score]["found"], cell[score]["prompts"]) == (sum(map(sum, flags)), sum(map(len, flags)))
+        for length, point in mean["perplexity"].items():
+            values = [seed["perplexity"][length]["last_window"]["perplexity"] for seed in seeds]
+            assert point["last_window"]["perplexity"] == pytest.approx(sum(values) / 2)
+    text = (output / "results.md").read_text()
+    assert re.search(r"\| nope/seed-1 \| \d+% \(\d+-\d+\) \|", text)
+    assert re.search(r"\| nope, mean of 2 seeds \| \d+% \(\d+-\d+\) \d+/4 \|", text)  # the pooled count, 2 + 2 prompts
+    assert "Targets (judged on the mean of seeds 0, 1)" in text
+    assert re.search(r"^- BAM's best variant: bam-[a-z-]+$", text, re.MULTILINE)  # a model's mean, not one seed's
+    assert (output / "passkey-nope-seed-1.png").stat().st_size > 0
+    benchmark = load_benchmark()
+    prior, where = benchmark.frozen_prior_source(output, 1)  # --frozen-prior-from the run's folder
+    assert prior == {name: training["bam-prior-lr/seed-1"]["learned"][name] for name in ("theta_alpha", "theta_beta")}
+    assert where == f"bam-prior-lr/seed-1 of {output}"
+    with pytest.raises(ValueError, match="no bam-prior-lr of seed 2"):
+        benchmark.frozen_prior_source(output, 2)
+
+
+def test_the_targets_judge_the_mean_of_the_seeds():
+    from dataclasses import replace
+
+    benchmark = load_benchmark()
+    recipe = replace(benchmark.Recipe(), train_length=10, scales=(2, 64), long_scales=(512,), seeds=(0, 1))
+
+    def model(found, last):  # keys found of 20 at 2x, 64x and 512x; the last-window perplexity at 512x (10 before)
+        return {"perplexity": {length: {"last_window": {"perplexity": value}, "past_training_length": None}
+                               for length, value in zip((20, 640, 5120), (10.0, 10.0, last))},
+                "passkey": {length: {"correct": [[True] * hits + [False] * (20 - hits)]}
+                            for length, hits in zip((20, 640, 5120), found)}}
+
+    results = {"bam/seed-0": model([20, 20, 17], 10.5), "bam/seed-1": model([20, 17, 15], 12.5)}
+    means = benchmark.seed_means(results, replace(recipe, models=("bam",)))
+    assert means["bam"]["passkey"][640]["correct"]["rate"] == pytest.approx(37 / 40)
+    assert benchmark.best_variant_lines(means, recipe, lambda name, scale: benchmark.accuracy(means[name]["passkey"][10 * scale])) == [
+        "BAM's best variant: bam",
+        "bam passkey at 64x 92% (target >= 95%): MISSED",  # seed 0 alone: 100%
+        "bam passkey at 512x 80% (target >= 80%): met",  # 85% and 75%
+        "bam last-window perplexity 512x / 2x = 1.150 (target <= 1.10): MISSED",  # seed 0 alone: 1.05
+    ]
+
+
+def test_resume_keeps_each_model_and_seed(tmp_path, monkeypatch):
+    """A one-seed run resumed with two seeds keeps its models as their seed-0 entries and trains seed 1 only, which
+    answers as in a fresh two-seed run; resumed again, nothing trains."""
+    from dataclasses import replace
+
+    benchmark = load_benchmark()
+    recipe = replace(benchmark.QUICK, threads=None, models=("nope",))
+    output = tmp_path / "results"
+    benchmark.run(recipe, output)
+    earlier = json.loads((output / "results.json").read_text())
+    trained = []
+    train_and_evaluate = benchmark.train_and_evaluate
+
+    def recorded(job):
+        trained.append((job.name, job.seed))
+        return train_and_evaluate(job)
+
+    monkeypatch.setattr(benchmark, "train_and_evaluate", recorded)
+    two_seeds = replace(recipe, seeds=(0, 1))
+    benchmark.run(two_seeds, output, resume=True)
+    resumed = json.loads((output / "results.json").read_text())
+    assert trained == [("nope", 1)] and resumed["resumed"] == ["nope/seed-0"] and resumed["complete"] is True
+    assert list(resumed["results"]) == ["nope/seed-0", "nope/seed-1"]
+    assert resumed["results"]["nope/seed-0"] == earlier["results"]["nope"]
+    assert resumed["training"]["nope/seed-0"] == earlier["training"]["nope"]
+    benchmark.run(two_seeds, output, resume=True)
+    assert trained == [("nope", 1)] and json.loads((output / "results.json").read_text())["resumed"] == ["nope/seed-0", "nope/seed-1"]
+    fresh = tmp_path / "fresh"
+    benchmark.run(two_seeds, fresh)
+    fresh_results = json.loads((fresh / "results.json").read_text())["results"]
+    for entry in ("nope/seed-0", "nope/seed-1"):
+        assert fresh_results[entry]["perplexity"] == resumed["results"][entry]["perplexity"], entry
+        for length, by_length in fresh_results[entry]["passkey"].items():
+            assert by_length["predictions"] == resumed["results"][entry]["passkey"][length]["predictions"], (entry, length)
+
+
+def test_the_passkey_recipe_drops_the_needles_and_restores_the_passkey_share():
+    benchmark = load_benchmark()
+
+    def recipe(*argv):
+        return benchmark.recipe_from_args(benchmark.Recipe(), benchmark.argument_parser().parse_args(argv))
+
+    assert (recipe("--recipe", "passkey").needles, recipe("--recipe", "passkey").needle_share) == (False, 0.0)
+    assert recipe("--recipe", "passkey").passkey_share == 0.5
+    assert recipe("--recipe", "passkey", "--passkey-share", "0.4").passkey_share == 0.4  # a share flag overrides it
+    default = recipe()
+    assert (default.needles, default.needle_share, default.passkey_share, default.prior_learning_rate) == (True, 0.15, 0.35, None)
+    assert default.seeds == (0,) and default.seed == 0
+    assert recipe("--prior-lr", "0.05").prior_learning_rate == 0.05 and recipe("--seeds", "2,0").seeds == (2, 0)
+
+
+def test_one_at_a_time_bam_frozen_prior_waits_for_the_prior_of_its_seed(monkeypatch):
+    from dataclasses import replace
+
+    benchmark = load_benchmark()
+    recipe = replace(benchmark.QUICK, models=("bam-frozen-prior", "bam-prior-lr", "nope"), seeds=(0, 1), jobs=1)
+    started = []
+
+    def fake(job):  # a learned prior that names its seed
+        started.append((job.name, job.seed, job.frozen_prior, job.frozen_prior_from))
+        learned = {"theta_alpha": [[job.seed]], "theta_beta": [[-job.seed]]}
+        return job, {"learned": learned}, {}
+
+    monkeypatch.setattr(benchmark, "train_and_evaluate", fake)
+    jobs = [benchmark.ModelJob(name, seed, None, recipe.for_seed(seed)) for seed in recipe.seeds for name in recipe.models]
+    finished = [(job.name, job.seed) for job, _, _ in benchmark.trained_models(jobs, recipe)]
+    assert finished == [("bam-prior-lr", 0), ("nope", 0), ("bam-prior-lr", 1), ("nope", 1),
+                        ("bam-frozen-prior", 0), ("bam-frozen-prior", 1)]
+    frozen = {seed: (prior, where) for name, seed, prior, where in started if name == "bam-frozen-prior"}
+    assert frozen == {seed: ({"theta_alpha": [[seed]], "theta_beta": [[-seed]]}, f"bam-prior-lr/seed-{seed}") for seed in (0, 1)}
