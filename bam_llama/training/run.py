@@ -50,6 +50,7 @@ class TrainingCommand:
 
     name: str  # the command, e.g. "bam-pretrain"
     results: tuple[str, ...]  # what a run leaves in its output folder (`training.lock`)
+    prepared: tuple[str, ...] = ()  # what it writes there before training: no result, a new run replaces it
     summary_class: type[TrainingSummary]
 
     def __init__(self, args):
@@ -104,7 +105,8 @@ def run_training(command: TrainingCommand) -> tuple[TrainingSummary, PreTrainedM
     command.check_arguments()
     args = command.args
     continuing = resumes_in(args.output_dir, args.resume_from_checkpoint)
-    with hold_output_dir(args.output_dir, command.name, command.results, continuing, args.overwrite_output_dir) as hold:
+    with hold_output_dir(args.output_dir, command.name, command.results, continuing, args.overwrite_output_dir,
+                         command.prepared) as hold:
         return _run_training(command, hold, started)
 
 
