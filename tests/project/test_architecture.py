@@ -23,7 +23,7 @@ ALLOWED = {
     "positional_models": {"model", "positional_variants"},
     "data": {"model", "outputs", "model_folders"},
     "evaluation": {"model", "data", "outputs", "model_folders", "registration"},
-    "hub": {"model", "data", "evaluation", "outputs", "model_folders"},
+    "hub": {"model", "data", "evaluation", "outputs", "model_folders", "positional_variants"},
     "training": {"model", "data", "evaluation", "hub", "outputs", "model_folders", "registration", "positional_variants",
                  "positional_models"},
     "conversion": {"model", "data", "hub", "outputs", "model_folders", "positional_variants"},
