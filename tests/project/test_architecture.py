@@ -17,6 +17,7 @@ ALLOWED = {
     "registration": {"model"},
     "outputs": set(),
     "first_screen": set(),
+    "cpu_threads": set(),
     "model_folders": set(),
     "positional_variants": set(),
     "demo_settings": {"evaluation"},  # its light depth_plan.py only
@@ -25,13 +26,13 @@ ALLOWED = {
     "evaluation": {"model", "data", "outputs", "model_folders", "registration"},
     "hub": {"model", "data", "evaluation", "outputs", "model_folders", "positional_variants"},
     "training": {"model", "data", "evaluation", "hub", "outputs", "model_folders", "registration", "positional_variants",
-                 "positional_models"},
+                 "positional_models", "cpu_threads"},
     "conversion": {"model", "data", "hub", "outputs", "model_folders", "positional_variants"},
     "demo": {"model", "data", "evaluation", "outputs", "model_folders", "positional_variants", "positional_models",
-             "demo_settings", "first_screen"},
+             "demo_settings", "first_screen", "cpu_threads"},
     "serving": {"model", "registration"},
     "cli": {"model", "data", "evaluation", "hub", "training", "conversion", "demo", "outputs", "model_folders",
-            "positional_variants", "demo_settings", "first_screen"},
+            "positional_variants", "demo_settings", "first_screen", "cpu_threads"},
     "__init__": {"model", "registration"},
 }
 

@@ -2,6 +2,7 @@
 keeps fixed priors exactly fixed, resumes from the latest checkpoint; bad arguments stop before any data loads."""
 
 import json
+import logging
 import os
 import random
 import re
@@ -20,6 +21,7 @@ from helpers import (
     one_error_line,
     snapshot,
     tiny_model,
+    torch_threads_in_training,
     training_linear_dtypes,
 )
 from safetensors.torch import load_file, save_file
@@ -550,6 +552,33 @@ def test_resume_latest_without_a_checkpoint_says_to_start_without_it(data, tmp_p
     line = one_error_line(capsys.readouterr().err, "bam-pretrain")
     assert "no checkpoint-* folder" in line and "starts again without --resume-from-checkpoint" in line
     assert main(argv) == 0
+
+
+@pytest.mark.parametrize(
+    "flag,omp_num_threads,expected",
+    [((), None, 1), (("--threads", "2"), None, 2), ((), "3", 3), (("--threads", "2"), "3", 2)],
+    ids=["cpu-default", "flag", "omp-num-threads", "flag-over-omp-num-threads"],
+)
+def test_threads_are_one_on_a_cpu_unless_threads_or_omp_num_threads_say_otherwise(data, tmp_path, monkeypatch, caplog,
+                                                                                  flag, omp_num_threads, expected):
+    argv = cli_arguments(data, tmp_path / "out", "--max-steps", "1", "--save-steps", "1", *flag)
+    caplog.set_level(logging.INFO, logger="bam_llama")
+    with torch_threads_in_training(monkeypatch, omp_num_threads) as threads:
+        assert main(argv) == 0
+    assert threads == {expected}
+    assert f"cpu, {expected} torch thread(s)" in caplog.text
+
+
+def test_threads_on_a_gpu_are_left_to_torch_and_the_help_gives_the_measurement(monkeypatch, capsys):
+    from bam_llama.cpu_threads import use_threads
+
+    with torch_threads_in_training(monkeypatch):
+        assert use_threads(None, "cuda") == 4 and use_threads(None, "cpu") == 1 and use_threads(3, "cuda") == 3
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--threads THREADS torch threads (default: on a CPU 1, or OMP_NUM_THREADS where it is set" in help_text
+    assert "s per step" in help_text
 
 
 def test_ssmax_order_init_and_learning_rate_reach_the_model_and_the_optimizer(data, tmp_path, monkeypatch):
