@@ -28,6 +28,7 @@ from tqdm import tqdm as tqdm_base
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
+from .cpu_threads import use_threads
 from .data.packing import IGNORE_INDEX
 from .data.special_tokens import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
 from .data.tokenizers import build_byte_tokenizer, encode
@@ -307,7 +308,7 @@ def train_and_evaluate(
 ) -> PasskeyResults:
     """One model: seeded, trained, evaluated on `args.threads` torch threads; its heatmap (and for BAM the model and
     its prior plot) written to `folder`."""
-    torch.set_num_threads(args.threads)
+    use_threads(args.threads, torch.device(args.device).type)
     tokenizer = build_byte_tokenizer()
     train_length = settings.data.train_length
     set_seed(args.seed)  # identical initialization stream and identical batches for every model

@@ -150,6 +150,30 @@ def training_linear_dtypes():
         handle.remove()
 
 
+@contextlib.contextmanager
+def torch_threads_in_training(monkeypatch, omp_num_threads: str | None = None):
+    """The number of torch threads at each `nn.Linear` forward in training mode inside the block, with the process
+    started as torch starts it: OMP_NUM_THREADS set to `omp_num_threads` and torch's threads that number, or unset
+    and torch's threads one per core (4 here, whatever the machine). Torch's threads are restored after."""
+    threads, seen = torch.get_num_threads(), set()
+    if omp_num_threads is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp_num_threads)
+    torch.set_num_threads(int(omp_num_threads or 4))
+
+    def record(module, args, output):
+        if isinstance(module, torch.nn.Linear) and module.training:
+            seen.add(torch.get_num_threads())
+
+    handle = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+        torch.set_num_threads(threads)
+
+
 # ---------------------------------------------------------------------------------------- failures of commands
 
 

@@ -195,7 +195,25 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, defaults) -> None:
 def add_run_arguments(parser: argparse.ArgumentParser, defaults) -> None:
     parser.add_argument("--logging-steps", type=positive_int, default=defaults.logging_steps)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    add_threads_argument(parser)
     parser.add_argument("--disable-progress-bars", action="store_true")
+
+
+# benchmarks/threads_beside_load.py, 2026-11-27; docs/pretraining.md#threads gives the run and its load.
+THREADS_MEASURED = (
+    "A small bam-pretrain beside two busy processes on 2 cores (lscpu: Intel(R) Xeon(R) Processor) took 13-15 s per "
+    "step on torch's default 2 threads, 0.9-1.3 s per step on 1"
+)
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """`--threads` of bam-pretrain, bam-finetune and bam-eval; `cpu_threads.use_threads` applies it."""
+    parser.add_argument(
+        "--threads", type=positive_int, default=None,
+        help="torch threads (default: on a CPU 1, or OMP_NUM_THREADS where it is set, e.g. by torchrun; on a GPU "
+        "torch's own). One thread cannot oversubscribe: with several, every operation waits for its slowest thread, "
+        f"so where other programs share the cores it stalls. {THREADS_MEASURED}",
+    )
 
 
 def _int(text: str) -> int:

@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset", action="append", default=[], help="training dataset (Hub id); repeatable")
     parser.add_argument("--license", default="apache-2.0", help="license identifier (default: %(default)s)")
     parser.add_argument("--tag", action="append", default=[], help="extra Hub tag; repeatable")
-    parser.add_argument("--results", nargs="+", default=[], help="results .json files written by bam-eval --out")
+    parser.add_argument("--results", nargs="+", default=[], help="results .json files written by bam-eval --out, or bam-demo's results.json")
     parser.add_argument("--plot", nargs="+", default=[], help="images to show (copied into MODEL_DIR/plots)")
     parser.add_argument("--name", help="model name in the title (default: the repo or folder name)")
     parser.add_argument("--description", help="a paragraph under the title")

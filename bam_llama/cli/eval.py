@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..evaluation.needle_tasks import NEEDLE_KINDS, NeedleTask
 from ..outputs import exit_on_sigterm, staged_files
-from .arguments import depth_plan, device_name, length_list, non_negative_int, positive_int
+from .arguments import add_threads_argument, depth_plan, device_name, length_list, non_negative_int, positive_int
 from .reporting import run_reported
 
 PASSKEY_LENGTHS = "256,512,1024,2048,4096"
@@ -149,6 +149,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=device_name, help="e.g. cuda, cuda:1, cpu (default: CUDA if available)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype")
     parser.add_argument("--attn-implementation", help="sdpa, eager or bam_triton (default: the model's)")
+    add_threads_argument(parser)
     parser.add_argument("--out", help="folder for the table (.md), results (.json) and plot (.png)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -163,12 +164,15 @@ def _add_per_depth(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_for_cli(args):
+    from ..cpu_threads import use_threads
     from ..evaluation.decoding import load_model_and_tokenizer
 
-    return load_model_and_tokenizer(
+    model, tokenizer = load_model_and_tokenizer(
         args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
         attn_implementation=args.attn_implementation,
     )
+    use_threads(args.threads, model.device.type)
+    return model, tokenizer
 
 
 def run_passkey(args) -> None:

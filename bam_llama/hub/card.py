@@ -16,10 +16,11 @@ from ..data.tokenizers import TOKENIZER_FILES
 from ..evaluation.needles import NeedleResults
 from ..evaluation.passkey import PasskeyResults
 from ..evaluation.perplexity import PerplexityResults
-from ..evaluation.results import load_results, results_from_dict
+from ..evaluation.results import results_from_dict
 from ..model.configuration_bam import BamLlamaConfig
 from ..model.prior_bam import PRIOR_PARAMETERS, prior_offset
 from ..outputs import staged_files
+from ..positional_variants import POSITIONAL_VARIANTS
 
 TEMPLATE_NAME = "card_template.md"  # package data of bam_llama.hub, so wheels carry it
 BAM_TAGS = ["bam", "ggd-bam", "custom_code", "long-context"]
@@ -136,15 +137,6 @@ def training_text(config: dict, datasets: list[str], base_model: str | None) -> 
     return " ".join(lines)
 
 
-def as_results(results):
-    """Results from an object, its `to_dict()`, or a `bam-eval --out` .json file."""
-    if isinstance(results, (str, Path)):
-        return load_results(results)
-    if isinstance(results, dict):
-        return results_from_dict(results)
-    return results
-
-
 def needle_section(results: NeedleResults) -> dict:
     task = results.needle_task
     description = (
@@ -180,6 +172,40 @@ EVALUATION_SECTIONS = {
     NeedleResults: needle_section,
     PerplexityResults: perplexity_section,
 }
+
+
+def evaluation_sections(results) -> list[dict]:
+    """The card's sections of one `eval_results` item: bam-eval results (an object, its `to_dict()`, its .json
+    file) give their one section, bam-demo's results.json (or its dict) a passkey section for each model it trained."""
+    source = "evaluation results"
+    if isinstance(results, (str, Path)):
+        source, results = str(results), json.loads(Path(results).read_text(encoding="utf-8"))
+    if is_demo_results(results):
+        return demo_sections(results, source)
+    if isinstance(results, dict):
+        results = results_from_dict(results, source)
+    return [evaluation_section(results)]
+
+
+def is_demo_results(values) -> bool:
+    """bam-demo's results.json (`demo.py`): {"run": {"argv", "settings", ...}, MODEL: its passkey results, ...}."""
+    return isinstance(values, dict) and isinstance(values.get("run"), dict) and "settings" in values["run"]
+
+
+def demo_sections(values: dict, source: str) -> list[dict]:
+    run = values["run"]
+    train_length = run["settings"]["data"]["train_length"]
+    quick = " A --quick run, for testing: its numbers mean nothing." if "--quick" in run.get("argv", []) else ""
+    sections = []
+    for name, model_results in values.items():
+        if name == "run":
+            continue
+        section = passkey_section(results_from_dict(model_results, f"{source} ({name})"))
+        label = POSITIONAL_VARIANTS[name].label if name in POSITIONAL_VARIANTS else name
+        section["title"] = f"Passkey retrieval: {label} (bam-demo)"
+        section["description"] += f" Trained by `bam-demo` at {train_length} tokens.{quick}"
+        sections.append(section)
+    return sections
 
 
 def evaluation_section(results) -> dict:
@@ -248,7 +274,7 @@ def render_card(model_dir: Path, config: dict, *, base_model, datasets, license,
         has_tokenizer=any((model_dir / name).is_file() for name in TOKENIZER_FILES),
         training_text=training_text(config, datasets, base_model),
         prior_table=prior_table(model_dir),
-        eval_sections=[evaluation_section(as_results(results)) for results in eval_results],
+        eval_sections=[section for results in eval_results for section in evaluation_sections(results)],
         plots=[{"caption": Path(link).stem.replace("_", " ").replace("-", " "), "path": link} for link in plot_paths],
         extra=extra,
     )
@@ -275,7 +301,7 @@ def write_model_card(
     base_model: the argument, else the one config.json records (converted or fine-tuned models); it goes into the
     metadata only when it is a Hub id, local paths are named in the text. `eval_results` are PasskeyResults /
     NeedleResults / PerplexityResults (objects, their `to_dict()`, or bam-eval .json files), each shown in its own
-    section (`EVALUATION_SECTIONS`); `plots` are image files,
+    section (`EVALUATION_SECTIONS`), or bam-demo's results.json (a passkey section per model); `plots` are image files,
     copied into `model_dir/plots/` unless already inside the folder, and linked relatively. Everything is checked
     before anything is written: a folder without weights is refused.
     """

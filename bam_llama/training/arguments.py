@@ -62,6 +62,7 @@ class TrainingRunArguments:
     deepspeed: str | None = None
     sp_size: int = 1
     seed: int = 42
+    threads: int | None = None  # None: cpu_threads.default_threads
     disable_progress_bars: bool = False
 
 

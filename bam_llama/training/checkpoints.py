@@ -23,14 +23,26 @@ def resolve_checkpoint(args) -> str | None:
         if checkpoint_step(args.resume_from_checkpoint) is None:
             raise ValueError(f"checkpoint {args.resume_from_checkpoint} is incomplete (no readable trainer_state.json)")
         return args.resume_from_checkpoint
-    folders = sorted(Path(args.output_dir).glob("checkpoint-*"), key=checkpoint_number, reverse=True)
-    folders = [folder for folder in folders if folder.is_dir() and checkpoint_number(folder) >= 0]
+    folders = checkpoint_folders(args.output_dir)
     for folder in folders:
         if checkpoint_step(folder) is not None:
             return str(folder)
         logger.warning("skipping %s: it is incomplete (no readable trainer_state.json; interrupted while saving?)", folder)
     found = f"only incomplete checkpoints ({', '.join(folder.name for folder in folders)})" if folders else "no checkpoint-* folder"
-    raise ValueError(f"--resume-from-checkpoint latest: {found} in {args.output_dir}")
+    # As Trainer's resume_from_checkpoint=True: nothing to resume is an error, not a silent fresh start.
+    raise ValueError(f"--resume-from-checkpoint latest: {found} in {args.output_dir}, nothing to continue (a run "
+                     "stopped before its first checkpoint starts again without --resume-from-checkpoint)")
+
+
+def checkpoint_folders(folder: str | os.PathLike) -> list[Path]:
+    """The checkpoint-N folders in `folder`, newest first, complete or not."""
+    folders = sorted(Path(folder).glob("checkpoint-*"), key=checkpoint_number, reverse=True)
+    return [folder for folder in folders if folder.is_dir() and checkpoint_number(folder) >= 0]
+
+
+def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in `folder`: what --resume-from-checkpoint latest resumes; None if none."""
+    return next((checkpoint for checkpoint in checkpoint_folders(folder) if checkpoint_step(checkpoint) is not None), None)
 
 
 def checkpoint_number(folder: Path) -> int:

@@ -8,9 +8,13 @@
 * the folder's results from an earlier run (`results`: glob patterns such as "checkpoint-*", "summary.json") are
   kept: a new run is refused unless it continues that run (`continuing`, e.g. `--resume-from-checkpoint latest`)
   or the user asked to replace them (`overwrite`, `--overwrite-output-dir`, as in Transformers' example
-  scripts). Replaced results are deleted by `OutputDirHold.clear_earlier_results()`, which the command calls once
-  its inputs have loaded and before it writes anything: a run that fails on bad input deletes nothing, and the
-  two runs' files never mix.
+  scripts). The refusal offers only what works: `--resume-from-checkpoint latest` where a complete checkpoint is
+  there to continue. Replaced results are deleted by `OutputDirHold.clear_earlier_results()`, which the command
+  calls once its inputs have loaded and before it writes anything: a run that fails on bad input deletes nothing,
+  and the two runs' files never mix;
+* what a run writes before it trains (`prepared`, e.g. a trained tokenizer) is no result: a run stopped before its
+  first checkpoint leaves only that (with a staged checkpoint and a lock file, both dead), and the same command
+  run again starts afresh, replacing it. Continuing keeps it.
 
 Under torchrun / accelerate launch only the main process (RANK 0) holds the folder: the other ranks write into
 the same run. Light on imports (standard library only).
@@ -28,6 +32,8 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from .checkpoints import latest_checkpoint
 
 LOCK_NAME = ".bam-run.lock"
 
@@ -73,6 +79,7 @@ def hold_output_dir(
     results: Iterable[str] = (),
     continuing: bool = False,
     overwrite: bool = False,
+    prepared: Iterable[str] = (),
 ) -> Iterator[OutputDirHold]:
     """Hold `folder` (created if missing) for the block; see the module docstring.
 
@@ -80,8 +87,9 @@ def hold_output_dir(
     (names matching `results`) and the run neither continues them nor overwrites them. A folder this call created
     and that is still empty afterwards (the run stopped before writing anything) is removed again."""
     folder = Path(folder)
+    results, prepared = tuple(results), tuple(prepared)
     if not is_main_process():  # the other ranks check the same (so that all refuse together), lock nothing
-        yield OutputDirHold(folder, _replaced_results(folder, results, continuing, overwrite), owner=False)
+        yield OutputDirHold(folder, _replaced_results(folder, results, prepared, continuing, overwrite), owner=False)
         return
     created = not folder.exists()
     try:
@@ -91,24 +99,30 @@ def hold_output_dir(
     try:
         with _folder_lock(folder, command) as descriptor:
             remove_staged_checkpoints(folder)
-            yield OutputDirHold(folder, _replaced_results(folder, results, continuing, overwrite), True, descriptor)
+            replaced = _replaced_results(folder, results, prepared, continuing, overwrite)
+            yield OutputDirHold(folder, replaced, True, descriptor)
     finally:
         if created:
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only if empty
 
 
-def _replaced_results(folder: Path, results: Iterable[str], continuing: bool, overwrite: bool) -> list[str]:
-    """The earlier results a run replaces; an OutputDirError if there are some and it neither continues them nor
-    overwrites them."""
-    earlier = [] if continuing else earlier_results(folder, results)
+def _replaced_results(folder: Path, results: tuple[str, ...], prepared: tuple[str, ...], continuing: bool,
+                      overwrite: bool) -> list[str]:
+    """What a run replaces of an earlier one (its results and what it prepared; nothing when it continues it); an
+    OutputDirError if there are results and it neither continues them nor overwrites them."""
+    if continuing:
+        return []
+    earlier = earlier_results(folder, results)
     if earlier and not overwrite:
         shown = ", ".join(earlier[:4]) + (", ..." if len(earlier) > 4 else "")
+        options = ["--overwrite-output-dir to replace them", "choose another --output-dir"]
+        if latest_checkpoint(folder) is not None:
+            options.insert(0, "--resume-from-checkpoint latest to continue that run")
         raise OutputDirError(
-            f"{folder} holds the results of an earlier run ({shown}): pass --resume-from-checkpoint latest to "
-            "continue that run, --overwrite-output-dir to replace them, or choose another --output-dir"
+            f"{folder} holds the results of an earlier run ({shown}): pass {', '.join(options[:-1])}, or {options[-1]}"
         )
-    return earlier
+    return earlier_results(folder, (*results, *prepared))
 
 
 STAGED_CHECKPOINT = ".{}.staging"  # where a checkpoint is written before it is renamed to its name (trainer.py)

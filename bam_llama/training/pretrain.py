@@ -225,8 +225,11 @@ class Pretraining(TrainingCommand):
 
     name = "bam-pretrain"
     # What a run leaves in its output folder: a new run does not write over it unless it resumes that run or is told
-    # to (--overwrite-output-dir), and two live runs never share the folder (see `training.lock`).
-    results = ("checkpoint-*", "tokenizer", "model", "summary.json")
+    # to (--overwrite-output-dir), and two live runs never share the folder (see `training.lock`). The BPE in
+    # tokenizer/ is written before training: a run stopped before its first checkpoint leaves only it, and the
+    # same command run again replaces it.
+    results = ("checkpoint-*", "model", "summary.json")
+    prepared = ("tokenizer",)
     summary_class = PretrainSummary
 
     def check_arguments(self) -> None:

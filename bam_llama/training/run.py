@@ -15,6 +15,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainingArguments, set_seed
 
+from ..cpu_threads import use_threads
 from ..data.packing import PackedRows, PackingFill, collate_packed_rows, pack_documents, packing_fill, split_eval_rows
 from ..model_folders import check_finite_weights
 from .checkpoints import checkpoint_step, resolve_checkpoint
@@ -50,6 +51,7 @@ class TrainingCommand:
 
     name: str  # the command, e.g. "bam-pretrain"
     results: tuple[str, ...]  # what a run leaves in its output folder (`training.lock`)
+    prepared: tuple[str, ...] = ()  # what it writes there before training: no result, a new run replaces it
     summary_class: type[TrainingSummary]
 
     def __init__(self, args):
@@ -104,7 +106,8 @@ def run_training(command: TrainingCommand) -> tuple[TrainingSummary, PreTrainedM
     command.check_arguments()
     args = command.args
     continuing = resumes_in(args.output_dir, args.resume_from_checkpoint)
-    with hold_output_dir(args.output_dir, command.name, command.results, continuing, args.overwrite_output_dir) as hold:
+    with hold_output_dir(args.output_dir, command.name, command.results, continuing, args.overwrite_output_dir,
+                         command.prepared) as hold:
         return _run_training(command, hold, started)
 
 
@@ -117,6 +120,7 @@ def _run_training(command: TrainingCommand, hold: OutputDirHold, started: float)
     resumed_from_step = 0 if checkpoint is None else checkpoint_step(checkpoint)  # rotation may delete it later
     training_args = command.training_arguments()
     is_main = training_args.process_index == 0
+    threads = use_threads(args.threads, training_args.device.type)  # after the distributed set-up (it may set them)
     show_progress = is_main and not args.disable_progress_bars
 
     data = command.load_data(checkpoint, training_args, hold, show_progress)
@@ -124,8 +128,9 @@ def _run_training(command: TrainingCommand, hold: OutputDirHold, started: float)
     model = command.build_model(data)
     if is_main:
         logger = logging.getLogger(type(command).__module__)  # the log names the command's module
-        logger.info("%s at %d tokens: %d documents, %d train rows, %d %s eval rows", command.description(),
-                    args.context_length, data.documents, len(data.train_rows), len(data.eval_rows), data.eval_split)
+        logger.info("%s at %d tokens: %d documents, %d train rows, %d %s eval rows; %s, %d torch thread(s)",
+                    command.description(), args.context_length, data.documents, len(data.train_rows),
+                    len(data.eval_rows), data.eval_split, training_args.device, threads)
     trainer = BamTrainer(
         model=model,
         args=training_args,

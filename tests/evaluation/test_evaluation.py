@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import reference
 import torch
-from helpers import one_error_line, randomize_prior
+from helpers import one_error_line, randomize_prior, torch_threads_in_training
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
@@ -403,6 +403,18 @@ def test_passkey_command_writes_table_results_and_heatmap(saved_model, tmp_path,
     assert "6 keys, all different; not checked against training data" in printed
     assert (out / "passkey.md").read_text() in printed
     assert_png(out / "passkey.png")
+
+
+def test_threads_of_the_evaluation_are_one_on_a_cpu_unless_asked(saved_model, tmp_path, monkeypatch):
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    argv = ["perplexity", str(saved_model), "--data", str(data), "--lengths", "100", "--window", "50", "--device", "cpu",
+            "--quiet"]
+    with torch_threads_in_training(monkeypatch):  # OMP_NUM_THREADS unset, torch on 4 threads
+        main(argv)
+        assert torch.get_num_threads() == 1
+        main([*argv, "--threads", "2"])
+        assert torch.get_num_threads() == 2
 
 
 def test_perplexity_command_on_a_text_file(saved_model, tmp_path, tokenizer, capsys):

@@ -280,6 +280,26 @@ def test_cli_writes_card_and_pushes(model_dir, tmp_path, hub, capsys):
     assert "Pushed" in capsys.readouterr().out
 
 
+def test_cli_puts_the_results_of_a_quick_demo_on_its_models_card(tmp_path, capsys):
+    """bam-demo --quick's results.json on the card of the BAM model it saved: a passkey section per trained model,
+    each with its mean accuracy as the demo's results give it."""
+    from bam_llama.cli.demo import run_demo
+
+    demo = tmp_path / "bam-demo-output"
+    run_demo(["--quick", "--models", "bam,alibi", "--output-dir", str(demo)])
+
+    main([str(demo / "bam-model"), "--results", str(demo / "results.json")])
+
+    text = (demo / "bam-model" / "README.md").read_text()
+    saved = json.loads((demo / "results.json").read_text())
+    for name, label in (("bam", "BAM (GGD prior)"), ("alibi", "ALiBi")):
+        correct = [found for row in saved[name]["correct"] for found in row]
+        assert f"### Passkey retrieval: {label} (bam-demo)" in text
+        assert f"Mean accuracy {100 * sum(correct) / len(correct):.1f}%. Trained by `bam-demo` at 64 tokens." in text
+    assert text.count("A --quick run, for testing: its numbers mean nothing.") == 2
+    assert "Wrote" in capsys.readouterr().out
+
+
 def listing(folder: Path) -> dict:
     return {path.relative_to(folder).as_posix(): path.stat().st_mtime_ns for path in folder.rglob("*")}
 

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import checkout_environment, default_sigint, one_error_line, tiny_model, training_linear_dtypes
+from helpers import (
+    checkout_environment,
+    default_sigint,
+    one_error_line,
+    tiny_model,
+    torch_threads_in_training,
+    training_linear_dtypes,
+)
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -413,6 +420,18 @@ def test_cli_bf16_on_a_cpu_trains_under_autocast(workspace, tmp_path):
     base = load_file(workspace["base"] / "model.safetensors")
     alpha = next(tensor for name, tensor in adapter.items() if name.endswith("prior.theta_alpha"))
     assert not torch.equal(alpha, base["model.prior.theta_alpha"])
+
+
+def test_cli_threads_set_torchs_threads_for_the_run(workspace, tmp_path, monkeypatch):
+    flags = ["--model", str(workspace["base"]), "--data", str(workspace["data"]), "--context-length", str(TARGET_LENGTH),
+             "--max-steps", "1", "--save-steps", "100", "--batch-size", "4", "--lora-rank", "4", "--eval-rows", "4",
+             "--disable-progress-bars"]
+    with torch_threads_in_training(monkeypatch) as threads:
+        assert main([*flags, "--output-dir", str(tmp_path / "default")]) == 0
+    assert threads == {1}  # on a CPU without OMP_NUM_THREADS
+    with torch_threads_in_training(monkeypatch) as threads:
+        assert main([*flags, "--output-dir", str(tmp_path / "two"), "--threads", "2"]) == 0
+    assert threads == {2}
 
 
 def test_cli_help_lists_the_options(capsys):

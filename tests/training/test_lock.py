@@ -78,7 +78,7 @@ def test_a_second_holder_in_the_same_process_is_refused(tmp_path):
 
 def earlier_run(folder):
     (folder / "checkpoint-4").mkdir(parents=True)
-    (folder / "checkpoint-4" / "trainer_state.json").write_text("{}")
+    (folder / "checkpoint-4" / "trainer_state.json").write_text('{"global_step": 4}')
     (folder / "adapter").mkdir()
     (folder / "summary.json").write_text("{}")
     (folder / "notes.txt").write_text("the user's own file")
@@ -103,6 +103,39 @@ def test_earlier_results_are_refused_kept_continued_or_replaced_on_request(tmp_p
         hold.clear_earlier_results()
         assert sorted(os.listdir(tmp_path)) == sorted(["notes.txt", LOCK_NAME])
     assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_the_refusal_offers_to_continue_only_where_a_complete_checkpoint_is(tmp_path):
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text("{")  # a checkpoint whose save did not finish
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(OutputDirError) as error:
+        with hold_output_dir(tmp_path, "bam-pretrain", RESULTS):
+            pytest.fail("a new run went over an earlier run's results")
+    assert "--resume-from-checkpoint" not in str(error.value)
+    assert str(error.value).endswith("pass --overwrite-output-dir to replace them, or choose another --output-dir")
+
+
+def test_what_a_run_prepares_before_training_is_replaced_by_the_next_run_not_refused(tmp_path):
+    """A run stopped before its first checkpoint leaves its tokenizer, its lock file (SIGKILL) and a staged
+    checkpoint: the next run holds the folder and replaces the tokenizer once asked to; continuing keeps it."""
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")
+    (tmp_path / LOCK_NAME).write_text("{}")
+    (tmp_path / ".checkpoint-2.staging" / "checkpoint-2").mkdir(parents=True)
+    with hold_output_dir(tmp_path, "bam-pretrain", RESULTS, continuing=True) as hold:
+        assert hold.replaced == []
+    with hold_output_dir(tmp_path, "bam-pretrain", RESULTS, prepared=("tokenizer",)) as hold:
+        assert hold.replaced == ["tokenizer"] and (tmp_path / "tokenizer").exists()
+        hold.clear_earlier_results()
+        assert os.listdir(tmp_path) == [LOCK_NAME]
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "model").mkdir()
+    with pytest.raises(OutputDirError, match=r"earlier run \(model\)"):  # a result beside it is refused as before
+        with hold_output_dir(tmp_path, "bam-pretrain", RESULTS, prepared=("tokenizer",)):
+            pass
+    with hold_output_dir(tmp_path, "bam-pretrain", RESULTS, overwrite=True, prepared=("tokenizer",)) as hold:
+        assert hold.replaced == ["model", "tokenizer"]
 
 
 def test_a_folder_created_for_a_run_that_wrote_nothing_is_removed(tmp_path):

@@ -2,6 +2,7 @@
 keeps fixed priors exactly fixed, resumes from the latest checkpoint; bad arguments stop before any data loads."""
 
 import json
+import logging
 import os
 import random
 import re
@@ -20,6 +21,7 @@ from helpers import (
     one_error_line,
     snapshot,
     tiny_model,
+    torch_threads_in_training,
     training_linear_dtypes,
 )
 from safetensors.torch import load_file, save_file
@@ -454,46 +456,138 @@ def test_a_full_disk_while_saving_a_checkpoint_leaves_no_partial_checkpoint(data
     assert json.loads((output_dir / "summary.json").read_text())["resumed_from_step"] == 2
 
 
-# Runs bam-pretrain, stopping inside its second checkpoint save (printing "saving") until the test's SIGINT.
-PRETRAIN_INTERRUPTED_WHILE_SAVING = """
+# Runs bam-pretrain (argv after WHERE N), stopping at the Nth call of WHERE until the test's signal: "tokenizer" once
+# the BPE is written (the data's tokenization), "step" inside a training step, "checkpoint" inside a checkpoint save.
+PRETRAIN_STOPPED_AT = """
 import sys, time
 from transformers import Trainer
 from bam_llama.cli import pretrain as pretrain_cli
+from bam_llama.training import pretrain, trainer
 
-save_rng_state, saves = Trainer._save_rng_state, []
+where, count = sys.argv[1], int(sys.argv[2])
+owner, name = {"tokenizer": (pretrain, "tokenize_documents"), "step": (trainer.BamTrainer, "training_step"),
+               "checkpoint": (Trainer, "_save_rng_state")}[where]
+original, calls = getattr(owner, name), []
 
-def save_rng_state_then_wait(self, output_dir):
-    saves.append(output_dir)
-    if len(saves) == 2:
-        print("saving", flush=True)
+def stop_there(*args, **kwargs):
+    calls.append(name)
+    if len(calls) == count:
+        print(f"stopped at {where} {count}", flush=True)
         time.sleep(300)
-        sys.exit("no SIGINT came while saving")
-    return save_rng_state(self, output_dir)
+        sys.exit("no signal came")
+    return original(*args, **kwargs)
 
-Trainer._save_rng_state = save_rng_state_then_wait
-sys.exit(pretrain_cli.main(sys.argv[1:]))
+setattr(owner, name, stop_there)
+sys.exit(pretrain_cli.main(sys.argv[3:]))
 """
 
 
-def test_ctrl_c_while_saving_a_checkpoint_is_one_line_and_leaves_no_partial_checkpoint(data, tmp_path):
-    output_dir = tmp_path / "out"
-    (tmp_path / "pretrain.py").write_text(PRETRAIN_INTERRUPTED_WHILE_SAVING)
+def stopped_pretrain(tmp_path: Path, where: str, count: int, signum: int, argv: list[str]) -> tuple[int, str]:
+    """bam-pretrain `argv` in a process of its own, sent `signum` at the `count`th call of `where`; its exit status
+    and stderr."""
+    (tmp_path / "stopped_pretrain.py").write_text(PRETRAIN_STOPPED_AT)
     with open(tmp_path / "stderr.txt", "w") as stderr:
         process = subprocess.Popen(
-            [sys.executable, str(tmp_path / "pretrain.py"), *cli_arguments(data, output_dir, "--max-steps", "6", "--save-steps", "2")],
+            [sys.executable, str(tmp_path / "stopped_pretrain.py"), where, str(count), *argv],
             stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=default_sigint,
             env=checkout_environment(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"),
         )
         try:
-            assert any(line.strip() == "saving" for line in process.stdout), (tmp_path / "stderr.txt").read_text()[-3000:]
-            process.send_signal(signal.SIGINT)
+            stopped = any(line.strip() == f"stopped at {where} {count}" for line in process.stdout)
+            assert stopped, (tmp_path / "stderr.txt").read_text()[-3000:]
+            process.send_signal(signum)
             process.communicate(timeout=120)
         finally:
             process.kill()
-    errors = (tmp_path / "stderr.txt").read_text()
-    assert process.returncode == 130, errors[-3000:]
+    return process.returncode, (tmp_path / "stderr.txt").read_text()
+
+
+def test_ctrl_c_while_saving_a_checkpoint_is_one_line_and_leaves_no_partial_checkpoint(data, tmp_path):
+    output_dir = tmp_path / "out"
+    status, errors = stopped_pretrain(tmp_path, "checkpoint", 2, signal.SIGINT,
+                                      cli_arguments(data, output_dir, "--max-steps", "6", "--save-steps", "2"))
+    assert status == 130, errors[-3000:]
     assert errors.strip().splitlines()[-1].startswith("bam-pretrain: interrupted") and "Traceback" not in errors
     assert sorted(path.name for path in output_dir.iterdir()) == ["checkpoint-2"]
+
+
+def run_as_advised(argv: list[str], capsys) -> tuple[str | None, int]:
+    """bam-pretrain `argv` as a user runs it again: where it is refused, with the first option its error line
+    offers ("pass --FLAG [VALUE] to ..."). The advice followed (None if the run was not refused) and the status."""
+    capsys.readouterr()
+    status = main(argv)
+    if status != 2:
+        return None, status
+    line = one_error_line(capsys.readouterr().err, "bam-pretrain")
+    advice = re.search(r"pass (--[\w-]+(?: \w+)?) to ", line)
+    assert advice, line
+    return advice.group(1), main([*argv, *advice.group(1).split()])
+
+
+@pytest.mark.parametrize(
+    "where,count,signum,left,advice",
+    [
+        ("tokenizer", 1, signal.SIGTERM, ["tokenizer"], None),
+        ("step", 1, signal.SIGINT, ["tokenizer"], None),
+        ("checkpoint", 1, signal.SIGKILL, [".bam-run.lock", ".checkpoint-2.staging", "tokenizer"], None),
+        ("step", 3, signal.SIGTERM, ["checkpoint-2", "tokenizer"], "--resume-from-checkpoint latest"),
+    ],
+    ids=["sigterm-tokenizer-written", "ctrl-c-mid-step", "sigkill-mid-checkpoint", "sigterm-after-a-checkpoint"],
+)
+def test_a_killed_run_restarts_or_resumes_with_the_advice_the_command_gives(data, tmp_path, capsys, where, count, signum,
+                                                                             left, advice):
+    """Killed before its first checkpoint, the same command starts afresh (the tokenizer, the lock file and a staged
+    checkpoint are no results); killed after one, it is refused with advice to continue, which continues it."""
+    output_dir = tmp_path / "out"
+    argv = cli_arguments(data, output_dir, "--tokenizer", "bpe", "--vocab-size", "300", "--max-steps", "4",
+                         "--save-steps", "2")
+    status, errors = stopped_pretrain(tmp_path, where, count, signum, argv)
+    assert status == {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGKILL: -signal.SIGKILL}[signum], errors[-3000:]
+    assert sorted(path.name for path in output_dir.iterdir()) == left
+
+    assert run_as_advised(argv, capsys) == (advice, 0)
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["resumed_from_step"] == (2 if advice else 0)
+    assert sorted(path.name for path in output_dir.iterdir()) == ["checkpoint-2", "checkpoint-4", "model", "summary.json",
+                                                                  "tokenizer"]
+
+
+def test_resume_latest_without_a_checkpoint_says_to_start_without_it(data, tmp_path, capsys):
+    """As Trainer's resume_from_checkpoint=True: nothing to continue is an error, whose advice starts the run."""
+    output_dir = tmp_path / "out"
+    (output_dir / "tokenizer").mkdir(parents=True)  # what a run stopped before its first checkpoint leaves
+    argv = cli_arguments(data, output_dir, "--max-steps", "2", "--save-steps", "2")
+    assert main([*argv, "--resume-from-checkpoint", "latest"]) == 2
+    line = one_error_line(capsys.readouterr().err, "bam-pretrain")
+    assert "no checkpoint-* folder" in line and "starts again without --resume-from-checkpoint" in line
+    assert main(argv) == 0
+
+
+@pytest.mark.parametrize(
+    "flag,omp_num_threads,expected",
+    [((), None, 1), (("--threads", "2"), None, 2), ((), "3", 3), (("--threads", "2"), "3", 2)],
+    ids=["cpu-default", "flag", "omp-num-threads", "flag-over-omp-num-threads"],
+)
+def test_threads_are_one_on_a_cpu_unless_threads_or_omp_num_threads_say_otherwise(data, tmp_path, monkeypatch, caplog,
+                                                                                  flag, omp_num_threads, expected):
+    argv = cli_arguments(data, tmp_path / "out", "--max-steps", "1", "--save-steps", "1", *flag)
+    caplog.set_level(logging.INFO, logger="bam_llama")
+    with torch_threads_in_training(monkeypatch, omp_num_threads) as threads:
+        assert main(argv) == 0
+    assert threads == {expected}
+    assert f"cpu, {expected} torch thread(s)" in caplog.text
+
+
+def test_threads_on_a_gpu_are_left_to_torch_and_the_help_gives_the_measurement(monkeypatch, capsys):
+    from bam_llama.cpu_threads import use_threads
+
+    with torch_threads_in_training(monkeypatch):
+        assert use_threads(None, "cuda") == 4 and use_threads(None, "cpu") == 1 and use_threads(3, "cuda") == 3
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--threads THREADS torch threads (default: on a CPU 1, or OMP_NUM_THREADS where it is set" in help_text
+    assert "s per step" in help_text
 
 
 def test_ssmax_order_init_and_learning_rate_reach_the_model_and_the_optimizer(data, tmp_path, monkeypatch):
