@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .decoding import model_device
 
 HOST_BYTES_PER_TOKEN = 3 * 8 + 8  # a list of ids and two joined copies (8-byte pointers), then an int64 tensor
@@ -86,8 +88,6 @@ def check_lengths_fit(model, lengths, chunk_size: int) -> None:
 def available_bytes(place: str, device) -> int | None:
     """Free bytes on the CUDA `device` (place "cuda"), or available to this process on the host; None if unknown."""
     if place == "cuda":
-        import torch
-
         return torch.cuda.mem_get_info(device)[0]
     if place == "host":
         return available_host_bytes()
