@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .prior_bam import attention_compute_dtype, autocast_off, ssmax_factor, visible_key_counts
+from .prior_bam import attention_compute_dtype, autocast_off, exporting, ssmax_factor, visible_key_counts
 
 # The score of a key a query must not see (padding, another document): a finite "minus infinity", so that a row that
 # sees no key stays finite (its output is then zeroed). Future keys get a true -inf.
@@ -56,6 +56,13 @@ def bam_attention_blocked(
     Returns:
         (B, H, Lq, D) in the query dtype, zero for rows that see no key (a view of a (B, Lq, H, D) tensor).
     """
+    lengths = (query.shape[2], key.shape[2], prior_table.shape[-1])
+    if exporting() and not all(isinstance(length, int) for length in lengths):  # (torch.compile recompiles instead)
+        raise NotImplementedError(
+            "bam_attention_blocked plans its query blocks in Python from the sequence length: exported with a "
+            "dynamic length, the program would be fixed to the example's length. An exported BamLlama model "
+            "takes the materialized SDPA path instead (bam_attention_sdpa)."
+        )
     input_dtype = query.dtype
     compute_dtype = attention_compute_dtype(input_dtype)
     with autocast_off(query.device):
@@ -116,7 +123,7 @@ def _attention_over_query_blocks(
     prior_trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (table, prior_factor))
     inputs_train = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     # An exported program is plain ATen (SDPA over the blocks, differentiable as any graph): no custom operator.
-    own_backward = (prior_trains or (inputs_train and not mask_is_view)) and not _exporting()
+    own_backward = (prior_trains or (inputs_train and not mask_is_view)) and not exporting()
     if own_backward and dropout == 0.0:
         output = _prior_gradient_attention(*tensors, block, head_block, backward_block, last, scaling)
     else:
@@ -130,11 +137,6 @@ def _attention_over_query_blocks(
     if key_valid is not None:  # rows that see no key (queries on padding) give zeros
         output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
     return output
-
-
-def _exporting() -> bool:
-    is_exporting = getattr(torch.compiler, "is_exporting", None)  # torch >= 2.6
-    return is_exporting is not None and is_exporting()
 
 
 VIEW_BLOCK_ROWS = 256  # SDPA's CPU kernel is fastest on 256-query calls here (benchmarks/results/cpu-speed-ab.md)

@@ -90,8 +90,9 @@ def bam_sdpa_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """PyTorch SDPA with the (SSMax-scaled) prior passed as a float mask, over blocks of queries whose mask is a
     view of a 1-D prior table per head. The blocks are planned from `last_position`, the last query's position as
-    a Python int; where only a tensor knows it (a static cache in a traced graph: None), or with a custom 4D mask,
-    the (Lq x Lk) prior is materialized from the query positions instead.
+    a Python int; where only a tensor knows it (a static cache in a traced graph: None), in an exported program
+    (None: its length may be dynamic, see `_last_query_position`), or with a custom 4D mask, the (Lq x Lk) prior is
+    materialized from the query positions instead: one SDPA call, no Python loop over the length.
 
     prior_table: `prior.table(last_position)` when the model computed it once for all layers (global prior)."""
     if last_position is None or (attention_mask is not None and attention_mask.dim() == 4):

@@ -42,7 +42,7 @@ from .dispatch_bam import (
     default_attn_implementation,
     register_bam_attention,
 )
-from .prior_bam import PRIOR_MODULES
+from .prior_bam import PRIOR_MODULES, exporting
 from .prior_modules_bam import BamPrior, BamScalableSoftmax, apply_config_trainability
 from .sequence_parallel_bam import active_sequence_parallel
 from .triton_bam import TRITON_AVAILABLE
@@ -445,7 +445,10 @@ def _last_query_position(past_seen_tokens: int | torch.Tensor, query_length: int
     """The last query's absolute position as a Python int, read from the cache length before any layer updates
     it: the attention plans its blocks from it, never from tensor values. A static cache keeps its length in a
     tensor: eager code reads it (one host read a forward), a traced graph cannot and gets None (the attention then
-    works from the position tensor)."""
+    works from the position tensor). An exported program gets None too: its length may be dynamic, and blocks
+    planned from it (a Python loop over the queries) would fix the program to the example's length."""
+    if exporting():
+        return None
     if isinstance(past_seen_tokens, torch.Tensor):
         if torch.compiler.is_compiling():
             return None

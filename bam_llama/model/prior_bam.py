@@ -159,6 +159,12 @@ def autocast_off(device: torch.device):
     return torch.autocast(device.type, enabled=False)
 
 
+def exporting() -> bool:
+    """Whether `torch.export` is tracing (torch >= 2.6 tells; older releases never say so)."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return is_exporting is not None and is_exporting()
+
+
 def attention_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for 16-bit inputs: the prior needs float32's range and precision, and SDPA's float mask must
     have the query's dtype."""

@@ -2,7 +2,7 @@
 
 `bam_attention_reference` is the ground truth the faster paths (`blocked_bam.py`, the Triton kernels of
 `triton_bam.py`) are tested against, and the "eager" attention; `bam_attention_sdpa` is the same through PyTorch's
-SDPA with a float mask, for custom 4D masks.
+SDPA with a float mask, for custom 4D masks, static caches in traced graphs and exported programs (a dynamic length).
 
 Shapes: B batch, H query heads, Hkv key/value heads, Lq queries, Lk keys, D head size.
 """
@@ -100,7 +100,7 @@ def bam_attention_sdpa(
             query = query * row_factor.to(query.dtype)
             if ssmax_prior:
                 bias = bias * row_factor
-        float_mask = torch.where(visible, bias, torch.full_like(bias, float("-inf"))).to(query.dtype)
+        float_mask = bias.masked_fill(~visible, float("-inf")).to(query.dtype)  # no (Lq x Lk) tensor of -inf
         output = F.scaled_dot_product_attention(
             query, key, value, attn_mask=float_mask, dropout_p=dropout, scale=scaling
         )

@@ -152,6 +152,51 @@ def test_export_runs_like_eager_for_any_padding(name):
             torch.testing.assert_close(exported(**batch, use_cache=False).logits, expected, rtol=1e-5, atol=1e-5)
 
 
+def padded(length: int) -> dict:
+    """`length` tokens a row, row 1 left-padded by 7."""
+    generator = torch.Generator().manual_seed(length)
+    attention_mask = torch.ones(BATCH, length, dtype=torch.long)
+    attention_mask[1, :7] = 0
+    return {"input_ids": torch.randint(3, VOCAB, (BATCH, length), generator=generator), "attention_mask": attention_mask}
+
+
+@pytest.mark.parametrize("name", ["bam", "llama"])
+def test_export_with_a_dynamic_length_runs_like_eager_at_any_length(name):
+    """`torch.export.export` with `dynamic_shapes={"input_ids": {1: Dim("seq")}, ...}`, traced at 48 tokens: the
+    program keeps the length symbolic (no "specialized it to be a constant") and gives eager's logits at 48 and 80
+    tokens, with left padding and without."""
+    model = model_of(name)
+    seq = torch.export.Dim("seq")
+    dynamic = {"input_ids": {1: seq}, "attention_mask": {1: seq}, "use_cache": None}
+    program = torch.export.export(model, (), {**padded(48), "use_cache": False}, dynamic_shapes=dynamic)
+    exported = program.module()
+    with torch.no_grad():
+        for length in (48, 80):
+            unpadded = {**padded(length), "attention_mask": torch.ones(BATCH, length, dtype=torch.long)}
+            for batch in (padded(length), unpadded):
+                expected = model(**batch, use_cache=False).logits
+                torch.testing.assert_close(exported(**batch, use_cache=False).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_blocked_attention_exported_with_a_dynamic_length_says_it_cannot():
+    """The blocked attention plans its query blocks in Python from the length: exported with a dynamic length it
+    raises a clear error, never a program fixed to the example's length (which `torch.onnx.export(dynamo=True)`
+    would otherwise make silently from export's suggested fix)."""
+    from bam_llama.model.blocked_bam import bam_attention_blocked
+
+    class Blocked(torch.nn.Module):
+        def forward(self, query, key, value):
+            positions = torch.arange(query.shape[2])
+            table = -positions.flip(0).float()[None].expand(query.shape[1], -1)
+            return bam_attention_blocked(query, key, value, positions, table, scaling=0.5)
+
+    query, key = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    seq = torch.export.Dim("seq")
+    dynamic = {"query": {2: seq}, "key": {2: seq}, "value": {2: seq}}
+    with pytest.raises(NotImplementedError, match="dynamic length"):
+        torch.export.export(Blocked(), (query, key, key), dynamic_shapes=dynamic)
+
+
 @pytest.mark.parametrize("name", ["bam", "llama"])
 def test_compiled_decoding_with_a_static_cache_equals_generate(name):
     """Transformers' recipe: prefill into a `StaticCache`, then every decoding step through
