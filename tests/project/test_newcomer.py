@@ -184,19 +184,6 @@ def test_the_readme_usage_snippet_runs_on_the_demo_model(demo_output):
     assert len(completed.stdout.strip().splitlines()) == 1  # the model's answer (meaningless after a quick run)
 
 
-def test_ci_runs_the_readme_set_up_and_test_command():
-    """CI installs the README's torch pin (its --index-url aside: CI has the wheel locally), the README's package
-    install line, and runs the README's test command."""
-    readme_commands = [line.split("#")[0].strip() for line in readme_block("# bam-llama", "bash").splitlines()]
-    ci = (REPO_ROOT / ".ci" / "run").read_text()
-    torch_line, package_line = [command for command in readme_commands if command.startswith("pip install")]
-    torch_pin = re.search(r"torch==[\d.]+", torch_line).group(0)
-    assert f'python -m pip install --quiet "{torch_pin}"\n' in ci
-    assert f"python -m {package_line.replace('pip install', 'pip install --quiet')}\n" in ci
-    test_command = next(command for command in readme_commands if "pytest" in command)
-    assert f"\n{test_command} " in ci
-
-
 # ------------------------------------------------------------------------------------- without triton
 
 
