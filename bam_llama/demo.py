@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm as tqdm_base
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
 from .cpu_threads import use_threads
@@ -33,6 +32,7 @@ from .data.packing import IGNORE_INDEX
 from .data.special_tokens import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
 from .data.tokenizers import build_byte_tokenizer, encode
 from .demo_settings import MODEL_NAMES, DataConfig, DemoSettings, ModelSize, TrainConfig, default_settings
+from .evaluation.decoding import greedy_continuation
 from .evaluation.intervals import interval_text
 from .evaluation.passkey import (
     PasskeyKeys,
@@ -49,6 +49,7 @@ from .model.prior_bam import is_prior_parameter
 from .outputs import OutputError, staged_output_dir
 from .positional_models import variant_config, variant_model
 from .positional_variants import POSITIONAL_VARIANTS
+from .progress import in_a_terminal, keep_library_bars_off_a_log, progress_bar
 
 # A short member of the paper's prompt family (same structure, shorter pieces), so that a document fits a
 # 128-token training context with room for several fillers.
@@ -201,19 +202,26 @@ def train_model(
     )
     rng = random.Random(seed)
     losses = []
-    progress = tqdm(range(train.steps), desc=desc, position=progress_position, mininterval=1.0 if progress_position is not None else 0.1)
-    for _ in progress:
-        batch = {key: value.to(device) for key, value in training_batch(rng, tokenizer, template, data, train.batch_size, trained_keys).items()}
-        loss = model(**batch, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        progress.set_postfix(loss=f"{loss.item():.3f}")
+    progress = progress_bar(train.steps, desc, "steps", position=progress_position)
+    for _ in range(train.steps):
+        batch = training_batch(rng, tokenizer, template, data, train.batch_size, trained_keys)
+        losses.append(training_step(model, optimizer, scheduler, batch, train.max_grad_norm, device))
+        progress.set_postfix(loss=f"{losses[-1]:.3f}")
+        progress.update()
+    progress.close()
     model.eval()
     return losses
+
+
+def training_step(model, optimizer, scheduler, batch: dict, max_grad_norm: float, device: str) -> float:
+    """One optimizer step on `batch`; its loss."""
+    loss = model(**{key: value.to(device) for key, value in batch.items()}, use_cache=False).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -265,6 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, PasskeyResults]:
     output_dir = Path(args.output_dir)
     check_replaceable(output_dir)
     torch.use_deterministic_algorithms(True, warn_only=True)
+    keep_library_bars_off_a_log()
     start = time.perf_counter()
     with staged_output_dir(output_dir, force=True) as staging:
         results, summary, table = train_evaluate_and_save(args, staging, start)
@@ -278,6 +287,8 @@ def train_evaluate_and_save(args: argparse.Namespace, folder: Path, start: float
     settings = settings_from_args(args)
     names = args.models.split(",")
     jobs = min(args.jobs, len(names))
+    print(run_plan(names, args, settings, jobs), flush=True)
+    print(run_estimate(names, args, settings, jobs), flush=True)
     if jobs > 1:
         results = train_in_processes(names, args, settings, folder, jobs)
     else:
@@ -296,6 +307,79 @@ def train_evaluate_and_save(args: argparse.Namespace, folder: Path, start: float
     outputs = {"run": run, **{name: result.to_dict() for name, result in results.items()}}
     (folder / "results.json").write_text(json.dumps(outputs, indent=2))
     return results, summary, table
+
+
+# ------------------------------------------------------------------------------------------------- what runs, how long
+
+CALIBRATION_STEPS = 3  # timed after one untimed step
+CALIBRATION_LONGEST_PROMPT = 4096  # the longer of the two timed prompts (fewer where the run's lengths are shorter)
+
+
+def run_plan(names: list[str], args: argparse.Namespace, settings: DemoSettings, jobs: int) -> str:
+    """What the run will do, in a sentence for its first screen."""
+    size, train, plan = settings.size, settings.train, settings.num_depths
+    fewer = "".join(f", {count} at {length}" for length, count in plan.by_length.items() if length in settings.lengths)
+    return (f"bam-demo: training {', '.join(names)} ({size.num_hidden_layers} layers of width {size.hidden_size}; "
+            f"{train.steps} steps of {train.batch_size} documents of {settings.data.train_length} tokens), then "
+            f"evaluating each at {', '.join(map(str, settings.lengths))} tokens ({plan.default} prompts per length"
+            f"{fewer}); on {args.device}, {thread_description(args.threads, jobs)}.")
+
+
+def run_estimate(names: list[str], args: argparse.Namespace, settings: DemoSettings, jobs: int) -> str:
+    """The run's wall time, estimated from a few training steps and two prompts of the first model timed just now,
+    each prompt's seconds fitted as a*length + b*length^2 (the prefill's attention grows with the square)."""
+    step_seconds, prompt_seconds = measure_costs(names[0], args, settings)
+    rounds = math.ceil(len(names) / jobs)  # models of a round run at once, each on its own core
+    training = rounds * settings.train.steps * step_seconds
+    evaluation = rounds * sum(settings.num_depths.count(length) * prompt_seconds(length) for length in settings.lengths)
+    return (f"Estimate: training ~{duration_text(training)}, evaluation ~{duration_text(evaluation)} at these lengths "
+            f"(from {CALIBRATION_STEPS} training steps and two prompts of {names[0]} timed just now on this machine; "
+            f"other programs on the cores make it longer).")
+
+
+def measure_costs(name: str, args: argparse.Namespace, settings: DemoSettings):
+    """(seconds per training step, a prompt's seconds as a function of its length) of a fresh `name` model, timed
+    here on `args.threads` threads; the model is then discarded (every model is seeded again before training)."""
+    use_threads(args.threads, torch.device(args.device).type)
+    tokenizer = build_byte_tokenizer()
+    data, train = settings.data, settings.train
+    bam_overrides = dict(prior_scope=args.prior_scope, ssmax=args.ssmax) if name == "bam" else {}
+    model = build_model(name, settings.size, data.train_length, **bam_overrides).to(args.device).train()
+    optimizer = optimizer_for(model, train)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    rng = random.Random(args.seed)
+    seconds = []
+    for _ in range(CALIBRATION_STEPS + 1):
+        batch = training_batch(rng, tokenizer, DEMO_TEMPLATE, data, train.batch_size)
+        start = time.perf_counter()
+        training_step(model, optimizer, scheduler, batch, train.max_grad_norm, args.device)
+        seconds.append(time.perf_counter() - start)
+    model.eval()
+    longer = min(max(settings.lengths), CALIBRATION_LONGEST_PROMPT)
+    shorter = max(longer // 4, 16)
+    timed = {length: prompt_time(model, tokenizer, length, data) for length in (shorter, shorter, longer)}  # once untimed
+    return sum(seconds[1:]) / CALIBRATION_STEPS, prompt_cost(timed[shorter], shorter, timed[longer], longer)
+
+
+def prompt_time(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, length: int, data: DataConfig) -> float:
+    """Seconds of one passkey prompt of `length` tokens, prefilled and answered as the evaluation does."""
+    prompt = build_passkey_prompt(tokenizer, length, 0.5, "0" * data.num_digits, DEMO_TEMPLATE, add_bos=data.add_bos)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        greedy_continuation(model, prompt, data.num_digits + 2, chunk_size=1024)
+    return time.perf_counter() - start
+
+
+def prompt_cost(seconds_1: float, length_1: int, seconds_2: float, length_2: int):
+    """A prompt's seconds as a*length + b*length^2 through two timed prompts (b >= 0; a line where one length)."""
+    per_token_1, per_token_2 = seconds_1 / length_1, seconds_2 / length_2
+    b = max((per_token_2 - per_token_1) / (length_2 - length_1), 0.0) if length_2 != length_1 else 0.0
+    a = max(per_token_2 - b * length_2, 0.0)
+    return lambda length: a * length + b * length**2
+
+
+def duration_text(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 60 else f"{seconds / 60:.0f} min"
 
 
 def thread_description(threads: int, jobs: int) -> str:
@@ -319,7 +403,8 @@ def train_and_evaluate(
                 progress_position, trained_keys)
     result = evaluate_passkey(
         model, tokenizer, settings.lengths, num_depths=settings.num_depths, template=DEMO_TEMPLATE,
-        add_bos=settings.data.add_bos, progress=progress_position is None,
+        add_bos=settings.data.add_bos, progress=progress_position is None or not in_a_terminal(),
+        description=f"evaluate {name}",
         keys=PasskeyKeys(args.seed, settings.data.num_digits, excluded=trained_keys),
     )
     result.save_heatmap(folder / f"passkey-{name}.png", title=f"{MODEL_LABELS[name]}, trained at {train_length} tokens")
@@ -359,9 +444,10 @@ def _model_job(name, args, settings, folder, position) -> dict:
 def _start_worker() -> None:
     """A model process's progress bars lock with a thread lock: tqdm's default is a multiprocessing semaphore, which
     a terminated worker cannot release, so the resource tracker would warn of it after the parent's last line. Its
-    first screen is kept as quiet as the parent's."""
+    first screen is kept as quiet as the parent's, its output as plain."""
     tqdm_base.set_lock(threading.RLock())  # the class every progress bar's lock comes from
     keep_first_screen_quiet()
+    keep_library_bars_off_a_log()
 
 
 DEMO_RESULT_MARKER = "results.json"

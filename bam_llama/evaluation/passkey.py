@@ -224,6 +224,7 @@ def evaluate_passkey(
     add_bos: bool = False,
     keys: PasskeyKeys | None = None,
     teacher_forced: bool = False,
+    description: str = "passkey",
 ) -> PasskeyResults:
     """Passkey retrieval accuracy for each requested prompt length, at `num_depths` depths uniformly spaced in
     [0, 1] (a number for every length, or a `DepthPlan` with fewer at some). One key per (length, depth), drawn in
@@ -231,7 +232,7 @@ def evaluate_passkey(
     lengths so that none repeats a key, and its `excluded` keys to keep the training data's out). Strict: correct
     iff the greedy continuation (num_digits + 2 new tokens), stripped of leading whitespace, starts with the key and
     goes on with something else than a digit. With `teacher_forced`, also the reference's score (`forced_answer`),
-    after the same prefill. Each length's seconds and peak memory are recorded."""
+    after the same prefill. Each length's seconds and peak memory are recorded. `description`: the progress's label."""
     lengths = [int(length) for length in lengths]
     keys = keys or PasskeyKeys(seed, num_digits)
     redrawn_before = keys.redrawn
@@ -244,7 +245,7 @@ def evaluate_passkey(
 
     rows = run_retrieval(
         model, tokenizer, lengths, DepthPlan.of(num_depths), make_case,
-        lambda prediction, case: is_correct(prediction, case.expected), chunk_size, progress, "passkey",
+        lambda prediction, case: is_correct(prediction, case.expected), chunk_size, progress, description,
     )
     bos = int(add_bos and tokenizer.bos_token_id is not None)  # BOS is not counted in a length
     for length, prompt_length in zip(lengths, rows.prompt_lengths):

@@ -12,8 +12,7 @@ import numpy
 import torch
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
-from tqdm.auto import tqdm
-
+from ..progress import progress_bar
 from . import plots
 from .costs import measured
 from .decoding import check_positive, greedy_and_teacher_forced, greedy_continuation, model_device
@@ -75,7 +74,7 @@ def run_retrieval(
     check_lengths_fit(model, lengths, chunk_size)  # before any prompt is built
     model.eval()
     rows = RetrievalRows()
-    bar = tqdm(total=sum(plan.count(length) for length in lengths), desc=description, disable=not progress)
+    bar = progress_bar(sum(plan.count(length) for length in lengths), description, "prompts", disable=not progress)
     with torch.inference_mode():
         for length in lengths:
             depths = plan.depths(length)

@@ -20,6 +20,7 @@ from bam_llama.data.tokenizers import build_byte_tokenizer
 from bam_llama.demo import DEMO_TEMPLATE, build_model, training_batch
 from bam_llama.demo_settings import DataConfig, ModelSize, default_settings
 from bam_llama.evaluation.passkey import PasskeyResults
+from helpers import checkout_environment
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,26 @@ def test_quick_run_writes_table_plots_and_a_loadable_model(tmp_path, tokenizer, 
     assert isinstance(model, BamLlamaForCausalLM)
     assert torch.isfinite(model(input_ids).logits).all()
     assert model.config.ssmax is False  # the default recipe: BAM found every key to 64x without it, 80% with it
+
+
+def test_quick_run_in_a_log_says_what_runs_first_and_writes_plain_progress_lines(tmp_path):
+    """Output captured (a log, CI): before any progress, what the run trains and evaluates and an estimate of its
+    time; then whole lines of progress per model (also from the model processes), no bar's carriage returns or
+    cursor codes."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "bam_llama.cli.demo", "--quick", "--output-dir", str(tmp_path / "out")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, env=checkout_environment(),
+    )
+    output = completed.stdout
+    assert completed.returncode == 0, output
+    assert "\r" not in output and "\x1b" not in output
+    plan = re.search(r"bam-demo: training bam, rope .*8 steps.* at 64, 128 tokens \(2 prompts per length\)", output)
+    estimate = re.search(r"Estimate: training ~\d+ s, evaluation ~\d+ s at these lengths \(from \d+ training steps", output)
+    assert plan and estimate, output
+    for name in ("bam", "rope"):
+        assert re.search(rf"^train {name}: 8/8 steps, loss \d+\.\d+, \d+\.\d min$", output, re.MULTILINE), output
+        assert re.search(rf"^evaluate {name}: 4/4 prompts, length 128, accuracy .*min$", output, re.MULTILINE), output
+    assert estimate.end() < output.index("train bam:")
 
 
 def test_models_trained_at_once_give_the_results_of_one_at_a_time(tmp_path):
