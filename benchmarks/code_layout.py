@@ -38,8 +38,8 @@ class Layout:
     type_checking_blocks: int
 
 
-def part_of(path: Path) -> str:
-    relative = path.relative_to(PACKAGE)
+def part_of(path: Path, package: Path) -> str:
+    relative = path.relative_to(package)
     return relative.parts[0] if len(relative.parts) > 1 else relative.name
 
 
@@ -49,8 +49,11 @@ def functions(tree: ast.AST):
             yield node
 
 
-def imports_inside(function: ast.AST) -> int:
-    return sum(isinstance(node, (ast.Import, ast.ImportFrom)) for node in ast.walk(function))
+def imports_inside_functions(node: ast.AST) -> int:
+    """Import statements anywhere inside the functions below `node` (a nested function's counted once)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return sum(isinstance(inner, (ast.Import, ast.ImportFrom)) for inner in ast.walk(node))
+    return sum(imports_inside_functions(child) for child in ast.iter_child_nodes(node))
 
 
 def is_type_checking_block(node: ast.AST) -> bool:
@@ -68,10 +71,9 @@ def measure(package: Path = PACKAGE) -> Layout:
         if lines > LONG_FILE_LINES:
             long_files[name] = lines
         tree = ast.parse(text)
-        outermost = [f for f in functions(tree) if not any(f is not g and f in ast.walk(g) for g in functions(tree))]
         for function in functions(tree):
             lengths.append(FunctionLength(f"{name}:{function.name}", function.end_lineno - function.lineno + 1))
-        in_functions[part_of(path)] += sum(imports_inside(function) for function in outermost)
+        in_functions[part_of(path, package)] += imports_inside_functions(tree)
         type_checking += sum(is_type_checking_block(node) for node in ast.walk(tree))
     lengths.sort(key=lambda item: (-item.lines, item.where))
     return Layout(len(sources), total_lines, long_files, lengths[:LONGEST_SHOWN], dict(sorted(in_functions.items())),
