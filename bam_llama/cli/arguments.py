@@ -57,10 +57,27 @@ def length_list(text: str) -> list[int]:
             raise argparse.ArgumentTypeError(f"{item!r} is not a length in tokens (write e.g. 512,1k,2k)") from None
         if length <= 0:
             raise argparse.ArgumentTypeError(f"lengths must be positive, got {item!r}")
+        if length in lengths:
+            raise argparse.ArgumentTypeError(f"length {length} is given twice in {text!r}; name each length once")
         lengths.append(length)
     if not lengths:
         raise argparse.ArgumentTypeError(f"no length in {text!r}")
     return lengths
+
+
+class DistinctLengths(argparse.Action):
+    """`--lengths 256,512 1k`: the `length_list` values of one flag joined into one list, refused when a length is
+    named twice across them (`--lengths 300 300`, or `1k 1024`): the same prompts measured twice would count twice."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        lengths = [length for value in values for length in value]
+        repeated = sorted({length for length in lengths if lengths.count(length) > 1})
+        if repeated:
+            raise argparse.ArgumentError(
+                self, f"length {', '.join(map(str, repeated))} is given twice in {' '.join(map(str, lengths))}; "
+                "name each length once"
+            )
+        setattr(namespace, self.dest, lengths)
 
 
 def depth_plan(text: str):

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from ..evaluation.needle_tasks import NEEDLE_KINDS, NeedleTask
 from ..outputs import exit_on_sigterm, staged_files
-from .arguments import add_threads_argument, depth_plan, device_name, length_list, non_negative_int, positive_int
+from .arguments import (
+    DistinctLengths, add_threads_argument, depth_plan, device_name, length_list, non_negative_int, positive_int,
+)
 from .reporting import run_reported
 
 PASSKEY_LENGTHS = "256,512,1024,2048,4096"
@@ -28,12 +30,6 @@ def needle_kinds(text: str) -> list[str]:
     if not kinds or unknown or len(set(kinds)) != len(kinds):
         raise argparse.ArgumentTypeError(f"{text!r}: give distinct tasks among {', '.join(NEEDLE_KINDS)}")
     return kinds
-
-
-def parse_lengths(values: list[str] | list[list[int]]) -> list[int]:
-    """`["256,512", "1k"]` -> `[256, 512, 1024]`: lists may be comma or space separated, `k` means 1024. Values the
-    parser already read (lists of ints) are flattened."""
-    return [length for value in values for length in (length_list(value) if isinstance(value, str) else value)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +117,8 @@ def _add_perplexity_command(commands) -> None:
     perplexity.add_argument("--text-column", default="text", help="dataset column with text (default: %(default)s)")
     perplexity.add_argument("--max-documents", type=positive_int, default=1000,
                             help="documents read from the dataset (default: %(default)s)")
-    perplexity.add_argument("--lengths", nargs="+", type=length_list, default=[length_list(PERPLEXITY_LENGTHS)],
+    perplexity.add_argument("--lengths", nargs="+", type=length_list, action=DistinctLengths,
+                            default=length_list(PERPLEXITY_LENGTHS),
                             help=f"context lengths in tokens, e.g. 1k,4k,16k (default: {PERPLEXITY_LENGTHS})")
     perplexity.add_argument("--window", type=positive_int, default=1024, help="positions per window (default: %(default)s)")
     perplexity.add_argument("--max-sequences", type=positive_int, default=8,
@@ -155,7 +152,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_prompt_lengths(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", nargs="+", type=length_list, default=[length_list(PASSKEY_LENGTHS)],
+    parser.add_argument("--lengths", nargs="+", type=length_list, action=DistinctLengths,
+                        default=length_list(PASSKEY_LENGTHS),
                         help=f"requested prompt lengths in tokens, e.g. 512,1k,2k (default: {PASSKEY_LENGTHS})")
 
 
@@ -179,12 +177,12 @@ def run_passkey(args) -> None:
     from ..evaluation.passkey import choose_passkey_template, evaluate_passkey
     from ..evaluation.results import write_outputs
 
-    check_depth_lengths(args.depths, parse_lengths(args.lengths))
+    check_depth_lengths(args.depths, args.lengths)
     model, tokenizer = _load_for_cli(args)
     template, template_bos, description = choose_passkey_template(args.template, model.config)
     print(f"Passkey prompts use {description}.", file=sys.stderr)
     results = evaluate_passkey(
-        model, tokenizer, parse_lengths(args.lengths), num_depths=args.depths, num_digits=args.digits,
+        model, tokenizer, args.lengths, num_depths=args.depths, num_digits=args.digits,
         seed=args.seed, chunk_size=args.chunk_size, progress=not args.quiet, add_bos=args.add_bos or template_bos,
         template=template, teacher_forced=args.teacher_forced,
     )
@@ -205,7 +203,7 @@ def run_needles(args) -> None:
                    digits=args.digits)
         for kind in args.tasks
     ]
-    lengths = parse_lengths(args.lengths)
+    lengths = args.lengths
     check_depth_lengths(args.depths, lengths)
     haystack = Haystack(load_documents(args.haystack, purpose="haystack")) if args.haystack else corpus_haystack()
     model, tokenizer = _load_for_cli(args)
@@ -241,7 +239,7 @@ def run_perplexity(args) -> None:
         max_documents=None if args.data else args.max_documents, purpose="evaluation",
     )
     results = evaluate_perplexity(
-        model, tokenizer, documents, parse_lengths(args.lengths), window=args.window, chunk_size=args.chunk_size,
+        model, tokenizer, documents, args.lengths, window=args.window, chunk_size=args.chunk_size,
         max_sequences=args.max_sequences, add_bos=args.add_bos, progress=not args.quiet,
     )
     table = results.to_markdown(per_window=True)

@@ -173,6 +173,7 @@ def test_main_reports_success_as_exit_status_zero_and_records_the_argv(tmp_path)
     [
         (["--lengths", "64,abc"], "--lengths"),
         (["--lengths", "64,0"], "--lengths"),
+        (["--lengths", "64,64"], "--lengths"),
         (["--steps", "0"], "--steps"),
         (["--train-length", "-8"], "--train-length"),
         (["--lr", "nan"], "--lr"),

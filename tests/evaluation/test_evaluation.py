@@ -11,7 +11,7 @@ from helpers import one_error_line, randomize_prior, torch_threads_in_training
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
-from bam_llama.cli.eval import main, parse_lengths
+from bam_llama.cli.eval import build_parser, main
 from bam_llama.data.documents import load_documents
 from bam_llama.data.tokenizers import build_byte_tokenizer
 from bam_llama.evaluation import retrieval
@@ -331,8 +331,23 @@ def test_prior_plot_refuses_a_model_without_prior(tmp_path):
 # ---------------------------------------------------------------------------------------------- command line
 
 
-def test_parse_lengths():
-    assert parse_lengths(["256,512", "1k", "2K,"]) == [256, 512, 1024, 2048]
+def test_lengths_may_be_comma_or_space_separated_with_k_for_1024():
+    args = build_parser().parse_args(["passkey", "model", "--lengths", "256,512", "1k", "2K,"])
+    assert args.lengths == [256, 512, 1024, 2048]
+
+
+@pytest.mark.parametrize("command", ["passkey", "needles", "perplexity"])
+@pytest.mark.parametrize("lengths, length", [(["300", "300"], 300), (["512,1k", "1024"], 1024), (["2k,2048"], 2048)])
+def test_a_length_named_twice_is_refused_in_one_line(command, lengths, length, tmp_path, capsys):
+    """`--lengths 300 300` evaluated the same length twice and reported both rows (issue 47): refused, naming the
+    length in tokens (1k and 1024 are the same), before any weights load."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, str(tmp_path / "no-such-model"), "--lengths", *lengths])
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    error = stderr.strip().splitlines()[-1]
+    assert error.startswith(f"bam-eval {command}: error: argument --lengths: ") and "Traceback" not in stderr
+    assert f"length {length} is given twice" in error and "no-such-model" not in stderr
 
 
 @pytest.mark.parametrize("command", ["passkey", "perplexity", "prior"])
