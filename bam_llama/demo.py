@@ -45,6 +45,7 @@ from .evaluation.passkey import (
 )
 from .evaluation.plots import plot_prior
 from .first_screen import keep_first_screen_quiet
+from .machine import cpu_model
 from .model.prior_bam import is_prior_parameter
 from .outputs import OutputError, staged_output_dir
 from .positional_models import variant_config, variant_model
@@ -298,12 +299,14 @@ def train_evaluate_and_save(args: argparse.Namespace, folder: Path, start: float
     train_length = settings.data.train_length
     table = accuracy_table(results, train_length)
     keys = next(iter(results.values()))
+    processor = cpu_model()
     summary = (f"Passkey retrieval accuracy (strict: the greedy answer is the key; in brackets the 95% interval; the "
                f"header gives each length's prompts), trained at {train_length} tokens ({minutes:.1f} min on "
-               f"{args.device}, {thread_description(args.threads, jobs)}). Evaluation keys: {keys.describe_keys()}:")
+               f"{args.device}, {thread_description(args.threads, jobs)}; {processor}). Evaluation keys: "
+               f"{keys.describe_keys()}:")
     (folder / "results.md").write_text(f"{summary}\n\n{table}\n")
-    run = {"minutes": minutes, "device": args.device, "threads": args.threads, "jobs": jobs, "argv": args.argv,
-           "settings": asdict(settings)}
+    run = {"minutes": minutes, "device": args.device, "processor": processor, "threads": args.threads, "jobs": jobs,
+           "argv": args.argv, "settings": asdict(settings)}
     outputs = {"run": run, **{name: result.to_dict() for name, result in results.items()}}
     (folder / "results.json").write_text(json.dumps(outputs, indent=2))
     return results, summary, table

@@ -59,7 +59,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: E40
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM  # noqa: E402
 from bam_llama.model.modeling_bam import CACHE_NAME  # noqa: E402  (the installed Transformers' name of the KV cache)
-from benchmarks.machine import cpu_model  # noqa: E402
+from bam_llama.machine import cpu_model  # noqa: E402
 
 SIZES = dict(
     vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,

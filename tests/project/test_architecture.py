@@ -19,6 +19,7 @@ ALLOWED = {
     "first_screen": set(),
     "cpu_threads": set(),
     "progress": set(),
+    "machine": set(),
     "model_folders": set(),
     "positional_variants": set(),
     "demo_settings": {"evaluation"},  # its light depth_plan.py only
@@ -30,7 +31,7 @@ ALLOWED = {
                  "positional_models", "cpu_threads"},
     "conversion": {"model", "data", "hub", "outputs", "model_folders", "positional_variants"},
     "demo": {"model", "data", "evaluation", "outputs", "model_folders", "positional_variants", "positional_models",
-             "demo_settings", "first_screen", "cpu_threads", "progress"},
+             "demo_settings", "first_screen", "cpu_threads", "progress", "machine"},
     "serving": {"model", "registration"},
     "cli": {"model", "data", "evaluation", "hub", "training", "conversion", "demo", "outputs", "model_folders",
             "positional_variants", "demo_settings", "first_screen", "cpu_threads", "progress"},
