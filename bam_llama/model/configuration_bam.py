@@ -23,6 +23,10 @@ PRIOR_FINITE_HORIZON = 1 << 20
 SERVE_MODEL_MANAGER = "transformers.cli.serving.model_manager"
 # max_position_embeddings of earlier releases, which meant "no limit": a saved config holding it is read as unset.
 LEGACY_UNLIMITED_POSITIONS = 1 << 20
+# The length a BamLlama declares it serves and is evaluated at, unless trained longer or set: 64K tokens, the longest
+# that bam-demo and the text benchmark evaluate (512x of their 128-token training). What tools read as the model's
+# length (`max_position_embeddings`): vLLM's longest accepted `--max-model-len`, lm-eval's window and batch probe.
+SERVING_LENGTH = 1 << 16
 
 
 class BamLlamaConfig(PreTrainedConfig):
@@ -54,11 +58,12 @@ class BamLlamaConfig(PreTrainedConfig):
         ssmax_scale_init (`float`) / train_ssmax_scale (`bool`): the per-head SSMax scale `s_h`.
         train_context_length (`int`): the length the model was (or will be) trained at; informational, never
             used to truncate.
-        max_position_embeddings (`int`, defaults to `train_context_length`): the context length tools plan for
-            (lm-evaluation-harness' window and batch-size probe, vLLM's default `max_model_len`, `generate`'s default
-            cap), as for any Transformers model. The model itself has no limit: generating past it (with
-            `max_new_tokens`) works, after Transformers' one-time reminder. Raise it once the model is shown to
-            extrapolate that far. Saved configs of earlier releases hold 2**20 ("no limit"), read as unset.
+        max_position_embeddings (`int`, defaults to `max(train_context_length, 65536)`): the length the model
+            declares it serves and is evaluated at, read by tools as for any Transformers model: vLLM's default and
+            longest `max_model_len`, lm-evaluation-harness' window and its batch-size probe, `generate`'s default
+            cap and its "maximum length" reminder. The model itself has no limit: generating past it (with
+            `max_new_tokens`) works, after Transformers' one-time reminder. Saved configs of earlier releases
+            holding 2**20 ("no limit") read it as unset.
     """
 
     model_type = "bam_llama"
@@ -112,7 +117,9 @@ class BamLlamaConfig(PreTrainedConfig):
         self.attention_dropout = attention_dropout
         self.use_cache = use_cache
         self.train_context_length = train_context_length
-        self.max_position_embeddings = train_context_length if max_position_embeddings is None else max_position_embeddings
+        self.max_position_embeddings = (
+            serving_length(train_context_length) if max_position_embeddings is None else max_position_embeddings
+        )
         self.prior_scope = prior_scope
         self.prior_formula = prior_formula
         self.theta_alpha_init = theta_alpha_init
@@ -137,11 +144,12 @@ class BamLlamaConfig(PreTrainedConfig):
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         """A saved config (`from_pretrained`, `AutoConfig`); one of an earlier release says "no limit" with 2**20,
-        which tools took for a context length: it becomes the default, `train_context_length`."""
+        which tools took for a context length: it becomes the default, `serving_length(train_context_length)`."""
         if config_dict.get("max_position_embeddings") == LEGACY_UNLIMITED_POSITIONS:
             logger.info(
                 f"max_position_embeddings {LEGACY_UNLIMITED_POSITIONS} (\"no limit\" in earlier bam-llama releases) is "
-                "read as train_context_length, the context tools plan for; the model still runs past it"
+                f"read as the default serving length, max(train_context_length, {SERVING_LENGTH}); the model still runs "
+                "past it"
             )
             config_dict = {**config_dict, "max_position_embeddings": None}
         return super().from_dict(config_dict, **kwargs)
@@ -224,6 +232,13 @@ class BamLlamaConfig(PreTrainedConfig):
                 f"factor) reaches exp({log_extent:.1f}) and float32 ends at exp({LOG_FLOAT32_MAX:.2f}); keep "
                 f"theta_alpha_init below {bound:.2f}"
             )
+
+
+def serving_length(train_context_length: int) -> int:
+    """The default `max_position_embeddings`: SERVING_LENGTH, or the training length where that is longer."""
+    if not _is_positive_int(train_context_length):
+        return train_context_length  # validate_bam names it
+    return max(train_context_length, SERVING_LENGTH)
 
 
 def _register_models_with_the_auto_classes(auto_map: dict | None) -> None:

@@ -100,7 +100,9 @@ def bam_sdpa_attention_forward(
         output = bam_attention_sdpa(
             query, key, value, visible, bias, scaling, row_factor, module.config.ssmax_prior, dropout
         )
-        return output.transpose(1, 2).contiguous(), None
+        # A copy that stays in exported graphs (`contiguous()` of an SDPA output laid out (B, Lq, H, D) is traced
+        # away): torch.onnx's decompositions lay it out (B, H, Lq, D), and the reshape traced as a view would fail.
+        return output.transpose(1, 2).clone(memory_format=torch.contiguous_format), None
     output = bam_attention_blocked(
         query, key, value, query_positions,
         prior.table(last_position) if prior_table is None else prior_table, scaling,

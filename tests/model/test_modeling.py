@@ -48,12 +48,10 @@ def test_invalid_config_raises_clear_error(overrides, message):
         tiny_config(**overrides)
 
 
-def test_config_reports_the_train_length_to_tools_unless_told_otherwise():
+def test_config_defaults():
     config = BamLlamaConfig()
     assert config.train_context_length == 512
-    assert config.max_position_embeddings == 512  # what tools plan for; the model has no limit
-    assert BamLlamaConfig(train_context_length=64).max_position_embeddings == 64
-    assert BamLlamaConfig(train_context_length=64, max_position_embeddings=4096).max_position_embeddings == 4096
+    assert config.max_position_embeddings == 65536  # the declared serving length: test_context_length.py
     assert config.head_dim == 48  # 768 / 16, the reference model's head size
 
 
