@@ -8,6 +8,8 @@ batch 1, each model in its default attention implementation on CPU (Llama: sdpa;
     bam+ssmax             BamLlama, prior on, Scalable Softmax on
     bam bias-off          BamLlama, prior vanishing (theta_alpha = -30: still computed, contributes ~0)
     bam bias-off+ssmax    ... with Scalable Softmax
+    bam layer             BamLlama, one prior per layer (prior_scope="layer"), no SSMax (not run by default)
+    bam+ssmax layer       ... with Scalable Softmax (not run by default)
     llama compiled        LlamaForCausalLM under torch.compile(fullgraph=True, dynamic=False) (inductor)
     bam+ssmax compiled    BamLlama, prior and Scalable Softmax on, compiled the same way
 
@@ -17,6 +19,9 @@ Modes at every length L (tokens):
     decode    prefill L tokens (untimed), then 64 greedy steps against the KV cache (timed): tokens/s. Compiled
               cases decode as Transformers' static-cache recipe does: an eager prefill into a StaticCache, then
               every step through the compiled forward (one graph for all steps)
+    eval-loop `bam-eval`'s loop on one L-token prompt (`evaluation.decoding.greedy_continuation` under
+              inference_mode): prefill in chunks of 1024 tokens through a DynamicCache, then 16 greedy tokens,
+              timed whole. Eager cases only (not run by default: `--modes ... eval-loop`)
 
 Compiled cases compile every (mode, length) in an untimed warm-up, and their ratio is to "llama compiled" (the
 eager cases' to "llama"); their peak memory is not measured (the child process would compile them all again).
@@ -33,6 +38,9 @@ A profile (`--profile L`) prints torch.profiler's top operators for the BAM forw
     python benchmarks/cpu_speed.py --lengths 512 --repeats 1 --out /tmp/x    # quick look
     python benchmarks/cpu_speed.py --profile 2048           # where the time goes
     python benchmarks/cpu_speed.py --lengths 1024 2048 --cases llama bam+ssmax "llama compiled" "bam+ssmax compiled"
+    python benchmarks/cpu_speed.py --long --threads 1 --repeats 3 --out benchmarks/results/cpu-speed-long
+                                                            # 16K/32K/64K: fwd, decode, eval-loop, every eager case
+    python benchmarks/cpu_speed.py --lengths 16384 --modes eval-loop --cases llama bam+ssmax "bam+ssmax layer"
 """
 
 import argparse
@@ -58,6 +66,7 @@ import transformers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: E402
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM  # noqa: E402
+from bam_llama.evaluation.decoding import greedy_continuation  # noqa: E402
 from bam_llama.model.modeling_bam import CACHE_NAME  # noqa: E402  (the installed Transformers' name of the KV cache)
 from bam_llama.machine import cpu_model  # noqa: E402
 
@@ -71,12 +80,19 @@ CASES = {
     "bam+ssmax": dict(ssmax=True),
     "bam bias-off": dict(ssmax=False, theta_alpha_init=-30.0),
     "bam bias-off+ssmax": dict(ssmax=True, theta_alpha_init=-30.0),
+    "bam layer": dict(ssmax=False, prior_scope="layer"),
+    "bam+ssmax layer": dict(ssmax=True, prior_scope="layer"),
     "llama compiled": None,
     "bam+ssmax compiled": dict(ssmax=True),
 }
+DEFAULT_CASES = [case for case in CASES if not case.endswith(" layer")]
 COMPILED = " compiled"
-MODES = ("fwd", "fwd+bwd", "decode")
+MODES = ("fwd", "fwd+bwd", "decode", "eval-loop")
+DEFAULT_MODES = ("fwd", "fwd+bwd", "decode")
 DECODE_TOKENS = 64
+EVAL_CHUNK, EVAL_NEW_TOKENS = 1024, 16  # bam-eval's default --chunk-size; a passkey's answer and then some
+LONG_LENGTHS = [16384, 32768, 65536]
+LONG_MODES = ("fwd", "decode", "eval-loop")  # fwd+bwd at 64K: minutes a step; ask for it with --modes
 
 
 def build_model(case: str) -> torch.nn.Module:
@@ -84,7 +100,7 @@ def build_model(case: str) -> torch.nn.Module:
     torch.manual_seed(0)
     overrides = CASES[case]
     if overrides is None:
-        config = LlamaConfig(**SIZES, max_position_embeddings=1 << 16, attn_implementation="sdpa")
+        config = LlamaConfig(**SIZES, max_position_embeddings=1 << 17, attn_implementation="sdpa")
         model = LlamaForCausalLM(config)
     else:
         config = BamLlamaConfig(**SIZES, theta_beta_init="linear", **{"theta_alpha_init": -2.0, **overrides})
@@ -160,11 +176,18 @@ def run_decode(model, cache, next_token) -> float:
     return time.perf_counter() - start
 
 
+def run_eval_loop(model, ids):
+    """`bam-eval`'s prompt loop: chunked prefill, then greedy decoding (as `run_retrieval` runs it)."""
+    model.eval()
+    with torch.inference_mode():
+        greedy_continuation(model, ids[0].tolist(), EVAL_NEW_TOKENS, EVAL_CHUNK)
+
+
 def timed(model, mode: str, ids) -> float:
     if mode == "decode":
         cache, next_token = prefill(model, ids)
         return run_decode(model, cache, next_token)
-    step = run_forward if mode == "fwd" else run_forward_backward
+    step = {"fwd": run_forward, "fwd+bwd": run_forward_backward, "eval-loop": run_eval_loop}[mode]
     start = time.perf_counter()
     step(model, ids)
     return time.perf_counter() - start
@@ -201,21 +224,27 @@ def machine_info() -> dict:
     }
 
 
-def benchmark(lengths, repeats, cases) -> list[dict]:
+def case_modes(case: str, modes) -> list[str]:
+    """The modes a case runs: compiled cases have no eval-loop (a DynamicCache would recompile every chunk)."""
+    return [mode for mode in modes if not (case.endswith(COMPILED) and mode == "eval-loop")]
+
+
+def benchmark(lengths, repeats, cases, modes=DEFAULT_MODES) -> list[dict]:
     models = {case: build_model(case) for case in cases}
     rows = []
     for length in lengths:
         ids = input_ids(length)
         for case, model in models.items():  # warm-up: first calls allocate and pick kernels, or compile
-            for mode in MODES if isinstance(model, CompiledModel) else ["fwd"]:
+            for mode in case_modes(case, modes) if isinstance(model, CompiledModel) else ["fwd"]:
                 timed(model, mode, ids if isinstance(model, CompiledModel) else ids[:, :64])
-        times = {(case, mode): [] for case in cases for mode in MODES}
+        times = {(case, mode): [] for case in cases for mode in case_modes(case, modes)}
         for _ in range(repeats):
-            for mode in MODES:
+            for mode in modes:
                 for case, model in models.items():
-                    times[case, mode].append(timed(model, mode, ids))
+                    if mode in case_modes(case, modes):
+                        times[case, mode].append(timed(model, mode, ids))
         for case in cases:
-            for mode in MODES:
+            for mode in case_modes(case, modes):
                 seconds = times[case, mode]
                 median = statistics.median(seconds)
                 rows.append({"case": case, "mode": mode, "length": length, "seconds": seconds, "median_s": median})
@@ -225,12 +254,12 @@ def benchmark(lengths, repeats, cases) -> list[dict]:
     return rows
 
 
-def peak_memory(lengths, cases) -> dict:
+def peak_memory(lengths, cases, modes=DEFAULT_MODES) -> dict:
     """{(case, mode, length): MiB}, one untimed run each, in this process (started with a fixed mmap threshold)."""
     models = {case: build_model(case) for case in cases if not case.endswith(COMPILED)}
     return {
         (case, mode, length): peak_rss_increase_mib(model, mode, input_ids(length))
-        for length in lengths for case, model in models.items() for mode in MODES
+        for length in lengths for case, model in models.items() for mode in modes
     }
 
 
@@ -239,7 +268,7 @@ def peak_memory_in_child(args) -> dict:
     and returned to the system when freed, so the RSS of one run is that run's own (glibc's dynamic threshold
     would keep freed tensors in the heap). Timings run without it: a fixed threshold makes every large allocation
     page-fault, which is not what users run."""
-    command = [sys.executable, __file__, "--memory-only", "--lengths", *map(str, args.lengths)]
+    command = [sys.executable, __file__, "--memory-only", "--lengths", *map(str, args.lengths), "--modes", *args.modes]
     command += ["--cases", *[case for case in args.cases if not case.endswith(COMPILED)]]
     if args.threads is not None:
         command += ["--threads", str(args.threads)]
@@ -248,7 +277,7 @@ def peak_memory_in_child(args) -> dict:
     return {tuple(entry["key"]): entry["mib"] for entry in json.loads(output)}
 
 
-def markdown(rows, info, command, load) -> str:
+def markdown(rows, info, command, load, modes=DEFAULT_MODES) -> str:
     llamas = {(r["case"], r["mode"], r["length"]): r["median_s"] for r in rows if r["case"] == peer(r["case"])}
     lines = [
         "# BamLlama against LlamaForCausalLM on CPU",
@@ -263,26 +292,40 @@ def markdown(rows, info, command, load) -> str:
         "Median of interleaved repeats (spread min-max in the JSON); ratio = time / Llama's time at the same "
         "mode and length (compiled cases: / compiled Llama's). "
         f"decode = {DECODE_TOKENS} greedy tokens after an L-token prompt, in tokens/s (compiled: static cache). "
+        f"eval-loop = bam-eval's prefill in chunks of {EVAL_CHUNK} and {EVAL_NEW_TOKENS} greedy tokens, in s. "
         "Peak memory = peak RSS increase of one run (MiB; not measured for compiled cases).",
         "",
-        "| L | case | fwd ms | ratio | fwd+bwd ms | ratio | decode tok/s | ratio | peak MiB fwd / fwd+bwd / decode |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| L | case | " + " | ".join(f"{mode} {MODE_UNITS[mode]} | ratio" for mode in modes)
+        + f" | peak MiB {' / '.join(modes)} |",
+        "|---:|---|" + "---:|---:|" * len(modes) + "---|",
     ]
     for length in sorted({r["length"] for r in rows}):
         for case in dict.fromkeys(r["case"] for r in rows):
             by_mode = {r["mode"]: r for r in rows if r["case"] == case and r["length"] == length}
             cells = []
-            for mode in MODES:
+            for mode in modes:
+                if mode not in by_mode:  # a compiled case's eval-loop
+                    cells += ["-", "-"]
+                    continue
                 median = by_mode[mode]["median_s"]
-                value = f"{DECODE_TOKENS / median:.0f}" if mode == "decode" else f"{median * 1000:.0f}"
+                value = _mode_value(mode, median)
                 spread = by_mode[mode]["seconds"]
                 value += f" ({min(spread) / median:.2f}-{max(spread) / median:.2f})" if len(spread) > 1 else ""
                 reference = llamas.get((peer(case), mode, length))
                 cells += [value, f"{median / reference:.2f}x" if reference else "-"]
-            peaks = " / ".join(_mib(by_mode[m]["peak_rss_increase_mib"]) for m in MODES)
+            peaks = " / ".join(_mib(by_mode[m]["peak_rss_increase_mib"]) if m in by_mode else "-" for m in modes)
             lines.append(f"| {length} | {case} | " + " | ".join(cells) + f" | {peaks} |")
     lines += ["", "Spread in parentheses: min and max of the repeats divided by the median."]
     return "\n".join(lines) + "\n"
+
+
+MODE_UNITS = {"fwd": "ms", "fwd+bwd": "ms", "decode": "tok/s", "eval-loop": "s"}
+
+
+def _mode_value(mode: str, seconds: float) -> str:
+    if mode == "decode":
+        return f"{DECODE_TOKENS / seconds:.0f}"
+    return f"{seconds:.2f}" if mode == "eval-loop" else f"{seconds * 1000:.0f}"
 
 
 def _mib(value: float | None) -> str:
@@ -311,21 +354,29 @@ def profile(length: int, case: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--lengths", type=int, nargs="+", help="default: 512 1024 2048 4096")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), help="default: all but the per-layer priors")
+    parser.add_argument("--modes", nargs="+", choices=MODES, help=f"default: {' '.join(DEFAULT_MODES)}")
+    parser.add_argument("--long", action="store_true", help=f"lengths {' '.join(map(str, LONG_LENGTHS))}, modes "
+                        f"{' '.join(LONG_MODES)}, every eager case (each unless given)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "cpu-speed")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--profile", type=int, metavar="L", help="print a torch.profiler table instead")
     parser.add_argument("--profile-case", choices=list(CASES), default="bam+ssmax")
     parser.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)  # peak_memory_in_child
     args = parser.parse_args(argv)
+    args.lengths = args.lengths or (LONG_LENGTHS if args.long else [512, 1024, 2048, 4096])
+    args.modes = args.modes or list(LONG_MODES if args.long else DEFAULT_MODES)
+    args.cases = args.cases or [case for case in (CASES if args.long else DEFAULT_CASES)
+                                if not (args.long and case.endswith(COMPILED))]
     if any(length < 2 for length in args.lengths) or args.repeats < 1:
         parser.error("--lengths must be >= 2 and --repeats >= 1")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.memory_only:
-        print(json.dumps([{"key": list(key), "mib": mib} for key, mib in peak_memory(args.lengths, args.cases).items()]))
+        peaks = peak_memory(args.lengths, args.cases, args.modes)
+        print(json.dumps([{"key": list(key), "mib": mib} for key, mib in peaks.items()]))
         return 0
     if args.profile is not None:
         profile(args.profile, args.profile_case)
@@ -337,7 +388,7 @@ def main(argv=None) -> int:
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # ...and never falls back to eager silently
     command = "python benchmarks/cpu_speed.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     load_before = os.getloadavg()[0]
-    rows = benchmark(args.lengths, args.repeats, args.cases)
+    rows = benchmark(args.lengths, args.repeats, args.cases, args.modes)
     memory = peak_memory_in_child(args)
     for row in rows:
         row["peak_rss_increase_mib"] = memory.get((row["case"], row["mode"], row["length"]))
@@ -345,7 +396,7 @@ def main(argv=None) -> int:
     load = (f"{load_before:.2f}", f"{os.getloadavg()[0]:.2f}")
     report = {"command": command, "machine": info, "load_average": load, "sizes": SIZES, "rows": rows}
     write_atomically(args.out.with_suffix(".json"), json.dumps(report, indent=1) + "\n")
-    write_atomically(args.out.with_suffix(".md"), markdown(rows, info, command, load))
+    write_atomically(args.out.with_suffix(".md"), markdown(rows, info, command, load, args.modes))
     print(args.out.with_suffix(".md").read_text())
     return 0
 
