@@ -1,10 +1,11 @@
 """Helpers the tests share: tiny BamLlama models with a non-trivial prior, the environment of a subprocess that
-imports this checkout, the reference implementation's fixtures, what the tests of failing commands share (the one
-error line, a full disk, an unwritable folder), and a reading of needle prompts (the values their question asks for,
-found in their text)."""
+imports this checkout, the reference implementation's fixtures and the optional modules a test needs (skipped
+outside CI, failing under CI=true), what the tests of failing commands share (the one error line, a full disk, an
+unwritable folder), and a reading of needle prompts (the values their question asks for, found in their text)."""
 
 import contextlib
 import errno
+import importlib
 import os
 import re
 import shutil
@@ -66,15 +67,33 @@ def run_within(command: list[str], limit_s: float, **kwargs) -> subprocess.Compl
                     f"{waiting}", pytrace=False)
 
 
+def skip_outside_ci(message: str) -> None:
+    """Skip the test (or the module, when called at its top) for `message`, except under CI=true, where it fails:
+    what CI installs or provides must be tested there, never silently skipped."""
+    if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+        pytest.fail(f"{message}; CI=true requires them", pytrace=False)
+    pytest.skip(message, allow_module_level=True)
+
+
 def require_reference_fixtures(folder: Path = FIXTURES_DIR) -> Path:
     """The reference fixtures folder. Missing, the test is skipped, except under CI=true, where it fails: CI must
     not go green without its only external ground truth."""
     if not folder.exists():
-        message = f"reference fixtures not found at {folder} (CI puts ../shared beside the clone)"
-        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
-            pytest.fail(f"{message}; CI=true requires them", pytrace=False)
-        pytest.skip(message)
+        skip_outside_ci(f"reference fixtures not found at {folder} (CI puts ../shared beside the clone)")
     return folder
+
+
+def require_modules(*names: str, provided_by: str) -> None:
+    """Import each module of `names`. One missing (ModuleNotFoundError), the test is skipped, except under CI=true,
+    where it fails: `provided_by` (an extra of `.[dev]`) is what CI's README venv installs."""
+    missing = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError:
+            missing.append(name)
+    if missing:
+        skip_outside_ci(f"{', '.join(missing)} not installed (from {provided_by})")
 
 
 def tiny_config(**overrides):

@@ -1,12 +1,12 @@
-"""CI: the reference-fixture tests may skip on a developer's machine without ../shared, never under CI=true; the
-oldest claimed Transformers is tested too."""
+"""CI: the reference-fixture tests may skip on a developer's machine without ../shared, and the tests needing an
+optional module of .[dev] without it, never under CI=true; the oldest claimed Transformers is tested too."""
 
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import require_reference_fixtures
+from helpers import require_modules, require_reference_fixtures
 from packaging.requirements import Requirement
 
 
@@ -76,3 +76,18 @@ def test_ci_compiles_every_kernel_launch_after_the_suite_within_a_budget_of_its_
     step = (root / ".ci" / "gpu-readiness").read_text()
     command = next(line for line in step.splitlines() if "benchmarks/gpu_readiness.py" in line and "timeout" in line)
     assert "--check" in command and "--sample" not in command and '--head-dim 64 128' in command
+
+
+def test_missing_modules_skip_outside_ci(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no_such_module_for_bam not installed"):
+        require_modules("json", "no_such_module_for_bam", provided_by="an extra")
+
+
+def test_missing_modules_fail_under_ci(monkeypatch):
+    """The serve and chat tests' packages (transformers[serving], in .[dev]) are in CI's README venv: a missing
+    one fails there instead of skipping the tests."""
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true requires them"):
+        require_modules("no_such_module_for_bam", provided_by="an extra")
+    require_modules("json", provided_by="the standard library")
