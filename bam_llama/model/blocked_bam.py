@@ -534,8 +534,8 @@ class _RecomputedBlock(torch.autograd.Function):
             if ctx.rng_state is not None:
                 _set_rng_state(ctx.device, ctx.rng_state)
             output = _attend_block(*tensors, *ctx.block)
-        wanted = [t for t, flag in zip(tensors, needs_grad) if flag]
-        grads = iter(torch.autograd.grad(output, wanted, grad_output))
+            wanted = [t for t, flag in zip(tensors, needs_grad) if flag]
+            grads = iter(torch.autograd.grad(output, wanted, grad_output))  # the replay's backward: autocast off too
         return tuple(next(grads) if flag else None for flag in needs_grad) + (None,) * len(ctx.block)
 
 

@@ -213,3 +213,33 @@ def test_the_shared_check_names_the_first_tensor_that_is_not_finite():
     with pytest.raises(NonFiniteError, match=r"^b in here holds 2 NaN or infinite values \(of 3\)"):
         check_finite_tensors([("a", torch.ones(3)), ("b", torch.tensor([1.0, float("nan"), -float("inf")])),
                               ("c", torch.tensor([float("nan")]))], "here")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("place", ["parameter", "buffer"])
+def test_every_floating_dtype_and_buffers_are_checked_for_finite_values(dtype, place):
+    """A 16-bit model (what most checkpoints hold) and a buffer (a frozen prior tensor is one) are checked too."""
+    from bam_llama.model_folders import NonFiniteError, check_finite_model
+
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.ones(2, 3, dtype=dtype))
+    module.register_buffer("theta_mu", torch.zeros(3, dtype=dtype))
+    module.register_buffer("token_ids", torch.arange(3))
+    check_finite_model(module, "the model")
+    broken = module.weight if place == "parameter" else module.theta_mu
+    with torch.no_grad():
+        broken.view(-1)[1] = float("inf")
+    name = "weight" if place == "parameter" else "theta_mu"
+    with pytest.raises(NonFiniteError, match=rf"^{name} in the model holds 1 NaN or infinite value \(of"):
+        check_finite_model(module, "the model")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_training_loss_that_is_infinite_or_nan_stops_the_run(value, dtype):
+    """An infinite loss diverged as surely as a NaN one (the next update would make every weight NaN)."""
+    from bam_llama.model_folders import TrainingDiverged, check_finite_loss
+
+    check_finite_loss(torch.tensor(2.5, dtype=dtype), step=3)
+    with pytest.raises(TrainingDiverged, match=rf"^the training loss became {value} at step 3;"):
+        check_finite_loss(torch.tensor(value, dtype=dtype), step=3)

@@ -589,6 +589,22 @@ def test_a_length_fits_up_to_the_last_byte_available(monkeypatch, dtype, kv_byte
     assert f"and {total - 1:,} bytes" in message
 
 
+def test_the_kv_cache_need_reads_the_config_s_head_size_and_kv_heads(monkeypatch):
+    """A head size the config sets apart from hidden_size / heads (16, not 32 / 4 = 8) and one KV head: 2 x 2
+    layers x 1 x 16 x 4 bytes a token; a need counted with 8 dims, or with 4 heads, would be accepted at one byte
+    less than it takes."""
+    from bam_llama.evaluation import memory_needs
+    from bam_llama.evaluation.memory_needs import LengthDoesNotFit, check_lengths_fit
+
+    model, length = tiny_bam(num_key_value_heads=1, head_dim=16), 10**5
+    total = sum(token_need(2 * 2 * 1 * 16 * 4, length, 64).values())
+    monkeypatch.setattr(memory_needs, "available_host_bytes", lambda: total)
+    check_lengths_fit(model, [length], 64)
+    monkeypatch.setattr(memory_needs, "available_host_bytes", lambda: total - 1)
+    with pytest.raises(LengthDoesNotFit, match=f"needs at least {total:,} bytes"):
+        check_lengths_fit(model, [length], 64)
+
+
 def test_on_cuda_the_cache_and_logits_are_the_device_s_and_the_ids_the_host_s(monkeypatch):
     from bam_llama.evaluation import memory_needs
     from bam_llama.evaluation.memory_needs import LengthDoesNotFit, check_lengths_fit

@@ -55,6 +55,13 @@ def test_a_folder_of_an_earlier_release_reads_its_no_limit_as_the_default(tmp_pa
         assert torch.equal(loaded(input_ids).logits, model(input_ids).logits)
 
 
+@pytest.mark.parametrize("declared", [(1 << 20) - 1, (1 << 20) + 1, 1 << 21])
+def test_a_declared_length_beside_the_old_no_limit_is_read_as_saved(tmp_path, declared):
+    """Only 2**20 itself meant "no limit": a config declaring a length next to it, or past it, keeps its length."""
+    tiny_model("sdpa", train_context_length=TRAIN_LENGTH, max_position_embeddings=declared).config.save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path).max_position_embeddings == declared
+
+
 def test_every_command_saves_the_same_rule(tmp_path):
     """What bam-pretrain, bam-finetune (context extension), bam-convert (Llama and reference runs) and bam-demo
     build their saved config with."""

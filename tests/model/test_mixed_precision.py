@@ -140,12 +140,12 @@ def attention_inputs(dtype, kind, ssmax=True, batch_size=2, heads=4, kv_heads=2,
     return qkv, prior, scale, key_valid, document_ids
 
 
-def run_blocked(qkv, prior, scale, key_valid, document_ids, ssmax_prior):
+def run_blocked(qkv, prior, scale, key_valid, document_ids, ssmax_prior, dropout=0.0):
     positions = torch.arange(qkv[0].shape[2])
     table = ggd_bias(torch.arange(-int(positions[-1]), 1, dtype=torch.float32), *prior)
     return bam_attention_blocked(
         *qkv, positions, table, qkv[0].shape[-1] ** -0.5, ssmax_scale=scale, ssmax_prior=ssmax_prior,
-        key_valid=key_valid, document_ids=document_ids,
+        key_valid=key_valid, document_ids=document_ids, dropout=dropout,
     )
 
 
@@ -168,6 +168,7 @@ def run_materialized(function, qkv, prior, scale, key_valid, document_ids, ssmax
 
 PATHS = {
     "blocked": run_blocked,  # "sdpa"
+    "blocked-dropout": lambda *a: run_blocked(*a, dropout=0.25),  # "sdpa" training with dropout: blocks replayed
     "materialized-sdpa": lambda *a: run_materialized(bam_attention_sdpa, *a),  # "sdpa" with a custom 4D mask
     "eager": lambda *a: run_materialized(bam_attention_reference, *a),
 }
@@ -176,7 +177,9 @@ PATHS = {
 def output_and_gradients(path, dtype, kind, ssmax, ssmax_prior, autocast_dtype):
     """The path's output and the gradients of its inputs (query, key, value, prior, SSMax scale). The backward
     runs outside autocast, as PyTorch recommends, except through BAM's own backward ("blocked"), which must run
-    as its forward did even when called inside an autocast region (torch.amp.custom_bwd's convention)."""
+    as its forward did even when called inside an autocast region (torch.amp.custom_bwd's convention). Dropout's
+    random masks are drawn from the same seed in every call."""
+    torch.manual_seed(0)
     qkv, prior, scale, key_valid, document_ids = attention_inputs(dtype, kind, ssmax)
     autocast = torch.autocast("cpu", dtype=autocast_dtype or dtype, enabled=autocast_dtype is not None)
     with autocast, torch.no_grad():  # inference takes other paths than training
@@ -184,7 +187,7 @@ def output_and_gradients(path, dtype, kind, ssmax, ssmax_prior, autocast_dtype):
     with autocast:
         output = PATHS[path](qkv, prior, scale, key_valid, document_ids, ssmax_prior)
     weights = torch.randn(output.shape, generator=torch.Generator().manual_seed(5))
-    with autocast if path == "blocked" else contextlib.nullcontext():
+    with autocast if path.startswith("blocked") else contextlib.nullcontext():
         (output.float() * weights).sum().backward()
     leaves = [*qkv, *prior] + ([scale] if scale is not None else [])
     return [inference, output.detach()], [leaf.grad for leaf in leaves]

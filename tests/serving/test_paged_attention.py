@@ -251,10 +251,11 @@ def test_prior_table_is_the_prior_at_each_distance(formula):
     torch.testing.assert_close(terms.prior_table.double(), expected, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("value_rows", ["fused", "own"])
 @pytest.mark.parametrize("path", ["torch", "triton"])
-def test_write_cache_puts_each_token_in_its_slot(path, monkeypatch):
+def test_write_cache_puts_each_token_in_its_slot(path, value_rows, monkeypatch):
     """Keys and values as vLLM's fused qkv projection hands them over (rows strided), padding slots skipped,
-    every other cell untouched."""
+    every other cell untouched; values in a tensor of their own (another row stride than the keys') too."""
     if path == "torch":
         monkeypatch.setattr(paged_kernels, "TRITON_AVAILABLE", False)
     else:  # the launcher the plugin calls on CUDA
@@ -264,6 +265,8 @@ def test_write_cache_puts_each_token_in_its_slot(path, monkeypatch):
     qkv = torch.randn(5, (HEADS + 2 * kv_heads) * HEAD_DIM, generator=generator)
     key = qkv[:, HEADS * HEAD_DIM : (HEADS + kv_heads) * HEAD_DIM]
     value = qkv[:, (HEADS + kv_heads) * HEAD_DIM :]
+    if value_rows == "own":
+        value = value.contiguous()
     cache = torch.randn(kv_heads, blocks, block_size, 2 * HEAD_DIM, generator=generator).transpose(0, 1)
     before = cache.clone()
     slots = torch.tensor([3 * 16 + 5, -1, 1 * 16 + 15, 5 * 16 + 0, -1])
