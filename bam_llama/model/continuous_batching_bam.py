@@ -67,7 +67,9 @@ class PagedRequests:
         return key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
 
     def wrap(self, attention: Callable) -> Callable:
-        """`attention` run request by request; same signature, (1, T, H, D) output (zeros for padding tokens)."""
+        """`attention` run request by request; same signature, (1, T, H, D) output (zeros for padding tokens). Each
+        request's last query position goes along as a Python int (`last_position`), so that "sdpa" runs its blocked
+        path over a window of the step's prior table, never a (queries x keys) bias."""
 
         def paged_attention(module, query, key, value, attention_mask, *, query_positions=None, prior=None,
                             prior_table=None, document_ids=None, **kwargs):
@@ -78,7 +80,7 @@ class PagedRequests:
                 table = None if prior_table is None else prior_table[:, prior_table.shape[1] - length:]
                 output[:, queries] = attention(
                     module, query[:, :, queries], key[:, :, keys], value[:, :, keys], None,
-                    query_positions=positions, prior=prior, prior_table=table, **kwargs,
+                    query_positions=positions, prior=prior, prior_table=table, last_position=length - 1, **kwargs,
                 )[0]
             return output, None
 

@@ -93,6 +93,27 @@ def test_generate_batch_equals_greedy_full_forwards(implementation, variant, ste
     assert any(len({k - q for q, k in step}) > 1 for step in steps), "no step batched requests at different positions"
 
 
+def test_sdpa_batches_through_the_blocked_path_never_a_materialized_bias(monkeypatch):
+    """Each request's attention is the blocked SDPA over a window of the step's prior table: a path that builds the
+    (queries x keys) bias per request grows with the square of a long prompt (issue 47 found every request taking
+    it, the table unused)."""
+    from bam_llama.model import dispatch_bam
+
+    calls = {"blocked": 0, "materialized": 0}
+    for name, kind in (("bam_attention_blocked", "blocked"), ("bam_attention_sdpa", "materialized")):
+        original = getattr(dispatch_bam, name)
+
+        def counted(*args, original=original, kind=kind, **kwargs):
+            calls[kind] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(dispatch_bam, name, counted)
+    model = tiny_model("sdpa", ssmax=True)
+    outputs = model.generate_batch(PROMPTS, generation_config=greedy(), continuous_batching_config=batching_config(8))
+    assert_matches_full_forwards(model, PROMPTS, list(outputs.values()))
+    assert calls["blocked"] > 0 and calls["materialized"] == 0, calls
+
+
 def test_requests_of_a_started_manager_equal_greedy_full_forwards():
     model = tiny_model("sdpa", ssmax=True)
     manager = model.init_continuous_batching(generation_config=greedy(), continuous_batching_config=batching_config())
