@@ -246,25 +246,31 @@ def time_serving(args) -> None:
         query, kv_cache, batch = serving_step(rows, keys, generator)
         for scope in args.scopes:
             layers = {ssmax: serving_layers(scope, ssmax, args.layers, max_len) for ssmax in (False, True)}
-            seconds = {name: [] for name in args.candidates}
-            cpu = dict.fromkeys(args.candidates, 0.0)
+            calls = {name: functools.partial(SERVING_CANDIDATES[name][0], query, kv_cache, batch,
+                                             layers[SERVING_CANDIDATES[name][1]]) for name in args.candidates}
             with torch.no_grad():
-                for name in args.candidates:  # warm-up (flex compiles once per process), checked
-                    attend, ssmax = SERVING_CANDIDATES[name]
-                    output = attend(query, kv_cache, batch, layers[ssmax])
+                for name, call in calls.items():  # warm-up (flex compiles once per process), checked
+                    output = call()
                     if name != "llama" and rows * keys <= 2048 * 4096:
-                        expected = serving_reference(query, kv_cache, batch, layers[ssmax][-1])
+                        expected = serving_reference(query, kv_cache, batch, call.args[-1][-1])
                         error = (output.double() - expected).abs().max().item()
                         print(f"{shape} {scope} {name}: max abs error against float64 {error:.1e}", flush=True)
-                for _ in range(args.repeats):
-                    for name in args.candidates:
-                        attend, ssmax = SERVING_CANDIDATES[name]
-                        cpu_start, start = time.process_time(), time.perf_counter()
-                        attend(query, kv_cache, batch, layers[ssmax])
-                        seconds[name].append((time.perf_counter() - start) / args.layers)
-                        cpu[name] += (time.process_time() - cpu_start) / args.layers
+                seconds, cpu = time_in_rounds(calls, args.repeats, args.layers)
             report(f"{shape} {scope}", seconds, cpu, args.repeats)
         print(f"load after {shape}: {load_average()}", flush=True)
+
+
+def time_in_rounds(calls: dict, repeats: int, per_call: int = 1) -> tuple[dict, dict]:
+    """Every call once a round, so that a load spike hits them all: {name: wall seconds of each round}, {name: CPU
+    seconds over all rounds}, both divided by `per_call` (the layers one call runs)."""
+    seconds, cpu = {name: [] for name in calls}, dict.fromkeys(calls, 0.0)
+    for _ in range(repeats):
+        for name, call in calls.items():
+            cpu_start, start = time.process_time(), time.perf_counter()
+            call()
+            seconds[name].append((time.perf_counter() - start) / per_call)
+            cpu[name] += (time.process_time() - cpu_start) / per_call
+    return seconds, cpu
 
 
 def load_average() -> str:
@@ -302,22 +308,15 @@ def main(argv=None) -> int:
         query = torch.randn(1, HEADS, rows, HEAD_DIM, generator=generator)
         key, value = (torch.randn(1, KV_HEADS, keys, HEAD_DIM, generator=generator) for _ in range(2))
         terms = {ssmax: prior_terms(keys, ssmax) for ssmax in (False, True)}
-        seconds = {name: [] for name in args.candidates}
-        cpu = dict.fromkeys(args.candidates, 0.0)
+        calls = {name: functools.partial(CANDIDATES[name][0], query, key, value, terms[CANDIDATES[name][1]])
+                 for name in args.candidates}
         with torch.no_grad():
-            for name in args.candidates:  # warm-up (flex: compiles), checked against the reference
-                attend, ssmax = CANDIDATES[name]
-                output = attend(query, key, value, terms[ssmax])
+            for name, call in calls.items():  # warm-up (flex: compiles), checked against the reference
+                output = call()
                 if name != "llama" and rows * keys <= 4096 * 4096:
-                    error = (output.double() - reference(query, key, value, terms[ssmax])).abs().max().item()
+                    error = (output.double() - reference(*call.args)).abs().max().item()
                     print(f"{shape} {name}: max abs error against float64 {error:.1e}", flush=True)
-            for _ in range(args.repeats):
-                for name in args.candidates:
-                    attend, ssmax = CANDIDATES[name]
-                    cpu_start, start = time.process_time(), time.perf_counter()
-                    attend(query, key, value, terms[ssmax])
-                    seconds[name].append(time.perf_counter() - start)
-                    cpu[name] += time.process_time() - cpu_start
+            seconds, cpu = time_in_rounds(calls, args.repeats)
         report(shape, seconds, cpu, args.repeats)
     return 0
 

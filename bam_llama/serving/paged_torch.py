@@ -4,9 +4,8 @@ other devices, and writing the step's keys and values into the cache.
 - `paged_attention_cpu`: a request with one query (a decoding step) reads its keys in place, run of blocks by run of
   blocks, and attends with one (H x keys) score row; a request with several queries (a prompt or a chunk of one)
   gathers its keys and runs the package's blocked SDPA with the prior table (model/blocked_bam.py), with or without
-  SSMax. Compiled FlexAttention with the prior as a score_mod ran those 1.4-3x slower on every measured shape (16 to
-  4096 queries, up to 64K keys, SSMax scaling the prior: benchmarks/cpu_attention_ab.py --serving, whose candidate
-  it remains).
+  SSMax. Compiled FlexAttention with the prior as a score_mod took 1.4-2.2x its CPU time with SSMax scaling the
+  prior, from 100 queries to 4096 x 64K keys, and tied at 128 x 128 (benchmarks/results/cpu-attention-serving.md).
 - `paged_attention_reference`: one request at a time, every score materialized.
 
 The step, the layer's terms and the shapes: paged_batch.py.

@@ -197,7 +197,7 @@ def test_triton_decode_kernel_runs_for_single_query_steps(monkeypatch):
 @pytest.mark.parametrize("ssmax", ["prior", "logits", None])
 def test_cpu_path_reads_decoding_keys_in_place_and_gathers_prompts(monkeypatch, ssmax):
     """On the head-major cache a decoding request copies none of its keys; every prompt, SSMax scaling the prior or
-    not, runs blocked SDPA (it measured faster than compiled FlexAttention at every shape:
+    not, runs blocked SDPA (compiled FlexAttention was slower or tied at every measured shape:
     benchmarks/results/cpu-attention-serving.md)."""
     gathered, blocked = [], []
     spy = lambda calls, function: lambda *args, **kwargs: calls.append(1) or function(*args, **kwargs)  # noqa: E731
