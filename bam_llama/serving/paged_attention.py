@@ -6,7 +6,7 @@ device:
   batch, split-KV decode for batches of single queries; launched from device metadata only, so a decoding step can
   be captured in a CUDA graph.
 - CPU (paged_torch.py, `paged_attention_cpu`): decoding requests read their keys in place; prompts and chunks of
-  them gather theirs and run blocked SDPA with the prior table, or FlexAttention where SSMax scales the prior.
+  them gather theirs and run blocked SDPA with the prior table.
 - Elsewhere (paged_torch.py, `paged_attention_reference`): plain PyTorch, one request at a time, scores
   materialized.
 

@@ -3,9 +3,9 @@ other devices, and writing the step's keys and values into the cache.
 
 - `paged_attention_cpu`: a request with one query (a decoding step) reads its keys in place, run of blocks by run of
   blocks, and attends with one (H x keys) score row; a request with several queries (a prompt or a chunk of one)
-  gathers its keys and runs the package's blocked SDPA with the prior table (model/blocked_bam.py), or, where SSMax
-  scales the prior (no window of a table can express that mask), FlexAttention compiled for the CPU with the prior
-  as a score_mod.
+  gathers its keys and runs the package's blocked SDPA with the prior table (model/blocked_bam.py), with or without
+  SSMax. Compiled FlexAttention with the prior as a score_mod took 1.4-2.2x its CPU time with SSMax scaling the
+  prior, from 100 queries to 4096 x 64K keys, and tied at 128 x 128 (benchmarks/results/cpu-attention-serving.md).
 - `paged_attention_reference`: one request at a time, every score materialized.
 
 The step, the layer's terms and the shapes: paged_batch.py.
@@ -13,16 +13,10 @@ The step, the layer's terms and the shapes: paged_batch.py.
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from ..model.blocked_bam import bam_attention_blocked
+from ..model.blocked_bam import bam_attention_blocked, default_block_shape
 from .paged_batch import BamTerms, PagedBatch
-
-logger = logging.getLogger(__name__)
 
 
 def write_cache_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch) -> None:
@@ -121,110 +115,21 @@ def _decode_in_place(query: torch.Tensor, tokens: torch.Tensor, runs: list[tuple
     return output.view(heads, head_dim)
 
 
+# Queries of one blocked-SDPA call at least. Where SSMax scales the prior, each block's mask is written out, and the
+# model's default block keeps it within 6 MiB: past ~24K keys (2 query heads a key/value head) that leaves fewer
+# rows than SDPA's CPU kernel tiles, each call re-reading every key for a few queries. 32-128 rows ran 1.7x faster
+# than the default 12 at 1024 queries x 64K keys (benchmarks/results/cpu-attention-serving.md).
+PROMPT_BLOCK_ROWS = 32
+
+
 def _attend_prompt(queries: torch.Tensor, key: torch.Tensor, value: torch.Tensor, terms: BamTerms) -> torch.Tensor:
     """The last Lq positions of a request, queries (Lq, H, D), against its keys (Hkv, L, D) -> (Lq, H, D)."""
     rows, keys = queries.shape[0], key.shape[1]
+    heads, kv_heads = queries.shape[1], key.shape[0]
     query = queries.transpose(0, 1)[None].float().contiguous()  # (1, H, Lq, D)
-    if terms.scales_prior and flex_prefill_usable():
-        output = _flex_prefill(query, key[None], value[None], terms)
-    else:
-        positions = torch.arange(keys - rows, keys, device=query.device)
-        output = bam_attention_blocked(query, key[None], value[None], positions, terms.prior_window(keys),
-                                       terms.scaling, terms.ssmax_scale, terms.ssmax_prior)
+    positions = torch.arange(keys - rows, keys, device=query.device)
+    default_rows, _ = default_block_shape(1, heads, heads // kv_heads, rows, keys, not terms.scales_prior)
+    output = bam_attention_blocked(query, key[None], value[None], positions, terms.prior_window(keys),
+                                   terms.scaling, terms.ssmax_scale, terms.ssmax_prior,
+                                   block_rows=max(default_rows, PROMPT_BLOCK_ROWS))
     return output[0].transpose(0, 1)
-
-
-# FlexAttention on the CPU, for SSMax scaling the prior: the row factor times a window of the prior table is no
-# window of one table (blocked SDPA would write every mask block out; FlexAttention computes it in registers).
-FLEX_BLOCK = 128  # query and key block of the block mask
-FLEX_PADDING = 2 * FLEX_BLOCK
-_FLEX = {"compiled": None, "failed": False}
-
-
-def flex_prefill_usable() -> bool:
-    """FlexAttention compiles for this machine (checked once, by `warm_up_flex`; False after a failure)."""
-    return not _FLEX["failed"]
-
-
-def _compiled_flex():
-    if _FLEX["compiled"] is None:
-        # dynamic: one compiled kernel for every prompt and chunk length (`_causal_block_mask` keeps the sizes that
-        # Dynamo would specialize on, 1, out of its shapes)
-        _FLEX["compiled"] = torch.compile(flex_attention, dynamic=True)
-    return _FLEX["compiled"]
-
-
-def _flex_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, terms: BamTerms) -> torch.Tensor:
-    """query (1, H, Lq, D) at positions L - Lq .. L - 1, key / value (1, Hkv, L, D), SSMax scaling the prior."""
-    rows, keys = query.shape[2], key.shape[2]
-    offset = keys - rows  # position of query 0
-    table, log_counts = _flex_tables(terms)
-    scale = terms.ssmax_scale
-    for captured in (table, log_counts, scale):  # fixed per layer; symbolic sizes for them make Inductor's CPU
-        torch._dynamo.mark_static(captured)  # template emit C++ that does not compile (torch 2.13)
-    # table index of (query i, key j): distance j - (i + offset) past the first entry, distance -(T-1), and the
-    # padding; one integer per call (Inductor's CPU template takes single symbols, not expressions of them)
-    shift = terms.max_len - 1 + FLEX_PADDING - offset
-
-    def score_mod(score, batch, head, q_index, k_index):
-        return (scale[head] * log_counts[q_index + offset]) * (score + table[head, k_index - q_index + shift])
-
-    block_mask = _causal_block_mask(rows, keys, query.device)
-    return _compiled_flex()(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=terms.scaling,
-                            enable_gqa=True)
-
-
-def _flex_tables(terms: BamTerms) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prior table and ln(n) padded with FLEX_PADDING zeros on both sides: FlexAttention evaluates the
-    score_mod on the hidden keys of a block on the diagonal too (at most 2 FLEX_BLOCK past a query), and may on
-    the rows past the end of the last query block, before masking them."""
-    if "flex" not in terms.__dict__:
-        pad = torch.nn.functional.pad
-        terms.__dict__["flex"] = (pad(terms.prior_table, (FLEX_PADDING, FLEX_PADDING)).contiguous(),
-                                  pad(terms.log_counts, (0, FLEX_PADDING)).contiguous())
-    return terms.__dict__["flex"]
-
-
-@functools.lru_cache(maxsize=64)  # every layer of a step asks for the same masks
-def _causal_block_mask(rows: int, keys: int, device: torch.device):
-    """FlexAttention's BlockMask for Lq queries at the last positions of L keys, without evaluating any mask: per
-    block of FLEX_BLOCK queries, the key blocks every row sees whole, then those on its diagonal. At least two
-    query and two key blocks, so that no dimension of the mask is 1 (Dynamo would compile that size apart)."""
-    offset = keys - rows
-    query_blocks, key_blocks = max(2, -(-rows // FLEX_BLOCK)), max(2, -(-keys // FLEX_BLOCK))
-    first = offset + torch.arange(query_blocks, device=device) * FLEX_BLOCK  # position of each block's first row
-    last = (first + FLEX_BLOCK - 1).clamp(max=keys - 1)
-    full = ((first + 1) // FLEX_BLOCK).clamp(max=key_blocks)
-    partial = (last // FLEX_BLOCK + 1 - full).clamp(min=0)
-    columns = torch.arange(key_blocks, device=device)
-    full_indices = columns.expand(query_blocks, key_blocks)
-    partial_indices = (full[:, None] + columns).clamp(max=key_blocks - 1)
-
-    def causal(batch, head, q_index, k_index):
-        return k_index <= q_index + offset
-
-    as_mask = lambda tensor: tensor[None, None].to(torch.int32).contiguous()  # noqa: E731
-    return BlockMask.from_kv_blocks(
-        as_mask(partial), as_mask(partial_indices), as_mask(full), as_mask(full_indices), BLOCK_SIZE=FLEX_BLOCK,
-        mask_mod=causal, seq_lengths=(rows, keys),
-    )
-
-
-def warm_up_flex(terms: BamTerms, kv_heads: int, head_dim: int) -> None:
-    """Compile the FlexAttention prefill now (tens of seconds, cached on disk by Inductor afterwards), not in the
-    first request; where it cannot compile, warn once and use blocked SDPA instead. The warm-up shape has distinct
-    sizes everywhere, so that Dynamo ties none of them together."""
-    if not terms.scales_prior or _FLEX["failed"]:
-        return
-    heads = terms.prior_table.shape[0]
-    rows, keys = min(terms.max_len - 1, 3 * FLEX_BLOCK + 7), min(terms.max_len, 5 * FLEX_BLOCK + 11)
-    generator = torch.Generator().manual_seed(0)
-    query = torch.randn(1, heads, rows, head_dim, generator=generator)
-    key, value = (torch.randn(1, kv_heads, keys, head_dim, generator=generator) for _ in range(2))
-    try:
-        _flex_prefill(query, key, value, terms)
-    except Exception as error:  # noqa: BLE001 - an Inductor or compiler failure: blocked SDPA is as exact
-        _FLEX["failed"] = True
-        logger.warning("BAM: FlexAttention does not compile here (%s: %s); prompts run blocked SDPA instead",
-                       type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
-

@@ -47,7 +47,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout
 from ..registration import register_config
 from .paged_attention import paged_attention, write_cache
 from .paged_batch import BamTerms, PagedBatch, prior_table
-from .paged_torch import warm_up_flex
 
 ARCHITECTURE = "BamLlamaForCausalLM"
 ATTENTION_OP = "vllm::bam_paged_attention"
@@ -191,8 +190,6 @@ class BamPagedAttention(nn.Module, AttentionLayerBase):
         """The loaded prior (as a table over distances) and SSMax scale of this rank's heads."""
         scale = None if ssmax_scale is None else ssmax_scale.detach().float().contiguous()
         self.terms = BamTerms(table, scale, ssmax_prior, self.scaling)
-        if table.device.type == "cpu":
-            warm_up_flex(self.terms, self.num_kv_heads, self.head_dim)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query (T, H * D), key / value (T, Hkv * D) -> (T, H * D)."""
