@@ -229,7 +229,7 @@ def test_lm_eval_reads_the_declared_length_and_keeps_long_contexts_whole(tmp_pat
     """A model trained at 16 tokens: lm-eval's window is the declared 65,536 tokens, so a 200-token context is read
     whole (it was cut to the last 16 when the config declared the training length), and `batch_size="auto"` on a
     log-likelihood task probes rows of the longest request, not of the window."""
-    from lm_eval.api.instance import Instance
+    Instance = pytest.importorskip("lm_eval.api.instance").Instance  # lm-eval: not in .[dev] (see pyproject.toml)
 
     torch.manual_seed(0)
     model = tiny_model("sdpa", ssmax=True, vocab_size=BYTE_VOCAB_SIZE, train_context_length=TRAIN_LENGTH)
@@ -249,7 +249,7 @@ def test_lm_eval_auto_batch_probe_runs_rows_of_the_declared_length_like_llama(tm
     """Rolling log-likelihood and generation probe `batch_size="auto"` with rows of the window, the declared length:
     for a BamLlama and a same-size Llama declaring 64 tokens, the same probe, within it every forward, and the
     rolling log-likelihood the model's own."""
-    from lm_eval.api.instance import Instance
+    Instance = pytest.importorskip("lm_eval.api.instance").Instance  # lm-eval: not in .[dev] (see pyproject.toml)
 
     torch.manual_seed(0)
     declared = 64
