@@ -7,7 +7,8 @@ by default BAM, BAM + SSMax, ALiBi, NoPE, RoPE and RoPE local (RoPE with a slidi
 `bam-ssmax-init`, `bam-ssmax-lr10x`, `bam-ssmax-lr50x`, `bam-ssmax-long`) and the recipe study's, each changing one
 thing of `bam` (`bam-long`: twice the steps; `bam-prior-lr`: the prior's learning rate 5e-2, bam-demo's, against
 the weights' 1e-3 that `--prior-lr` otherwise gives it; `bam-frozen-prior`: the prior `bam-prior-lr` of the same
-seed learned, frozen, the weights trained from scratch, a diagnostic of prior against content; `bam-wide`: hidden
+seed learned, frozen, the weights trained from scratch (`bam-pretrain --frozen-prior-from` its saved model), a
+diagnostic of prior against content; `bam-wide`: hidden
 192 at the same training FLOPs, 1056 steps). The data is the no-download
 Python corpus (`bam_llama.data.corpus`: language reference + standard library sources, split by file) with synthetic
 passkey documents (the prompt `bam-demo` trains on, answer included) and needle documents (the four tasks of
@@ -481,11 +482,10 @@ def perplexity_documents(heldout: list[Document], tokenizer, recipe: Recipe,
 # ------------------------------------------------------------------------------------------------- models
 
 
-def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe, frozen_prior: dict | None = None):
+def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe, frozen_prior: str | None = None):
     """(saved folder, training summary with the learned prior and SSMax scales). `frozen_prior`: bam-frozen-prior's
-    prior, theta_alpha and theta_beta per layer and head."""
+    prior, the saved BamLlama folder bam-pretrain takes it from (`--frozen-prior-from`)."""
     from bam_llama.training.pretrain import PretrainArguments, run_pretraining
-    from bam_llama.training.run import run_training
 
     variant = MODELS[name]
     fields = dict(
@@ -498,55 +498,16 @@ def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe
         logging_steps=max(recipe.steps // 10, 1), seed=recipe.seed, disable_progress_bars=True, eval_rows=8,
         **({"prior_scope": recipe.prior_scope} if POSITIONAL_VARIANTS[variant.positional].is_bam_llama else {}),
     )
-    args = PretrainArguments(**{**fields, **variant.pretrain_overrides(recipe)})
     if variant.frozen_prior and frozen_prior is None:
         raise ValueError(f"{name} needs the prior it freezes ({FROZEN_PRIOR_SOURCE}'s learned one)")
-    started = time.perf_counter()
     if variant.frozen_prior:
-        summary, model, _ = run_training(frozen_prior_pretraining(args, frozen_prior))
-    else:
-        summary, model, _ = run_pretraining(args)
+        fields["frozen_prior_from"] = str(frozen_prior)
+    args = PretrainArguments(**{**fields, **variant.pretrain_overrides(recipe)})
+    started = time.perf_counter()
+    summary, model, _ = run_pretraining(args)
     return Path(summary.final_dir), {
         **asdict(summary), "train_seconds": time.perf_counter() - started, "learned": learned_parameters(model),
     }
-
-
-def frozen_prior_pretraining(args, prior: dict):
-    """bam-pretrain's command whose fresh model gets `prior` (theta_alpha and theta_beta per layer and head) as a
-    frozen prior (`freeze_prior`) before training: the weights train, the prior stays."""
-    from bam_llama.training.pretrain import Pretraining
-
-    class FrozenPriorPretraining(Pretraining):
-        def build_model(self, data):
-            model = super().build_model(data)
-            freeze_prior(model, prior)
-            self.parameters = sum(parameter.numel() for parameter in model.parameters())
-            return model
-
-    return FrozenPriorPretraining(args)
-
-
-def freeze_prior(model, prior: dict) -> None:
-    """Set a BamLlama's prior to `prior` ([layer][head] lists of theta_alpha and theta_beta) and freeze it: the
-    config says so (`train_theta_alpha` / `train_theta_beta` False, saved with the model), and the tensors become
-    buffers no optimizer sees (`apply_prior_trainability`)."""
-    import torch
-
-    config, layers = model.config, model.model.layers
-    config.train_theta_alpha = config.train_theta_beta = False
-    model.apply_prior_trainability()
-    values = {}
-    for name in ("theta_alpha", "theta_beta"):
-        rows = prior[name]
-        if len(rows) != len(layers) or any(len(row) != config.num_attention_heads for row in rows):
-            raise ValueError(f"the frozen prior's {name} is {len(rows)} layers x {[len(row) for row in rows]} heads; "
-                             f"the model has {len(layers)} x {config.num_attention_heads}")
-        for layer, row in zip(layers, rows):
-            module = getattr(layer.self_attn, "prior", None) or model.model.prior  # a global prior: one for all
-            if values.setdefault((id(module), name), row) != row:
-                raise ValueError("a global prior cannot take a prior that differs between layers")
-            with torch.no_grad():
-                getattr(module, name).copy_(torch.tensor(row, dtype=torch.float32))
 
 
 def learned_parameters(model) -> dict:
@@ -1193,31 +1154,33 @@ class ModelJob:
     seed: int
     data: SeedData
     recipe: Recipe  # the run's, for this seed (`Recipe.for_seed`)
-    frozen_prior: dict | None = None  # theta_alpha and theta_beta [layer][head]
-    frozen_prior_from: str | None = None  # where they come from
+    frozen_prior: str | None = None  # the saved BamLlama folder whose prior it freezes
+    frozen_prior_from: str | None = None  # where that prior comes from
 
     @property
     def ready(self) -> bool:
         """Whether it can start: all but bam-frozen-prior at once, that one once its prior is known."""
         return not MODELS[self.name].frozen_prior or self.frozen_prior is not None
 
-    def with_prior_of(self, entry: str, summary: dict) -> ModelJob:
-        """This job with the prior learned by `entry` (its training summary) to freeze."""
-        learned = summary["learned"]
-        return replace(self, frozen_prior={name: learned[name] for name in ("theta_alpha", "theta_beta")},
-                       frozen_prior_from=entry)
+    def with_prior(self, folder: str | Path, entry: str) -> ModelJob:
+        """This job with the prior of the saved model `folder` (learned by `entry`) to freeze."""
+        return replace(self, frozen_prior=str(folder), frozen_prior_from=entry)
 
 
-def frozen_prior_source(folder: Path, seed: int) -> tuple[dict, str]:
+def frozen_prior_source(folder: Path, seed: int, recipe: Recipe) -> tuple[Path | dict, str]:
     """(prior, where from) for bam-frozen-prior from --frozen-prior-from: a saved BamLlama (config.json), whose
-    prior every seed takes, or the output folder of an earlier run of this benchmark (results.json), whose
-    bam-prior-lr of the same seed gives its learned prior. A ValueError where neither holds one."""
+    prior every seed takes (the folder itself), or the output folder of an earlier run of this benchmark
+    (results.json), whose bam-prior-lr of the same seed gives its learned prior (theta_alpha and theta_beta
+    [layer][head]; `prior_folder` saves it for bam-pretrain). A ValueError where neither holds one that fits."""
     if (folder / "config.json").is_file():
-        from transformers import AutoModelForCausalLM
+        from bam_llama.training.frozen_prior import check_prior_source
 
-        learned = learned_parameters(AutoModelForCausalLM.from_pretrained(folder))
-        where = str(folder)
-    elif (folder / "results.json").is_file():
+        try:
+            check_prior_source(str(folder), recipe.layers, recipe.heads, recipe.prior_scope)
+        except ValueError as error:
+            raise ValueError(f"--frozen-prior-from {error}") from None
+        return folder, str(folder)
+    if (folder / "results.json").is_file():
         report = json.loads((folder / "results.json").read_text())
         entry = entry_name(FROZEN_PRIOR_SOURCE, seed, recorded_seeds(report["recipe"]))
         if seed not in recorded_seeds(report["recipe"]) or entry not in report["training"]:
@@ -1231,6 +1194,30 @@ def frozen_prior_source(folder: Path, seed: int) -> tuple[dict, str]:
     return {name: learned[name] for name in ("theta_alpha", "theta_beta")}, where
 
 
+def prior_folder(prior: Path | dict, recipe: Recipe, folder: Path) -> Path:
+    """A folder `bam-pretrain --frozen-prior-from` reads `prior` from: a saved model's own, or learned lists
+    (theta_alpha and theta_beta [layer][head], as results.json keeps them; theta_mu 0, bam's frozen value) written
+    to `folder` as a BamLlama config of the recipe's layers, heads and prior scope with the prior tensors alone."""
+    if isinstance(prior, Path):
+        return prior
+    import torch
+    from safetensors.torch import save_file
+
+    from bam_llama import BamLlamaConfig
+
+    BamLlamaConfig(hidden_size=recipe.hidden_size, num_hidden_layers=recipe.layers, num_attention_heads=recipe.heads,
+                   prior_scope=recipe.prior_scope).save_pretrained(folder)
+    modules = ["model.prior"] if recipe.prior_scope == "global" else [
+        f"model.layers.{layer}.self_attn.prior" for layer in range(recipe.layers)]
+    tensors = {}
+    for layer, module in enumerate(modules):  # a global prior: the first layer's row, the same in every layer
+        for name in ("theta_alpha", "theta_beta"):
+            tensors[f"{module}.{name}"] = torch.tensor(prior[name][layer], dtype=torch.float32)
+        tensors[f"{module}.theta_mu"] = torch.zeros(recipe.heads)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
 def check_frozen_prior_source(recipe: Recipe) -> None:
     """bam-frozen-prior needs a prior to freeze: --frozen-prior-from's for every seed, or bam-prior-lr in the same
     run. A ValueError otherwise."""
@@ -1238,7 +1225,7 @@ def check_frozen_prior_source(recipe: Recipe) -> None:
         return
     if recipe.frozen_prior_from is not None:
         for seed in recipe.seeds:
-            frozen_prior_source(Path(recipe.frozen_prior_from), seed)
+            frozen_prior_source(Path(recipe.frozen_prior_from), seed, recipe.for_seed(seed))
     elif FROZEN_PRIOR_SOURCE not in recipe.models:
         raise ValueError(f"--models bam-frozen-prior freezes the prior {FROZEN_PRIOR_SOURCE} learned: add "
                          f"{FROZEN_PRIOR_SOURCE} to --models (trained first, same seed), or give --frozen-prior-from "
@@ -1329,11 +1316,13 @@ def model_jobs(recipe: Recipe, data: dict[int, SeedData], kept: dict, training: 
                 continue
             job = ModelJob(name, seed, data[seed], recipe.for_seed(seed))
             source = entry_name(FROZEN_PRIOR_SOURCE, seed, recipe.seeds)
+            saved = data[seed].work / "frozen-prior"  # where a prior known only as lists is saved for bam-pretrain
             if MODELS[name].frozen_prior and recipe.frozen_prior_from is not None:
-                prior, where = frozen_prior_source(Path(recipe.frozen_prior_from), seed)
-                job = replace(job, frozen_prior=prior, frozen_prior_from=where)
-            elif MODELS[name].frozen_prior and source in training:
-                job = job.with_prior_of(source, training[source])
+                prior, where = frozen_prior_source(Path(recipe.frozen_prior_from), seed, job.recipe)
+                job = job.with_prior(prior_folder(prior, job.recipe, saved), where)
+            elif MODELS[name].frozen_prior and source in training:  # bam-prior-lr kept: its model is gone, its prior not
+                learned = training[source]["learned"]
+                job = job.with_prior(prior_folder(learned, job.recipe, saved), source)
             jobs.append(job)
     return jobs
 
@@ -1379,7 +1368,7 @@ def trained_models(jobs: list[ModelJob], recipe: Recipe):
             source, summary = done[0], done[1]
             for index, job in enumerate(waiting):
                 if MODELS[job.name].frozen_prior and job.frozen_prior is None and job.seed == source.seed:
-                    waiting[index] = job.with_prior_of(entry_name(source.name, source.seed, recipe.seeds), summary)
+                    waiting[index] = job.with_prior(summary["final_dir"], entry_name(source.name, source.seed, recipe.seeds))
         ready = [job for job in waiting if job.ready]
         for job in ready:
             waiting.remove(job)

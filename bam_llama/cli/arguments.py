@@ -8,6 +8,7 @@ import os
 
 from ..evaluation.depth_plan import DepthPlan
 from ..outputs import exit_on_sigterm
+from ..training.arguments import saved_bam_llama_config
 from .reporting import run_reported
 
 
@@ -99,6 +100,15 @@ def depth_plan(text: str):
             )
         by_length[lengths[0]] = positive_int(count)
     return DepthPlan(positive_int(default), by_length)
+
+
+def bam_llama_folder(text: str) -> str:
+    """A saved BamLlama folder, judged by its config.json (`saved_bam_llama_config`; no weights read)."""
+    try:
+        saved_bam_llama_config(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def device_name(text: str) -> str:

@@ -19,6 +19,7 @@ from .arguments import (
     add_parallel_arguments,
     add_run_arguments,
     add_trainer_arguments,
+    bam_llama_folder,
     positive_float,
     positive_int,
     run_training,
@@ -53,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prior-scope", choices=PRIOR_SCOPES, default=defaults.prior_scope,
                         help="global: one prior per head shared by all layers (the reference's default); layer: one per "
                         "layer and head (the paper's parameter count). BamLlama models only")
+    parser.add_argument("--frozen-prior-from", metavar="MODEL", type=bam_llama_folder, default=None,
+                        help="the second stage of two: the fresh model takes the prior of MODEL (a saved BamLlama "
+                        "folder, e.g. a first run's model/ or checkpoint-N/ with the same layers, heads and "
+                        "--prior-scope) and trains with it frozen; --positional bam only. See docs/pretraining.md")
     parser.add_argument("--rope-theta", type=positive_float, default=None,
                         help=f"RoPE base with --positional rope / rope-local (default {REFERENCE_ROPE_THETA:g}: the reference's RoPE "
                         "baselines; Transformers' Llama default is 10000)")

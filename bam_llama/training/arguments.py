@@ -7,6 +7,8 @@ Light on purpose (standard library only): the commands read the defaults here fo
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 # hidden size, layers, heads of the paper's models (the reference code's presets); SwiGLU width 2x hidden.
 PRESETS = {
@@ -109,6 +111,7 @@ class PretrainArguments(TrainingRunArguments):
     ssmax_scale_init: float | None = None  # --ssmax only; None: the config's default (1.0)
     ssmax_learning_rate: float | None = None  # --ssmax only; None: the prior's learning rate
     prior_scope: str = "global"
+    frozen_prior_from: str | None = None  # bam only: a saved BamLlama whose prior the fresh model takes, frozen
     rope_theta: float | None = None  # RoPE only; None: REFERENCE_ROPE_THETA
     preset: str | None = None
     hidden_size: int | None = None
@@ -148,3 +151,19 @@ class PretrainArguments(TrainingRunArguments):
             "num_key_value_heads": self.num_key_value_heads or heads,
             "intermediate_size": self.intermediate_size or 2 * hidden,
         }
+
+
+def saved_bam_llama_config(folder: str) -> dict:
+    """The config.json of a saved BamLlama folder (a `bam-pretrain` model/ or checkpoint-N/ folder, a converted
+    model): a ValueError naming what is wrong where it is not one. Reads no weights."""
+    path = Path(folder).expanduser() / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder}: not a saved model folder (no config.json there)")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable config ({error})") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type != "bam_llama":
+        raise ValueError(f"{folder}: not a BamLlama folder (its config's model_type is {model_type!r}, not 'bam_llama')")
+    return config

@@ -7,7 +7,8 @@ same run as `bam-finetune` (`training.run`), with one recipe for every positiona
 
 * `bam`: BamLlama with the paper's init (uniform prior: theta_alpha = theta_beta = 0), alpha and beta trained,
   mu frozen; `--ssmax` adds Scalable Softmax (its order, scale's init and learning rate: `--ssmax-prior` /
-  `--no-ssmax-prior`, `--ssmax-scale-init`, `--ssmax-learning-rate`);
+  `--no-ssmax-prior`, `--ssmax-scale-init`, `--ssmax-learning-rate`); `--frozen-prior-from MODEL` gives it the
+  prior MODEL learned instead, frozen (`training.frozen_prior`: the second stage of two);
 * `alibi`: BamLlama with the prior fixed to ALiBi's slopes (theta_alpha = log slope, theta_beta = 1, frozen);
 * `nope`: BamLlama with a flat prior, fixed (theta_beta = 0: the same bias at every distance, so no position);
 * `rope`: Transformers' `LlamaForCausalLM` of the same sizes (RoPE base 500,000 as in the reference's baselines);
@@ -41,6 +42,7 @@ from ..outputs import staged_output_dir
 from ..positional_models import variant_config, variant_model
 from ..positional_variants import POSITIONAL_VARIANTS
 from .arguments import PRESETS, REFERENCE_ROPE_THETA, PretrainArguments
+from .frozen_prior import FROZEN_PRIOR, check_prior_source, set_frozen_prior
 from .lock import OutputDirHold
 from .run import TrainingCommand, TrainingData, packed_training_data, run_training
 from .summary import TrainingSummary, format_rows, training_rows
@@ -90,6 +92,13 @@ def check_arguments(args: PretrainArguments) -> None:
     if args.tokenizer == "bpe" and args.vocab_size < SMALLEST_BPE_VOCABULARY:
         raise ValueError(f"--vocab-size {args.vocab_size}: a BPE needs at least {SMALLEST_BPE_VOCABULARY} tokens (3 special + 256 bytes)")
     check_report_to(args.report_to)
+    if args.frozen_prior_from is not None:
+        if args.positional != "bam":
+            raise ValueError(f"--frozen-prior-from gives a BAM model its prior: --positional must be bam, got {args.positional}")
+        try:
+            check_prior_source(args.frozen_prior_from, sizes["num_hidden_layers"], heads, args.prior_scope)
+        except ValueError as error:
+            raise ValueError(f"--frozen-prior-from {error}") from None
 
 
 def check_tokenizer_choice(choice: str) -> None:
@@ -129,11 +138,13 @@ class PretrainSummary(TrainingSummary):
     parameters: int
     tokenizer: str
     vocab_size: int
+    frozen_prior_from: str | None  # the saved model whose prior this one took, frozen
 
     def format_table(self) -> str:
         rows = [
             ("model", f"{self.positional}{' + SSMax' if self.ssmax else ''}, {self.parameters:,} parameters, "
              + ", ".join(f"{name} {value}" for name, value in self.sizes.items())),
+            *([("prior", f"frozen, from {self.frozen_prior_from}")] if self.frozen_prior_from else []),
             ("tokenizer", f"{self.tokenizer} ({self.vocab_size} tokens)"),
             ("context length", str(self.context_length)),
             *training_rows(self),
@@ -184,6 +195,8 @@ def build_config(args: PretrainArguments, vocab_size: int, token_ids: dict[str, 
         ssmax = {name: value for name, value in (("ssmax_prior", args.ssmax_prior), ("ssmax_scale_init", args.ssmax_scale_init))
                  if value is not None}
         fields.update(ssmax=args.ssmax, prior_scope=args.prior_scope, **ssmax)
+        if args.frozen_prior_from is not None:
+            fields.update(FROZEN_PRIOR)
     else:
         rope = {"rope_type": "default", "rope_theta": args.rope_theta or REFERENCE_ROPE_THETA}
         fields.update(max_position_embeddings=args.context_length, rope_parameters=rope)
@@ -194,6 +207,8 @@ def build_model(args: PretrainArguments, config: PretrainedConfig) -> PreTrained
     """In float32, with the asked attention (Transformers' models: sdpa by default)."""
     default_attention = None if POSITIONAL_VARIANTS[args.positional].is_bam_llama else "sdpa"
     model = variant_model(config, attn_implementation=args.attn_implementation or default_attention, dtype=torch.float32)
+    if args.frozen_prior_from is not None:
+        set_frozen_prior(model, args.frozen_prior_from)
     model.config.use_cache = False  # no cache while training; restored before saving
     return model
 
@@ -273,7 +288,7 @@ class Pretraining(TrainingCommand):
                        reads_weights: bool) -> dict:
         args = self.args
         return dict(positional=args.positional, ssmax=args.ssmax, sizes=args.model_sizes(), parameters=self.parameters,
-                    tokenizer=args.tokenizer, vocab_size=len(data.tokenizer))
+                    tokenizer=args.tokenizer, vocab_size=len(data.tokenizer), frozen_prior_from=args.frozen_prior_from)
 
 
 def pretrain(args: PretrainArguments) -> PretrainSummary:

@@ -581,7 +581,7 @@ def test_the_frozen_prior_is_the_source_s_learned_prior_and_does_not_train(tmp_p
     assert any(value != 0 for rows in prior.values() for row in rows for value in row)  # trained away from uniform
     with pytest.raises(ValueError, match="needs the prior it freezes"):
         benchmark.train("bam-frozen-prior", data, tokenizer, tmp_path, recipe)
-    folder, frozen = benchmark.train("bam-frozen-prior", data, tokenizer, tmp_path, recipe, frozen_prior=prior)
+    folder, frozen = benchmark.train("bam-frozen-prior", data, tokenizer, tmp_path, recipe, frozen_prior=source_folder)
     assert {name: frozen["learned"][name] for name in prior} == prior  # exactly, after 3 steps of training
     assert frozen["loss_after"] != frozen["loss_before"]  # the weights trained
     assert not any("prior" in name for name in optimizer_rates[-1]) and "lm_head.weight" in optimizer_rates[-1]
@@ -590,10 +590,16 @@ def test_the_frozen_prior_is_the_source_s_learned_prior_and_does_not_train(tmp_p
     for index, layer in enumerate(saved.model.layers):
         for name, rows in prior.items():
             assert torch.equal(getattr(layer.self_attn.prior, name), torch.tensor(rows[index]))
-    assert benchmark.frozen_prior_source(source_folder, 7) == (prior, str(source_folder))  # --frozen-prior-from a model
-    with pytest.raises(ValueError, match="2 layers"):
+    assert benchmark.frozen_prior_source(source_folder, 7, recipe) == (source_folder, str(source_folder))  # a model
+    with pytest.raises(ValueError, match="layers 2, the model to train has 3"):
+        benchmark.frozen_prior_source(source_folder, 7, replace(recipe, layers=3))
+    with pytest.raises(ValueError, match="layers 2, the model to train has 3"):
         benchmark.train("bam-frozen-prior", data, tokenizer, tmp_path / "three", replace(recipe, layers=3),
-                        frozen_prior=prior)
+                        frozen_prior=source_folder)
+    # a prior results.json keeps (lists), saved for bam-pretrain: the same model as from the source's own folder
+    saved = benchmark.prior_folder(prior, recipe, tmp_path / "from-lists")
+    _, again = benchmark.train("bam-frozen-prior", data, tokenizer, tmp_path / "again", recipe, frozen_prior=saved)
+    assert again["learned"] == frozen["learned"] and again["loss_after"] == frozen["loss_after"]
 
 
 def test_seeds_give_an_entry_per_model_and_seed_and_their_mean(tmp_path):
@@ -640,11 +646,11 @@ def test_seeds_give_an_entry_per_model_and_seed_and_their_mean(tmp_path):
     assert re.search(r"^- BAM's best variant: bam-[a-z-]+$", text, re.MULTILINE)  # a model's mean, not one seed's
     assert (output / "passkey-nope-seed-1.png").stat().st_size > 0
     benchmark = load_benchmark()
-    prior, where = benchmark.frozen_prior_source(output, 1)  # --frozen-prior-from the run's folder
+    prior, where = benchmark.frozen_prior_source(output, 1, benchmark.QUICK)  # --frozen-prior-from the run's folder
     assert prior == {name: training["bam-prior-lr/seed-1"]["learned"][name] for name in ("theta_alpha", "theta_beta")}
     assert where == f"bam-prior-lr/seed-1 of {output}"
     with pytest.raises(ValueError, match="no bam-prior-lr of seed 2"):
-        benchmark.frozen_prior_source(output, 2)
+        benchmark.frozen_prior_source(output, 2, benchmark.QUICK)
 
 
 def test_the_targets_judge_the_mean_of_the_seeds():
@@ -731,7 +737,7 @@ def test_one_at_a_time_bam_frozen_prior_waits_for_the_prior_of_its_seed(monkeypa
     def fake(job):  # a learned prior that names its seed
         started.append((job.name, job.seed, job.frozen_prior, job.frozen_prior_from))
         learned = {"theta_alpha": [[job.seed]], "theta_beta": [[-job.seed]]}
-        return job, {"learned": learned}, {}
+        return job, {"learned": learned, "final_dir": f"{job.name}-of-seed-{job.seed}/model"}, {}
 
     monkeypatch.setattr(benchmark, "train_and_evaluate", fake)
     jobs = [benchmark.ModelJob(name, seed, None, recipe.for_seed(seed)) for seed in recipe.seeds for name in recipe.models]
@@ -739,4 +745,4 @@ def test_one_at_a_time_bam_frozen_prior_waits_for_the_prior_of_its_seed(monkeypa
     assert finished == [("bam-prior-lr", 0), ("nope", 0), ("bam-prior-lr", 1), ("nope", 1),
                         ("bam-frozen-prior", 0), ("bam-frozen-prior", 1)]
     frozen = {seed: (prior, where) for name, seed, prior, where in started if name == "bam-frozen-prior"}
-    assert frozen == {seed: ({"theta_alpha": [[seed]], "theta_beta": [[-seed]]}, f"bam-prior-lr/seed-{seed}") for seed in (0, 1)}
+    assert frozen == {seed: (f"bam-prior-lr-of-seed-{seed}/model", f"bam-prior-lr/seed-{seed}") for seed in (0, 1)}
