@@ -75,10 +75,10 @@ rerun the same command with --resume after a stop):
         --models bam-prior-lr,bam-long,bam-frozen-prior,bam,bam-wide --output-dir benchmarks/results/recipe-study/needles
     python benchmarks/text_extrapolation.py --jobs 2 --threads 1 --long-scales none --recipe passkey \
         --models bam-prior-lr,bam-long,bam-frozen-prior,bam,bam-wide --output-dir benchmarks/results/recipe-study/passkey
-    # the result: the recipe the study picks, as flags for every model (e.g. --recipe passkey --prior-lr 5e-2;
-    # bam-long's: --steps 4000; bam-wide's: --hidden-size 192 --steps 1056), 3 seeds, to 512x
-    python benchmarks/text_extrapolation.py --jobs 2 --threads 1 --seeds 0,1,2 --models bam,bam-ssmax,alibi \
-        --recipe passkey --prior-lr 5e-2
+    # the result, with the recipe the study picked (benchmarks/results/recipe-study.md: the prior learned at 5e-2,
+    # then frozen on a fresh model, 49/50 at 64x for seed 0), 3 seeds, to 512x beside BAM + SSMax and ALiBi
+    python benchmarks/text_extrapolation.py --jobs 2 --threads 1 --seeds 0,1,2 --recipe passkey --prior-lr 5e-2 \
+        --models bam-prior-lr,bam-frozen-prior,bam-ssmax,alibi --long-models bam-frozen-prior,bam-ssmax,alibi
 
 Their cost, in 1-thread minutes a model, from the last run (training 15.7-16.5 min at 2000 steps, two models at a
 time; evaluation 42 min for bam and 60 for bam-ssmax, 1.4x) and the evaluation's cost above: training 16 (bam-long
@@ -89,9 +89,9 @@ minute (the BPE). So:
 
 * the study: 136 model-minutes with needles, 121 with --recipe passkey; two at a time, bam-frozen-prior waiting for
   bam-prior-lr (the order above starts the longest first), about 72 and 63 min: 2.3 hours for both;
-* the result: per seed 286 model-minutes with --recipe passkey (bam and ALiBi 86 each, bam-ssmax 114), 368 with
-  needles (110, 110, 148); three seeds two at a time about 7.2 hours (passkey) or 9.2 hours (needles); --steps 4000
-  adds 1.2 hours.
+* the result as above: per seed about 307 model-minutes (bam-prior-lr 21 to 64x only, bam-frozen-prior and ALiBi 86
+  each, bam-ssmax 114), bam-frozen-prior waiting for its seed's bam-prior-lr; three seeds two at a time about 7.7
+  hours.
 """
 
 from __future__ import annotations
