@@ -102,13 +102,22 @@ def depth_plan(text: str):
     return DepthPlan(positive_int(default), by_length)
 
 
-def bam_llama_folder(text: str) -> str:
-    """A saved BamLlama folder, judged by its config.json (`saved_bam_llama_config`; no weights read)."""
-    try:
-        saved_bam_llama_config(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
+def checked_by(check):
+    """An argparse `type=` that runs `check(text)` (which raises ValueError naming the problem) and passes the text
+    on as written."""
+
+    def checked(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return text
+
+    return checked
+
+
+# A saved BamLlama folder, judged by its config.json (no weights read).
+bam_llama_folder = checked_by(saved_bam_llama_config)
 
 
 def device_name(text: str) -> str:

@@ -22,6 +22,7 @@ from ..conversion.options import (
 )
 from ..outputs import exit_on_sigterm
 from ..positional_variants import PRIOR_INITS, describe_prior_inits
+from .arguments import checked_by
 from .reporting import run_reported
 
 
@@ -45,13 +46,8 @@ def add_output_options(parser: argparse.ArgumentParser, with_dtype: bool = True)
         )
 
 
-def shard_size(text: str) -> str:
-    """A size `parse_size` reads (checked before anything runs), passed on as written."""
-    try:
-        parse_size(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
+# A size `parse_size` reads (checked before anything runs), passed on as written.
+shard_size = checked_by(parse_size)
 
 
 def build_parser() -> argparse.ArgumentParser:
