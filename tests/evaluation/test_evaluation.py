@@ -1,5 +1,6 @@
 import json
 import os
+from contextlib import contextmanager
 import re
 import subprocess
 from pathlib import Path
@@ -24,7 +25,7 @@ from bam_llama.evaluation.passkey import (
 )
 from bam_llama.evaluation.perplexity import PerplexityResults, evaluate_perplexity
 from bam_llama.evaluation.plots import find_priors, plot_prior, prior_curves
-from bam_llama.evaluation.costs import measured
+from bam_llama.evaluation.costs import Cost, measured
 from bam_llama.evaluation.results import load_results
 from bam_llama.evaluation.retrieval import DepthPlan
 
@@ -701,6 +702,38 @@ def test_a_depth_plan_gives_some_lengths_fewer_depths_and_the_same_keys(tokenize
     assert "| Length | Prompt tokens | Depths | Strict (%) | 95% interval | Seconds | Peak RSS (MiB) | Found by depth |" in table
     assert f"| 400 | {uniform.prompt_lengths[1]} | 2 | 100.0 |" in table and table.count("✓✓✓✓✓") == 2
     assert PasskeyResults.from_dict(json.loads(json.dumps(planned.to_dict()))) == planned
+
+
+def test_each_length_records_its_own_longest_prompt_and_cost_in_the_order_asked(tokenizer, monkeypatch):
+    """Per length, in the order the lengths were asked (not sorted): the longest prompt the model was given, BOS
+    included, and the seconds and peak memory of the block that ran that length's prompts, not another's."""
+    blocks, fed = [], []  # fed: (block number, prompt length) of every prompt the model is given
+    answer = fake_continuation(tokenizer, lambda key: key)
+
+    def continuation(model, prompt_ids, max_new_tokens, chunk_size):
+        fed.append((len(blocks), len(prompt_ids)))
+        return answer(model, prompt_ids, max_new_tokens, chunk_size)
+
+    @contextmanager
+    def numbered_block(device=None):
+        cost = Cost()
+        blocks.append(cost)
+        number = len(blocks)
+        yield cost
+        cost.seconds, cost.peak_rss_mib = float(number), 100.0 * number
+
+    monkeypatch.setattr(retrieval, "greedy_continuation", continuation)
+    monkeypatch.setattr(retrieval, "measured", numbered_block)
+    lengths = [600, 300, 450]
+    results = evaluate_passkey(tiny_bam(), tokenizer, lengths, num_depths=3, add_bos=True, progress=False)
+    assert len(blocks) == 3 and sorted({block for block, _ in fed}) == [1, 2, 3]
+    longest = [max(size for block, size in fed if block == number) for number in (1, 2, 3)]
+    filler_tokens = len(encode(tokenizer, TEMPLATE.filler))
+    assert all(length - filler_tokens < size - 1 <= length for size, length in zip(longest, lengths)), longest
+    assert results.prompt_lengths == longest
+    assert results.seconds == [1.0, 2.0, 3.0] and results.peak_rss_mib == [100.0, 200.0, 300.0]
+    row = f"| 300 | {longest[1]} | 100.0 |"
+    assert row in results.to_markdown() and results.to_markdown().split("\n")[3].endswith("| 2.0 | 200 |")
 
 
 def test_a_flat_list_of_depths_is_every_length_s():

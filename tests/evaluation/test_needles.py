@@ -252,6 +252,28 @@ def test_depth_plans_and_seeds(haystack, byte_tokenizer, monkeypatch):
     assert "| Depths |" in results.to_markdown() and "Found by depth" in results.to_markdown(per_depth=True)
 
 
+def test_a_length_the_needles_overflow_is_flagged_and_one_they_fill_behind_bos_is_not(haystack, byte_tokenizer,
+                                                                                         monkeypatch, capsys):
+    """A length counts the prompt's text: a BOS in front of an exactly filled prompt is no reason to warn; needles and
+    question longer than the length are, with their own token count (BOS aside)."""
+    fed = []
+    answer = answering(byte_tokenizer, lambda values: " " + ", ".join(values))
+
+    def continuation(model, prompt_ids, max_new_tokens, chunk_size):
+        fed.append(prompt_ids)
+        return answer(model, prompt_ids, max_new_tokens, chunk_size)
+
+    monkeypatch.setattr(retrieval, "greedy_continuation", continuation)
+    task, model = NeedleTask("multikey"), tiny_bam()
+    evaluate_needles(model, byte_tokenizer, task, [300], num_depths=1, haystack=haystack, add_bos=True, progress=False)
+    assert len(fed[-1]) == 301 and fed[-1][0] == byte_tokenizer.bos_token_id
+    assert "Warning" not in capsys.readouterr().err
+    evaluate_needles(model, byte_tokenizer, task, [10], num_depths=1, haystack=haystack, add_bos=True, progress=False)
+    text_tokens = len(fed[-1]) - 1
+    assert text_tokens > 10
+    assert f"needles and question alone take {text_tokens} tokens, more than the length 10" in capsys.readouterr().err
+
+
 @pytest.fixture
 def saved_model(tmp_path, byte_tokenizer):
     folder = tmp_path / "model"
