@@ -189,7 +189,6 @@ def test_bad_settings_are_refused_in_one_line(argv, named, capsys):
 
 
 def test_models_flag_runs_a_subset_and_refuses_unknown_names(tmp_path):
-    benchmark = load_benchmark()
     for bad in ("bam,llama", "bam,bam", ""):
         completed = subprocess.run(
             [sys.executable, str(SCRIPT), "--quick", "--models", bad, "--output-dir", str(tmp_path / "refused")],
@@ -605,8 +604,6 @@ def test_the_frozen_prior_is_the_source_s_learned_prior_and_does_not_train(tmp_p
 def test_seeds_give_an_entry_per_model_and_seed_and_their_mean(tmp_path):
     """--seeds 0,1 with two models at once: bam-frozen-prior (asked first) waits for bam-prior-lr of its seed; each
     seed has its own data and keys; the means are the seeds' means; the targets judge the means."""
-    from dataclasses import replace
-
     output = tmp_path / "seeds"
     completed = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--models", "bam-frozen-prior,bam-prior-lr,nope", "--seeds", "0,1",
