@@ -24,7 +24,8 @@ PRIOR_TENSOR = re.compile(r"(^|\.)prior\.theta_(alpha|beta|mu)$")  # a global pr
 
 def check_prior_source(folder: str, layers: int, heads: int, prior_scope: str) -> None:
     """A ValueError naming the first way `folder` cannot give its prior to a fresh model of `layers` x `heads` with
-    `prior_scope` and the config's default formula. Reads config.json and the safetensors headers, no weights."""
+    `prior_scope` and the config's default formula. Reads config.json and the prior's tensors (a few numbers a head),
+    no other weight."""
     config = saved_bam_llama_config(folder)
     fresh = BamLlamaConfig()
     expected = {"num_hidden_layers": (layers, "layers"), "num_attention_heads": (heads, "heads"),
@@ -34,18 +35,9 @@ def check_prior_source(folder: str, layers: int, heads: int, prior_scope: str) -
         saved = config.get(field, getattr(fresh, field))
         if saved != value:
             raise ValueError(f"{folder}: {what} {saved!r}, the model to train has {value!r}; its prior would not fit")
-    names = {PRIOR_TENSOR.search(name).group(2) for name in saved_tensor_names(folder) if PRIOR_TENSOR.search(name)}
+    names = {PRIOR_TENSOR.search(name).group(2) for name in saved_prior(folder)}
     if names != {"alpha", "beta", "mu"}:
         raise ValueError(f"{folder}: its weights hold no prior (prior.theta_alpha, theta_beta and theta_mu)")
-
-
-def saved_tensor_names(folder: str) -> list[str]:
-    """The tensor names of every safetensors file in `folder` (their headers only)."""
-    names = []
-    for path in sorted(Path(folder).expanduser().glob("*.safetensors")):
-        with safe_open(path, framework="pt") as handle:
-            names.extend(handle.keys())
-    return names
 
 
 def saved_prior(folder: str) -> dict[str, torch.Tensor]:
