@@ -142,6 +142,11 @@ def _attention_over_query_blocks(
 VIEW_BLOCK_ROWS = 256  # SDPA's CPU kernel is fastest on 256-query calls here (benchmarks/results/cpu-speed-ab.md)
 MASK_BLOCK_ROWS = 192  # SDPA's CPU kernel tiles 192 queries and more by 64 (fewer by 32, which is slower)
 MASK_BLOCK_ELEMENTS = 3 << 19  # a materialized block mask of 6 MiB (fp32): larger ones fall out of the cache
+# Past ~24K keys the mask budget leaves fewer queries a call than SDPA's CPU kernel tiles, each call re-reading
+# every key for a few rows: at 1024 queries x 64K keys, 12-row blocks took 1.7x the time of 32-128
+# (benchmarks/results/cpu-attention-serving.md). A block keeps this many rows of one head group even where its mask
+# then passes MASK_BLOCK_ELEMENTS: batch x group x 32 x keys values, growing with the keys like the KV cache.
+MIN_MASK_BLOCK_ROWS = 32
 BACKWARD_BLOCK_ROWS = 64  # the prior-gradient backward keeps two (rows x keys) buffers: small ones stay in cache
 
 
@@ -150,18 +155,21 @@ def default_block_shape(
 ) -> tuple[int, int]:
     """(queries, query heads) of one SDPA call. Where the mask is a view of the prior table (it costs no memory):
     a fixed tile of queries, every head. Else the materialized (batch x heads x rows x keys) mask stays within
-    MASK_BLOCK_ELEMENTS. Long keys: MASK_BLOCK_ROWS queries (SDPA's CPU kernel tiles 64 at a time from there on)
-    over as many groups of `group` heads (those sharing a key/value head) as fit, since every call re-reads its
-    heads' keys and values; fewer queries only for very long keys. Short keys: every head, and fewer queries."""
+    MASK_BLOCK_ELEMENTS, but a call keeps MIN_MASK_BLOCK_ROWS queries (or every query, if fewer) of one head group.
+    Short keys: every head, and fewer queries. Long keys: MASK_BLOCK_ROWS queries (SDPA's CPU kernel tiles 64 at a
+    time from there on) over as many groups of `group` heads (those sharing a key/value head) as fit, since every
+    call re-reads its heads' keys and values; fewer queries for very long keys."""
     if mask_is_view:
         return min(queries, VIEW_BLOCK_ROWS), heads
     # a block of R rows computes ~R / 2 future keys per row, which a float mask cannot skip: R <= keys / 8, but
     # at least 32 (a short prompt in one call, not one call per few rows)
-    rows = max(1, min(queries, MASK_BLOCK_ROWS, max(32, keys // 8)))
-    if rows < MASK_BLOCK_ROWS:  # fewer heads would not reach SDPA's larger tiles
-        return max(1, min(rows, MASK_BLOCK_ELEMENTS // (batch * heads * keys))), heads
+    rows = min(queries, MASK_BLOCK_ROWS, max(MIN_MASK_BLOCK_ROWS, keys // 8))
+    least_rows = min(rows, MIN_MASK_BLOCK_ROWS)
+    rows_of_every_head = MASK_BLOCK_ELEMENTS // (batch * heads * keys)
+    if rows < MASK_BLOCK_ROWS and rows_of_every_head >= least_rows:  # fewer heads would not reach larger tiles
+        return min(rows, rows_of_every_head), heads
     group_row = batch * group * keys  # mask elements of one query row of one head group
-    rows = max(1, min(rows, MASK_BLOCK_ELEMENTS // group_row))
+    rows = max(least_rows, min(rows, MASK_BLOCK_ELEMENTS // group_row))
     groups, groups_per_call = heads // group, max(1, MASK_BLOCK_ELEMENTS // (rows * group_row))
     calls = -(-groups // groups_per_call)
     return rows, group * -(-groups // calls)  # calls of equal size: 4 groups at most 3 a call make 2 + 2, not 3 + 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.blocked_bam import bam_attention_blocked, default_block_shape
+from ..model.blocked_bam import bam_attention_blocked
 from .paged_batch import BamTerms, PagedBatch
 
 
@@ -115,21 +115,11 @@ def _decode_in_place(query: torch.Tensor, tokens: torch.Tensor, runs: list[tuple
     return output.view(heads, head_dim)
 
 
-# Queries of one blocked-SDPA call at least. Where SSMax scales the prior, each block's mask is written out, and the
-# model's default block keeps it within 6 MiB: past ~24K keys (2 query heads a key/value head) that leaves fewer
-# rows than SDPA's CPU kernel tiles, each call re-reading every key for a few queries. 32-128 rows ran 1.7x faster
-# than the default 12 at 1024 queries x 64K keys (benchmarks/results/cpu-attention-serving.md).
-PROMPT_BLOCK_ROWS = 32
-
-
 def _attend_prompt(queries: torch.Tensor, key: torch.Tensor, value: torch.Tensor, terms: BamTerms) -> torch.Tensor:
     """The last Lq positions of a request, queries (Lq, H, D), against its keys (Hkv, L, D) -> (Lq, H, D)."""
     rows, keys = queries.shape[0], key.shape[1]
-    heads, kv_heads = queries.shape[1], key.shape[0]
     query = queries.transpose(0, 1)[None].float().contiguous()  # (1, H, Lq, D)
     positions = torch.arange(keys - rows, keys, device=query.device)
-    default_rows, _ = default_block_shape(1, heads, heads // kv_heads, rows, keys, not terms.scales_prior)
     output = bam_attention_blocked(query, key[None], value[None], positions, terms.prior_window(keys),
-                                   terms.scaling, terms.ssmax_scale, terms.ssmax_prior,
-                                   block_rows=max(default_rows, PROMPT_BLOCK_ROWS))
+                                   terms.scaling, terms.ssmax_scale, terms.ssmax_prior)
     return output[0].transpose(0, 1)

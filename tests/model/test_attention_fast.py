@@ -246,6 +246,36 @@ def test_a_decoding_step_is_one_sdpa_call_of_every_head(monkeypatch, padded):
     assert shapes == [(1, 8, 1, 4)]
 
 
+@pytest.mark.parametrize("queries", [40, 200])
+def test_long_key_blocks_keep_32_queries_and_stay_exact(monkeypatch, queries):
+    """SSMax scaling the prior past ~24K keys of a batch (2 rows x 2 query heads a key/value head x 13,000 keys):
+    the 6 MiB mask budget alone would leave 30 queries a call (15 of all 4 heads for a 40-query chunk), below SDPA's
+    CPU tiles. Every call keeps 32 queries of whole key/value groups, the last block the rest, and the rows, left
+    padding and SSMax counts included, match the float64 reference."""
+    import bam_llama.model.blocked_bam as attention
+
+    shapes = []
+    sdpa = attention.F.scaled_dot_product_attention
+
+    def counting_sdpa(query, *args, **kwargs):
+        shapes.append(tuple(query.shape[1:3]))
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting_sdpa)
+    keys, heads, kv_heads = 13_000, 4, 2
+    module, prior = attention_module(-0.8, heads=heads, kv_heads=kv_heads, head_dim=4)
+    query, key, value = random_qkv(2, heads, kv_heads, queries, keys, 4, torch.float32)
+    positions = torch.arange(keys - queries, keys)
+    key_valid = torch.ones(2, keys, dtype=torch.long)
+    key_valid[1, :700] = 0  # left padding: SSMax counts 12,300 keys for the last query of row 1
+    output = run_sdpa_path(module, prior, query, key, value, positions, key_valid=key_valid)
+    rows_per_call = [rows for _, rows in shapes]
+    assert {head_count for head_count, _ in shapes} == {2}  # one key/value group a call
+    assert rows_per_call[:-2] == [32] * (len(shapes) - 2) and sum(rows_per_call) == 2 * queries
+    expected = reference_for(module, prior, query, key, value, positions, key_valid=key_valid)
+    torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("ssmax", [True, False])
 def test_float32_prior_gradient_with_single_key_rows_and_negative_beta(ssmax):
     """float32, beta = -3: the prior at distance 0 is ~-1e15 and its beta-gradient ~1e16, so a row that sees only

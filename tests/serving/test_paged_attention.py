@@ -211,16 +211,23 @@ def test_cpu_path_reads_decoding_keys_in_place_and_gathers_prompts(monkeypatch, 
 
 
 def test_cpu_prompt_blocks_keep_sdpa_tiles_past_24k_keys(monkeypatch):
-    """SSMax scaling the prior past ~24K keys: the prompt's blocks keep 32 queries (the model's default mask budget
-    would leave 15 here, 1.7x slower), and the rows stay exact."""
-    block_rows = []
-    blocked = paged_torch.bam_attention_blocked
-    spy = lambda *args, **kwargs: block_rows.append(kwargs["block_rows"]) or blocked(*args, **kwargs)  # noqa: E731
-    monkeypatch.setattr(paged_torch, "bam_attention_blocked", spy)
+    """SSMax scaling the prior past ~24K keys: the prompt's SDPA calls keep 32 queries of one key/value group (a
+    6 MiB mask budget alone would leave 15 queries of all 4 heads here, 1.7x slower), and the rows stay exact."""
+    import bam_llama.model.blocked_bam as blocked
+
+    calls = []
+    sdpa = blocked.F.scaled_dot_product_attention
+
+    def counting_sdpa(query, *args, **kwargs):
+        calls.append(tuple(query.shape[1:3]))
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(blocked.F, "scaled_dot_product_attention", counting_sdpa)
     terms, witness = make_terms(ssmax="prior", max_len=26_500)
     step = Step([(40, 26_000), (1, 300)], 2, 128)
     assert_rows_match(run_path("cpu", step, terms), step, witness)
-    assert block_rows == [32]
+    prompt_calls = [call for call in calls if call[1] > 1]
+    assert prompt_calls == [(2, 32), (2, 32), (2, 8), (2, 8)]  # queries 0-31 then 32-39, each of 2 groups of 2
 
 
 def test_cpu_path_on_the_blocks_outermost_layout():
