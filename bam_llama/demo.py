@@ -329,15 +329,24 @@ def run_plan(names: list[str], args: argparse.Namespace, settings: DemoSettings,
 
 
 def run_estimate(names: list[str], args: argparse.Namespace, settings: DemoSettings, jobs: int) -> str:
-    """The run's wall time, estimated from a few training steps and two prompts of the first model timed just now,
-    each prompt's seconds fitted as a*length + b*length^2 (the prefill's attention grows with the square)."""
-    step_seconds, prompt_seconds = measure_costs(names[0], args, settings)
-    rounds = math.ceil(len(names) / jobs)  # models of a round run at once, each on its own core
-    training = rounds * settings.train.steps * step_seconds
-    evaluation = rounds * sum(settings.num_depths.count(length) * prompt_seconds(length) for length in settings.lengths)
+    """The run's wall time, estimated from a few training steps and two prompts of every model timed just now, each
+    prompt's seconds fitted as a*length + b*length^2 (the prefill's attention grows with the square). The models of
+    a round run at once, each on its own core: a round lasts as long as its slowest model (RoPE's prompts are
+    slower than BAM's)."""
+    costs = {name: model_seconds(name, args, settings) for name in names}  # (training, evaluation) of each
+    rounds = [names[first : first + jobs] for first in range(0, len(names), jobs)]
+    training = sum(max(costs[name][0] for name in round_names) for round_names in rounds)
+    evaluation = sum(max(costs[name][1] for name in round_names) for round_names in rounds)
     return (f"Estimate: training ~{duration_text(training)}, evaluation ~{duration_text(evaluation)} at these lengths "
-            f"(from {CALIBRATION_STEPS} training steps and two prompts of {names[0]} timed just now on this machine; "
-            f"other programs on the cores make it longer).")
+            f"(from {CALIBRATION_STEPS} training steps and two prompts of each model timed just now on this machine; "
+            f"models trained at once share the memory bandwidth, and other programs on the cores make it longer).")
+
+
+def model_seconds(name: str, args: argparse.Namespace, settings: DemoSettings) -> tuple[float, float]:
+    """(training, evaluation) seconds of model `name` in this run, from `measure_costs`."""
+    step_seconds, prompt_seconds = measure_costs(name, args, settings)
+    evaluation = sum(settings.num_depths.count(length) * prompt_seconds(length) for length in settings.lengths)
+    return settings.train.steps * step_seconds, evaluation
 
 
 def measure_costs(name: str, args: argparse.Namespace, settings: DemoSettings):

@@ -85,6 +85,19 @@ def test_quick_run_writes_table_plots_and_a_loadable_model(tmp_path, tokenizer, 
     assert model.config.ssmax is False  # the default recipe: BAM found every key to 64x without it, 80% with it
 
 
+def test_estimate_takes_each_model_and_the_slowest_model_of_each_round(monkeypatch):
+    """Models of a round run at once: a round lasts as long as its slowest model, rounds add up. bam's costs alone
+    (the estimate once timed the first model only) would read 2 min of training and 3 of evaluation."""
+    import bam_llama.demo as demo
+
+    seconds = {"bam": (60.0, 100.0), "rope": (50.0, 300.0), "alibi": (70.0, 10.0)}  # (training, evaluation)
+    monkeypatch.setattr(demo, "model_seconds", lambda name, args, settings: seconds[name])
+    estimate = demo.run_estimate(["bam", "rope", "alibi"], None, None, jobs=2)
+    assert estimate.startswith("Estimate: training ~2 min, evaluation ~5 min at these lengths"), estimate
+    estimate = demo.run_estimate(["bam", "rope", "alibi"], None, None, jobs=3)
+    assert estimate.startswith("Estimate: training ~1 min, evaluation ~5 min at these lengths"), estimate
+
+
 def test_quick_run_in_a_log_says_what_runs_first_and_writes_plain_progress_lines(tmp_path):
     """Output captured (a log, CI): before any progress, what the run trains and evaluates and an estimate of its
     time; then whole lines of progress per model (also from the model processes), no bar's carriage returns or
