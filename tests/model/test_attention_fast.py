@@ -437,6 +437,46 @@ def test_prior_gradients_across_several_forward_and_backward_blocks(monkeypatch,
     )
 
 
+@pytest.mark.parametrize("case", list(SEVERAL_BLOCK_CASES))
+@pytest.mark.parametrize("block_shape", [(None, None), (5, 2)])
+def test_inference_over_key_tiles_matches_float64_reference(monkeypatch, case, block_shape):
+    """Without gradients, a long block whose mask is written out runs over tiles of its keys, each tile's output
+    merged through SDPA's log-sum-exp. With tiles of 4 keys past 8 (23 queries, blocks of 5 or the default), every
+    block crosses several tiles and its last tile the diagonal; padding, packed documents, SSMax counts and a cache
+    offset against the float64 reference, per element. View masks (no SSMax on the prior, no padding, no
+    documents) keep one SDPA call a block."""
+    import bam_llama.model.blocked_bam as attention
+
+    monkeypatch.setattr(attention, "KEY_TILE", 4)
+    monkeypatch.setattr(attention, "KEY_TILED_AFTER", 8)
+    tiles = []
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def counting_flash(query, key, *args, **kwargs):
+        tiles.append(key.shape[2])
+        return flash(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(attention.torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", counting_flash)
+    options = SEVERAL_BLOCK_CASES[case]
+    query, key, value, positions, parameters, key_valid, document_ids = several_block_inputs(options)
+    rows, heads = block_shape
+    with torch.no_grad():
+        actual = blocked_output(
+            query, key, value, positions, parameters, options, key_valid, document_ids, block_rows=rows,
+            block_heads=heads,
+        )
+        expected = reference_attention(
+            query, key, value, positions, *(parameters[n] for n in ("theta_alpha", "theta_beta", "theta_mu")),
+            parameters.get("ssmax_scale"), options.get("ssmax_prior", True), key_valid, document_ids,
+        )
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)  # the table is float32: as the other paths
+    mask_is_view = not (options["ssmax"] and options.get("ssmax_prior", True)) and not (
+        options.get("padded") or options.get("packed")
+    )
+    assert (len(tiles) == 0) == mask_is_view
+    assert all(width <= 4 + (rows or 23) for width in tiles)
+
+
 @pytest.mark.parametrize("padded_packed", [False, True])
 def test_model_sdpa_prior_gradients_at_default_blocks_on_a_long_sequence(padded_packed):
     """The model's own sdpa call at its default block sizes, float32: 150 queries are 3 backward blocks (64 rows)

@@ -210,24 +210,26 @@ def test_cpu_path_reads_decoding_keys_in_place_and_gathers_prompts(monkeypatch, 
     assert len(gathered) == len(blocked) == prompts
 
 
-def test_cpu_prompt_blocks_keep_sdpa_tiles_past_24k_keys(monkeypatch):
-    """SSMax scaling the prior past ~24K keys: the prompt's SDPA calls keep 32 queries of one key/value group (a
-    6 MiB mask budget alone would leave 15 queries of all 4 heads here, 1.7x slower), and the rows stay exact."""
+def test_cpu_prompts_past_8k_keys_run_over_key_tiles(monkeypatch):
+    """SSMax scaling the prior past 8192 keys: a prompt's 40 queries, both query heads of each key/value head
+    stacked, meet the keys in tiles of 512 whose masks stay in cache (the tile with the diagonal first, up to 40
+    keys wider), every key in one tile; the rows stay exact."""
     import bam_llama.model.blocked_bam as blocked
 
     calls = []
-    sdpa = blocked.F.scaled_dot_product_attention
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
-    def counting_sdpa(query, *args, **kwargs):
-        calls.append(tuple(query.shape[1:3]))
-        return sdpa(query, *args, **kwargs)
+    def counting_flash(query, key, *args, **kwargs):
+        calls.append((tuple(query.shape[1:3]), key.shape[2]))
+        return flash(query, key, *args, **kwargs)
 
-    monkeypatch.setattr(blocked.F, "scaled_dot_product_attention", counting_sdpa)
+    monkeypatch.setattr(blocked.torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", counting_flash)
     terms, witness = make_terms(ssmax="prior", max_len=26_500)
     step = Step([(40, 26_000), (1, 300)], 2, 128)
     assert_rows_match(run_path("cpu", step, terms), step, witness)
-    prompt_calls = [call for call in calls if call[1] > 1]
-    assert prompt_calls == [(2, 32), (2, 32), (2, 8), (2, 8)]  # queries 0-31 then 32-39, each of 2 groups of 2
+    assert {stacked for stacked, _ in calls} == {(2, 80)}  # 2 key/value heads, 2 x 40 query rows each
+    widths = [width for _, width in calls]
+    assert sum(widths) == 26_000 and widths[1:] == [512] * (len(widths) - 1) and widths[0] <= 512 + 40  # diagonal first
 
 
 def test_cpu_path_on_the_blocks_outermost_layout():
