@@ -374,8 +374,8 @@ def _attend_block_in_key_tiles(
 
 def _key_tiles(keys: int, rows: int):
     """(first, end, future) of the key tiles of a block of `rows` reversed rows against keys 0..keys-1: KEY_TILE
-    keys at a time while no row of the block has a future key (keys < keys - rows + 1), then the rest, which holds
-    each row's own key (no row of a tile sees -inf only)."""
+    keys at a time among the keys every row sees (0..keys-rows, up to the block's earliest query), then the rest,
+    the diagonal, which holds each row's own key (no row of a tile sees -inf only), `future` True."""
     first = 0
     while keys - rows - first > KEY_TILE:
         yield first, first + KEY_TILE, False
