@@ -158,7 +158,8 @@ BACKWARD_BLOCK_ROWS = 64  # the prior-gradient backward keeps two (rows x keys) 
 # Without gradients, a block whose mask is written out (SSMax scaling the prior, padding, packed documents) and
 # sees more than KEY_TILED_AFTER keys runs over tiles of KEY_TILE keys, each tile's mask written just before SDPA
 # reads it (in cache) instead of a whole block's mask written out to memory and read back: one chunk of bam-eval's
-# prefill, 1024 queries x 64K keys with SSMax, took 0.71x the time (0.89x at 16K keys; Intel Xeon, one thread).
+# prefill, 1024 queries x 64K keys with SSMax, took 0.74x the time (0.94x at 16K keys, none gained at 4K; Intel
+# Xeon, one thread, benchmarks/results/cpu-speed-long.md).
 KEY_TILE = 512
 KEY_TILED_AFTER = 8192
 KEY_TILE_ELEMENTS = 1 << 20  # a tile's mask of 4 MiB (fp32) at most: batch x heads x rows x KEY_TILE
