@@ -93,12 +93,15 @@ def _attention_over_query_blocks(
     # dropout runs SDPA's unfused path, which materializes each block's probabilities: keep those bounded too
     mask_is_view = not scale_prior and key_valid is None and document_ids is None and dropout == 0.0
     group = heads // key.shape[1]
-    gradient = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, prior_table, row_factor)
+    prior_trains = torch.is_grad_enabled() and (prior_table.requires_grad or (scale_prior and row_factor.requires_grad))
+    inputs_train = torch.is_grad_enabled() and any(  # q, k, v, and the row factor, which is folded into q
+        t is not None and t.requires_grad for t in (query, key, value, row_factor)
     )
-    key_tiled = _in_key_tiles(query, last + 1, mask_is_view, gradient, dropout)
-    plan = key_tile_block_shape if key_tiled else functools.partial(default_block_shape, mask_is_view=mask_is_view)
-    default_rows, default_heads = plan(batch, heads, group, q_len, last + 1)
+    key_tiled = _in_key_tiles(query, last + 1, mask_is_view, prior_trains or inputs_train, dropout)
+    if key_tiled:
+        default_rows, default_heads = key_tile_block_shape(batch, heads, group, q_len)
+    else:
+        default_rows, default_heads = default_block_shape(batch, heads, group, q_len, last + 1, mask_is_view)
     block, head_block = min(q_len, block_rows or default_rows), min(heads, block_heads or default_heads)
     if head_block % group:
         raise ValueError(f"block_heads={head_block} must be a multiple of the {group} query heads of a key/value head")
@@ -125,8 +128,6 @@ def _attention_over_query_blocks(
     # materialized mask would be kept by SDPA for every block (O(L^2) a layer), so those take the same paths.
     prior_factor = row_factor if scale_prior else None
     tensors = (query, key, value, table, prior_factor, key_mask, query_documents, document_ids)
-    prior_trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (table, prior_factor))
-    inputs_train = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     # An exported program is plain ATen (SDPA over the blocks, differentiable as any graph): no custom operator.
     own_backward = (prior_trains or (inputs_train and not mask_is_view)) and not exporting()
     if own_backward and dropout == 0.0:
@@ -190,7 +191,7 @@ def default_block_shape(
     return rows, group * -(-groups // calls)  # calls of equal size: 4 groups at most 3 a call make 2 + 2, not 3 + 1
 
 
-def key_tile_block_shape(batch: int, heads: int, group: int, queries: int, keys: int) -> tuple[int, int]:
+def key_tile_block_shape(batch: int, heads: int, group: int, queries: int) -> tuple[int, int]:
     """(queries, query heads) of one block of `_attend_block_in_key_tiles`: VIEW_BLOCK_ROWS queries (each key tile
     is read once for all of them) of as many whole key/value groups as keep a tile's mask within KEY_TILE_ELEMENTS."""
     rows = min(queries, VIEW_BLOCK_ROWS)
