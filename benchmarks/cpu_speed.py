@@ -11,7 +11,9 @@ batch 1, each model in its default attention implementation on CPU (Llama: sdpa;
     bam layer             BamLlama, one prior per layer (prior_scope="layer"), no SSMax (not run by default)
     bam+ssmax layer       ... with Scalable Softmax (not run by default)
     llama compiled        LlamaForCausalLM under torch.compile(fullgraph=True, dynamic=False) (inductor)
+    bam compiled          BamLlama, prior on, no SSMax, compiled the same way
     bam+ssmax compiled    BamLlama, prior and Scalable Softmax on, compiled the same way
+    bam+ssmax layer compiled  ... one prior per layer (not run by default)
 
 Modes at every length L (tokens):
     fwd       forward of L tokens without gradients (use_cache=False)
@@ -83,9 +85,11 @@ CASES = {
     "bam layer": dict(ssmax=False, prior_scope="layer"),
     "bam+ssmax layer": dict(ssmax=True, prior_scope="layer"),
     "llama compiled": None,
+    "bam compiled": dict(ssmax=False),
     "bam+ssmax compiled": dict(ssmax=True),
+    "bam+ssmax layer compiled": dict(ssmax=True, prior_scope="layer"),
 }
-DEFAULT_CASES = [case for case in CASES if not case.endswith(" layer")]
+DEFAULT_CASES = [case for case in CASES if " layer" not in case]
 COMPILED = " compiled"
 MODES = ("fwd", "fwd+bwd", "decode", "eval-loop")
 DEFAULT_MODES = ("fwd", "fwd+bwd", "decode")
@@ -364,6 +368,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--profile", type=int, metavar="L", help="print a torch.profiler table instead")
     parser.add_argument("--profile-case", choices=list(CASES), default="bam+ssmax")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory passes (they double a run)")
     parser.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)  # peak_memory_in_child
     args = parser.parse_args(argv)
     args.lengths = args.lengths or (LONG_LENGTHS if args.long else [512, 1024, 2048, 4096])
@@ -389,7 +394,7 @@ def main(argv=None) -> int:
     command = "python benchmarks/cpu_speed.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     load_before = os.getloadavg()[0]
     rows = benchmark(args.lengths, args.repeats, args.cases, args.modes)
-    memory = peak_memory_in_child(args)
+    memory = {} if args.no_memory else peak_memory_in_child(args)
     for row in rows:
         row["peak_rss_increase_mib"] = memory.get((row["case"], row["mode"], row["length"]))
     info = {**machine_info(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

@@ -67,11 +67,56 @@ def bam_attention_blocked(
     compute_dtype = attention_compute_dtype(input_dtype)
     with autocast_off(query.device):
         query, key, value = (tensor.to(compute_dtype) for tensor in (query, key, value))
-        output = _attention_over_query_blocks(
-            query, key, value, query_positions, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid,
-            document_ids, dropout, block_rows, block_heads,
-        )
+        if _traced_inference(dropout, query, key, value, prior_table, ssmax_scale):
+            output = _blocked_inference(
+                query, key, value, query_positions, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid,
+                document_ids, block_rows or 0, block_heads or 0,
+            )
+        else:
+            output = _attention_over_query_blocks(
+                query, key, value, query_positions, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid,
+                document_ids, dropout, block_rows, block_heads,
+            )
     return output.to(input_dtype).transpose(1, 2)
+
+
+def _traced_inference(dropout: float, *tensors: torch.Tensor | None) -> bool:
+    """Whether a torch.compile graph runs the blocks without gradients or dropout: they then run as one opaque
+    operator (`_blocked_inference`), the eager code. Traced, each block's mask is written by Inductor's generated
+    loops, which took 2.3x the eager blocks' time (BAM + SSMax, 2048 tokens, CPU); the eager code reuses one mask
+    buffer, writes masks in key tiles, or passes views of the table. Exported programs stay plain ATen."""
+    gradient = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return torch.compiler.is_compiling() and not exporting() and not gradient and dropout == 0.0
+
+
+@torch.library.custom_op("bam_llama::blocked_attention_inference", mutates_args=())
+def _blocked_inference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_positions: torch.Tensor,
+    prior_table: torch.Tensor,
+    scaling: float,
+    ssmax_scale: Optional[torch.Tensor],
+    ssmax_prior: bool,
+    key_valid: Optional[torch.Tensor],
+    document_ids: Optional[torch.Tensor],
+    block_rows: int,
+    block_heads: int,
+) -> torch.Tensor:
+    """`_attention_over_query_blocks` without gradients, as one operator of a compiled graph: (B, Lq, H, D)
+    contiguous. block_rows / block_heads: 0 for the default block shape."""
+    output = _attention_over_query_blocks(
+        query, key, value, query_positions, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid,
+        document_ids, 0.0, block_rows or None, block_heads or None,
+    )
+    return output.contiguous()
+
+
+@_blocked_inference.register_fake
+def _blocked_inference_fake(query, *arguments) -> torch.Tensor:
+    batch, heads, q_len, head_dim = query.shape
+    return query.new_empty(batch, q_len, heads, head_dim)
 
 
 def _attention_over_query_blocks(
