@@ -67,7 +67,9 @@ def bam_attention_blocked(
     compute_dtype = attention_compute_dtype(input_dtype)
     with autocast_off(query.device):
         query, key, value = (tensor.to(compute_dtype) for tensor in (query, key, value))
-        if _traced_inference(dropout, query, key, value, prior_table, ssmax_scale):
+        if _decoding_step(query, document_ids, dropout, key, value, prior_table, ssmax_scale):
+            output = _attend_single_query(query, key, value, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid)
+        elif _traced_inference(dropout, query, key, value, prior_table, ssmax_scale):
             output = _blocked_inference(
                 query, key, value, query_positions, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid,
                 document_ids, block_rows or 0, block_heads or 0,
@@ -80,13 +82,50 @@ def bam_attention_blocked(
     return output.to(input_dtype).transpose(1, 2)
 
 
+def _decoding_step(query: torch.Tensor, document_ids, dropout: float, *tensors: torch.Tensor | None) -> bool:
+    """Whether eager code attends one query without gradients or dropout (a decoding step, packed documents aside):
+    `_attend_single_query`, with none of the planning of query blocks."""
+    return (
+        query.shape[2] == 1 and document_ids is None and dropout == 0.0 and not _needs_gradient(*tensors)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _attend_single_query(
+    query, key, value, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid
+) -> torch.Tensor:
+    """One query at position P (the table's last entry, distance 0) against keys 0..P, in one SDPA call: its mask
+    is the prior table itself, (H, P + 1), no future key in it. The SSMax factor c = s ln n (n keys seen) scales
+    the query and, where SSMax scales the prior, the table. Returns (B, 1, H, D), zeros where no key is seen."""
+    keys = prior_table.shape[-1]
+    key, value = key[:, :, :keys], value[:, :, :keys]  # a static cache holds more slots than keys so far
+    mask = prior_table.to(query.dtype)[None, :, None, :]  # (1, H, 1, P + 1)
+    counts = None if key_valid is None else key_valid[:, :keys].bool().sum(-1, keepdim=True)  # (B, 1)
+    if ssmax_scale is not None:
+        if counts is None:  # every key 0..P: n = P + 1
+            factor = (ssmax_scale.to(query.dtype) * math.log(keys))[None, :, None, None]
+        else:
+            factor = ssmax_factor(counts, ssmax_scale).to(query.dtype)  # (B, H, 1, 1)
+        query = query * factor
+        mask = mask * factor if ssmax_prior else mask
+    if key_valid is not None:
+        mask = mask.masked_fill(~key_valid[:, None, None, :keys].bool(), HIDDEN_KEY_SCORE)
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    if counts is not None:
+        output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
+    return output.transpose(1, 2)
+
+
+def _needs_gradient(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _traced_inference(dropout: float, *tensors: torch.Tensor | None) -> bool:
     """Whether a torch.compile graph runs the blocks without gradients or dropout: they then run as one opaque
     operator (`_blocked_inference`), the eager code. Traced, each block's mask is written by Inductor's generated
     loops, which took 2.3x the eager blocks' time (BAM + SSMax, 2048 tokens, CPU); the eager code reuses one mask
     buffer, writes masks in key tiles, or passes views of the table. Exported programs stay plain ATen."""
-    gradient = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    return torch.compiler.is_compiling() and not exporting() and not gradient and dropout == 0.0
+    return torch.compiler.is_compiling() and not exporting() and not _needs_gradient(*tensors) and dropout == 0.0
 
 
 @torch.library.custom_op("bam_llama::blocked_attention_inference", mutates_args=())

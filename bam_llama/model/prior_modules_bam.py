@@ -45,6 +45,9 @@ class KeptInFloat32(nn.Module):
         return super()._apply(keep_float32, recurse)
 
 
+KEPT_TABLE_MIN = 1024  # the shortest prior table `BamPrior.table` keeps: 4 KiB a head
+
+
 class BamPrior(KeptInFloat32):
     """The per-head GGD positional prior: three scalars per head.
 
@@ -60,6 +63,7 @@ class BamPrior(KeptInFloat32):
         self.eps = config.prior_eps
         for name, trainable in prior_trainability(config).items():
             _register_prior_tensor(self, name, torch.zeros(heads, dtype=torch.float32), trainable)
+        self._kept_table: tuple[tuple, torch.Tensor] | None = None  # (what it was computed from, table); see `table`
         self.reset_parameters(config)
 
     @torch.no_grad()
@@ -74,9 +78,29 @@ class BamPrior(KeptInFloat32):
         return self.theta_alpha, self.theta_beta, self.theta_mu
 
     def table(self, last_position: int) -> torch.Tensor:
-        """(H, P + 1) float32 prior at distances -P, ..., 0: every row of the bias is a window of it."""
+        """(H, P + 1) float32 prior at distances -P, ..., 0: every row of the bias is a window of it.
+
+        Without gradients (eager code) the table is kept for reuse: a longer one, to a power of two of at least
+        KEPT_TABLE_MIN entries, whose last P + 1 entries are this table (a view). A decoding step then computes no
+        prior at all, where it would compute H x (P + 1) powers a layer. It is recomputed whenever the parameters
+        change (their version counters), move, or the formula changes; it costs H x 4 bytes a position kept."""
         theta_alpha, theta_beta, theta_mu = self()
-        distance = torch.arange(-last_position, 1, device=theta_alpha.device, dtype=torch.float32)
+        parameters = (theta_alpha, theta_beta, theta_mu)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self._computed_table(last_position + 1, *parameters)
+        source = (
+            self.formula, self.eps, torch.is_inference_mode_enabled(),
+            *((t.data_ptr(), t.device, t._version) for t in parameters),
+        )
+        kept = self._kept_table
+        if kept is None or kept[0] != source or kept[1].shape[-1] <= last_position:
+            length = max(KEPT_TABLE_MIN, 1 << last_position.bit_length())  # > P: the next power of two
+            kept = self._kept_table = (source, self._computed_table(length, *parameters))
+        return kept[1][:, kept[1].shape[-1] - 1 - last_position :]
+
+    def _computed_table(self, length: int, theta_alpha, theta_beta, theta_mu) -> torch.Tensor:
+        """(H, length) prior at distances -(length - 1), ..., 0."""
+        distance = torch.arange(1 - length, 1, device=theta_alpha.device, dtype=torch.float32)
         return ggd_bias(distance, theta_alpha, theta_beta, theta_mu, self.formula, self.eps)
 
     def bias(self, query_positions: torch.Tensor, key_length: int) -> torch.Tensor:

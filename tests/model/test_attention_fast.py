@@ -246,6 +246,49 @@ def test_a_decoding_step_is_one_sdpa_call_of_every_head(monkeypatch, padded):
     assert shapes == [(1, 8, 1, 4)]
 
 
+@pytest.mark.parametrize("ssmax, ssmax_prior", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("theta_beta", [-0.9, 0.6])
+def test_a_decoding_step_matches_float64_reference_with_padding_and_static_cache_slots(ssmax, ssmax_prior, theta_beta):
+    """One query at position 40 without gradients (the single-query path): its mask is the prior table itself.
+    Row 0 sees every key, row 1 only the keys after its left padding (SSMax counts 29 keys), row 2 none at all
+    (zeros); keys 41..47 are a static cache's unfilled slots, holding values a correct step never reads."""
+    module, prior = attention_module(theta_beta, ssmax=ssmax, ssmax_prior=ssmax_prior)
+    query, key, value = random_qkv(3, 4, 2, 1, 48, 8, torch.float32, seed=5)
+    key[:, :, 41:], value[:, :, 41:] = 1e4, 1e4
+    positions = torch.tensor([40])
+    key_valid = torch.ones(3, 48, dtype=torch.long)
+    key_valid[1, :12] = 0
+    key_valid[2, :41] = 0
+    with torch.no_grad():
+        for valid in (None, key_valid):
+            output = run_sdpa_path(module, prior, query, key, value, positions, key_valid=valid)
+            expected = reference_for(module, prior, query, key[:, :, :41], value[:, :, :41], positions, key_valid=(
+                None if valid is None else valid[:, :41]))
+            torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
+    assert output[2].abs().max() == 0
+
+
+def test_the_kept_prior_table_follows_its_parameters():
+    """Without gradients `BamPrior.table` keeps a longer table and returns its tail: equal to the float64 prior at
+    every length, shared between decoding steps (one storage), and recomputed after an in-place change of a
+    parameter (an optimizer step, a loaded state dict)."""
+    _, prior = attention_module(-0.7)
+
+    def expected(last):
+        distance = torch.arange(-last, 1)
+        return reference.prior(distance, prior.theta_alpha, prior.theta_beta, prior.theta_mu)
+
+    with torch.no_grad():
+        first, second = prior.table(1500), prior.table(1501)
+        torch.testing.assert_close(first.double(), expected(1500), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(second.double(), expected(1501), atol=1e-6, rtol=1e-6)
+        assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+        prior.theta_beta.add_(0.25)
+        torch.testing.assert_close(prior.table(1501).double(), expected(1501), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(prior.table(5000).double(), expected(5000), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(prior.table(0).double(), expected(0), atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("queries", [40, 200])
 def test_long_key_blocks_keep_32_queries_and_stay_exact(monkeypatch, queries):
     """SSMax scaling the prior past ~24K keys of a batch (2 rows x 2 query heads a key/value head x 13,000 keys):
