@@ -63,7 +63,7 @@ class BamPrior(KeptInFloat32):
         self.eps = config.prior_eps
         for name, trainable in prior_trainability(config).items():
             _register_prior_tensor(self, name, torch.zeros(heads, dtype=torch.float32), trainable)
-        self._kept_table: tuple[tuple, torch.Tensor] | None = None  # (what it was computed from, table); see `table`
+        self._kept_table: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # see `table`
         self.reset_parameters(config)
 
     @torch.no_grad()
@@ -80,23 +80,26 @@ class BamPrior(KeptInFloat32):
     def table(self, last_position: int) -> torch.Tensor:
         """(H, P + 1) float32 prior at distances -P, ..., 0: every row of the bias is a window of it.
 
-        Without gradients (eager code) the table is kept for reuse: a longer one, to a power of two of at least
-        KEPT_TABLE_MIN entries, whose last P + 1 entries are this table (a view). A decoding step then computes no
-        prior at all, where it would compute H x (P + 1) powers a layer. It is recomputed whenever the parameters
-        change (their version counters), move, or the formula changes; it costs H x 4 bytes a position kept."""
+        On CPU without gradients (eager code) the table is kept for reuse: a longer one, to a power of two of at
+        least KEPT_TABLE_MIN entries, whose last P + 1 entries are this table (a view). A decoding step then
+        computes no prior at all, where it would compute H x (P + 1) powers a layer. The kept table is used only
+        while the parameters hold the values it was computed from (compared, not trusted to version counters or
+        addresses, which ZeRO-3 or FSDP may reuse for new values); it costs H x 4 bytes a position kept."""
         theta_alpha, theta_beta, theta_mu = self()
         parameters = (theta_alpha, theta_beta, theta_mu)
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or theta_alpha.device.type != "cpu":
             return self._computed_table(last_position + 1, *parameters)
-        source = (
-            self.formula, self.eps, torch.is_inference_mode_enabled(),
-            *((t.data_ptr(), t.device, t._version) for t in parameters),
-        )
+        values = torch.stack(parameters).float()  # (3, H)
+        setting = (self.formula, self.eps, torch.is_inference_mode_enabled())
         kept = self._kept_table
-        if kept is None or kept[0] != source or kept[1].shape[-1] <= last_position:
+        if (
+            kept is None or kept[0] != setting or kept[2].shape[-1] <= last_position
+            or not torch.equal(kept[1], values)
+        ):
             length = max(KEPT_TABLE_MIN, 1 << last_position.bit_length())  # > P: the next power of two
-            kept = self._kept_table = (source, self._computed_table(length, *parameters))
-        return kept[1][:, kept[1].shape[-1] - 1 - last_position :]
+            kept = self._kept_table = (setting, values, self._computed_table(length, *parameters))
+        table = kept[2]
+        return table[:, table.shape[-1] - 1 - last_position :]
 
     def _computed_table(self, length: int, theta_alpha, theta_beta, theta_mu) -> torch.Tensor:
         """(H, length) prior at distances -(length - 1), ..., 0."""

@@ -270,8 +270,9 @@ def test_a_decoding_step_matches_float64_reference_with_padding_and_static_cache
 
 def test_the_kept_prior_table_follows_its_parameters():
     """Without gradients `BamPrior.table` keeps a longer table and returns its tail: equal to the float64 prior at
-    every length, shared between decoding steps (one storage), and recomputed after an in-place change of a
-    parameter (an optimizer step, a loaded state dict)."""
+    every length, shared between decoding steps (one storage), and recomputed after a change of a parameter: in
+    place (an optimizer step, a loaded state dict), and through `.data`, which leaves the version counter as it
+    was (as ZeRO-3 and FSDP write gathered values)."""
     _, prior = attention_module(-0.7)
 
     def expected(last):
@@ -284,6 +285,10 @@ def test_the_kept_prior_table_follows_its_parameters():
         torch.testing.assert_close(second.double(), expected(1501), atol=1e-6, rtol=1e-6)
         assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
         prior.theta_beta.add_(0.25)
+        torch.testing.assert_close(prior.table(1501).double(), expected(1501), atol=1e-6, rtol=1e-6)
+        version = prior.theta_alpha._version
+        prior.theta_alpha.data.mul_(0.5)
+        assert prior.theta_alpha._version == version
         torch.testing.assert_close(prior.table(1501).double(), expected(1501), atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(prior.table(5000).double(), expected(5000), atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(prior.table(0).double(), expected(0), atol=1e-6, rtol=1e-6)
