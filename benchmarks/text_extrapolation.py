@@ -819,8 +819,14 @@ def study_table(title: str, names: list[str], results: dict, training: dict, rec
         first, last = (window_perplexity(result, length) for length in (lengths[0], longest))
         rows.append(f"| {name} | {MODELS[name].what} | {passkey} | {percent(needle_accuracy(result, longest)) or '—'} "
                     f"| {first:.2f} | {last / first:.3f} | {learned_text(learned[parameter]) if parameter in learned else '—'} |")
-    means = f", the mean of {len(recipe.seeds)} seeds" if len(recipe.seeds) > 1 else ""
+    seeds = {results[name].get("seeds", 1) for name in names}
+    means = "" if seeds == {1} else (
+        f", the mean of {seed_count(seeds.pop())}" if len(seeds) == 1 else ", each the mean of its seeds: see the tables above")
     return f"{title} (passkey in %{means})\n\n" + "\n".join(rows) + "\n\n"
+
+
+def seed_count(seeds: int) -> str:
+    return f"{seeds} seed" + ("s" if seeds != 1 else "")
 
 
 def learned_tables(training: dict) -> str:
@@ -1035,7 +1041,7 @@ def rows_with_means(results: dict, means: dict, recipe: Recipe) -> dict:
     rows = {}
     for row, mean in means.items():
         rows.update({key: results[key] for seed in recipe.seeds if (key := entry_name(row, seed, recipe.seeds)) in results})
-        rows[f"{row}, mean of {mean['seeds']} seeds"] = mean
+        rows[f"{row}, mean of {seed_count(mean['seeds'])}"] = mean
     return rows
 
 

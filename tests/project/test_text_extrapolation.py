@@ -640,6 +640,7 @@ def test_seeds_give_an_entry_per_model_and_seed_and_their_mean(tmp_path):
     assert re.search(r"\| nope/seed-1 \| \d+% \(\d+-\d+\) \|", text)
     assert re.search(r"\| nope, mean of 2 seeds \| \d+% \(\d+-\d+\) \d+/4 \|", text)  # the pooled count, 2 + 2 prompts
     assert "Targets (judged on the mean of seeds 0, 1)" in text
+    assert "Recipe study (passkey in %, the mean of 2 seeds)" in text
     assert re.search(r"^- BAM's best variant: bam-[a-z-]+$", text, re.MULTILINE)  # a model's mean, not one seed's
     assert (output / "passkey-nope-seed-1.png").stat().st_size > 0
     benchmark = load_benchmark()
@@ -671,6 +672,26 @@ def test_the_targets_judge_the_mean_of_the_seeds():
         "bam passkey at 512x 80% (target >= 80%): met",  # 85% and 75%
         "bam last-window perplexity 512x / 2x = 1.150 (target <= 1.10): MISSED",  # seed 0 alone: 1.05
     ]
+
+
+def test_a_study_table_says_how_many_seeds_each_mean_holds():
+    """A partial run's means hold different numbers of seeds: the title names the count only where all agree."""
+    from dataclasses import replace
+
+    benchmark = load_benchmark()
+    recipe = replace(benchmark.Recipe(), train_length=10, scales=(1, 2), long_scales=(), seeds=(0, 1, 2))
+
+    def mean(seeds):
+        return {"seeds": seeds, "perplexity": {length: {"last_window": {"perplexity": 10.0}} for length in (10, 20)},
+                "passkey": {length: {"correct": {"rate": 1.0, "found": 4, "prompts": 4}} for length in (10, 20)}}
+
+    def title(results):
+        text = benchmark.study_table("Recipe study", list(results), results, {}, recipe, "theta_beta", "theta_beta", str)
+        return text.splitlines()[0]
+
+    assert title({"bam-prior-lr": mean(3), "bam-frozen-prior": mean(3)}) == "Recipe study (passkey in %, the mean of 3 seeds)"
+    assert title({"bam-prior-lr": mean(2), "bam-frozen-prior": mean(1)}) == (
+        "Recipe study (passkey in %, each the mean of its seeds: see the tables above)")
 
 
 def test_resume_keeps_each_model_and_seed(tmp_path, monkeypatch):
