@@ -629,6 +629,40 @@ def retrieval_cell(retrieval_result: dict, score: str = "correct") -> str:
     return rate_cell(*found(retrieval_result, score), count=isinstance(retrieval_result[score], dict))
 
 
+def wrong_digits(key: str, prediction: str) -> int | None:
+    """How many digits of `key` the answer's leading digits get wrong; None where it has another number of digits."""
+    answer = prediction.strip()
+    digits = answer[: len(answer) - len(answer.lstrip("0123456789"))]
+    if len(digits) != len(key):
+        return None
+    return sum(given != true for given, true in zip(digits, key))
+
+
+def wrong_digits_cell(passkey_result: dict) -> str:
+    """"1: 13, 2: 3, other: 1" over the strict misses of a length (answers and keys of every prompt); "none"."""
+    counts = {}
+    for keys, predictions, hits in zip(passkey_result["passkeys"], passkey_result["predictions"],
+                                       passkey_result["correct"]):
+        for key, prediction, hit in zip(keys, predictions, hits):
+            if not hit:
+                wrong = wrong_digits(key, prediction)
+                counts[wrong] = counts.get(wrong, 0) + 1
+    if not counts:
+        return "none"
+    ordered = sorted((wrong for wrong in counts if wrong is not None)) + [None] * (None in counts)
+    return ", ".join(f"{'other' if wrong is None else wrong}: {counts[wrong]}" for wrong in ordered)
+
+
+def depth_halves_cell(passkey_result: dict) -> str:
+    """"2/10 · 8/10": keys found among the prompts whose key sits in the first half (depth < 0.5) and the rest."""
+    halves = [[0, 0], [0, 0]]
+    for depths, hits in zip(passkey_result["depths"], passkey_result["correct"]):
+        for depth, hit in zip(depths, hits):
+            half = halves[depth >= 0.5]
+            half[0], half[1] = half[0] + bool(hit), half[1] + 1
+    return " · ".join(f"{hits}/{prompts}" for hits, prompts in halves)
+
+
 def entry_name(row: str, seed: int, seeds: tuple[int, ...]) -> str:
     """A row's (a model's, or a RoPE extension's) entry of the results and training summaries: the row itself in a
     one-seed run, `<row>/seed-N` in a run of several."""
@@ -753,6 +787,16 @@ def tables(results: dict, recipe: Recipe, documents: int) -> str:
             retrieval_cell(result["passkey"][length], score) if length in result["passkey"] else None)
         sections.append((f"Passkey retrieval, {what} ({depths_line(recipe, recipe.passkey_depths)}; 95% intervals)",
                          table(results, every_length, cell)))
+    answered = {name: result for name, result in results.items()  # each seed's rows: the means keep no answers
+                if any("predictions" in cell for cell in result["passkey"].values())}
+    miss_cell = lambda result, length: (  # noqa: E731
+        wrong_digits_cell(result["passkey"][length]) if "predictions" in result["passkey"].get(length, {}) else None)
+    sections.append(("Passkey misses (strict) by their wrong digits: how many answers had 1, 2, ... digits of the key "
+                     "wrong ('other': not as many digits as the key)", table(answered, every_length, miss_cell)))
+    half_cell = lambda result, length: (  # noqa: E731
+        depth_halves_cell(result["passkey"][length]) if "depths" in result["passkey"].get(length, {}) else None)
+    sections.append(("Passkeys found (strict) by where the key sits: in the prompt's first half (farthest from the "
+                     "question) / in its second half", table(answered, every_length, half_cell)))
     with_needles = {name: result for name, result in results.items() if "needles" in result}
     if with_needles:
         depths = depths_line(recipe, recipe.needle_depth_count)

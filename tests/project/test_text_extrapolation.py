@@ -641,6 +641,8 @@ def test_seeds_give_an_entry_per_model_and_seed_and_their_mean(tmp_path):
     assert re.search(r"\| nope, mean of 2 seeds \| \d+% \(\d+-\d+\) \d+/4 \|", text)  # the pooled count, 2 + 2 prompts
     assert "Targets (judged on the mean of seeds 0, 1)" in text
     assert "Recipe study (passkey in %, the mean of 2 seeds)" in text
+    misses = text[text.index("Passkey misses (strict) by their wrong digits"):]
+    assert re.search(r"\| nope/seed-0 \| [^|]+ \|", misses) and "nope, mean of" not in misses.split("\n\n")[1]
     assert re.search(r"^- BAM's best variant: bam-[a-z-]+$", text, re.MULTILINE)  # a model's mean, not one seed's
     assert (output / "passkey-nope-seed-1.png").stat().st_size > 0
     benchmark = load_benchmark()
@@ -672,6 +674,25 @@ def test_the_targets_judge_the_mean_of_the_seeds():
         "bam passkey at 512x 80% (target >= 80%): met",  # 85% and 75%
         "bam last-window perplexity 512x / 2x = 1.150 (target <= 1.10): MISSED",  # seed 0 alone: 1.05
     ]
+
+
+def test_misses_are_counted_by_wrong_digits_and_found_keys_by_the_half_they_sit_in():
+    """A miss's wrong digits are counted position by position against the key (the answer's leading digits; another
+    number of digits is 'other'); keys found are split by depth: the first half of the prompt (< 0.5) and the rest."""
+    benchmark = load_benchmark()
+    predictions = [" 12345.", " 12945", " 92945.", " 1234", " 123456", "", " 02390 and"]
+    result = {
+        "passkeys": [["12345"] * 7],
+        "predictions": [predictions],
+        "correct": [[True, False, False, False, False, False, False]],
+        "depths": [[0.0, 0.2, 0.45, 0.5, 0.6, 0.8, 1.0]],
+    }
+    assert [benchmark.wrong_digits("12345", answer) for answer in predictions] == [0, 1, 2, None, None, None, 3]
+    assert benchmark.wrong_digits_cell(result) == "1: 1, 2: 1, 3: 1, other: 3"
+    assert benchmark.depth_halves_cell(result) == "1/3 · 0/4"
+    result["correct"] = [[True] * 7]
+    assert benchmark.wrong_digits_cell(result) == "none"
+    assert benchmark.depth_halves_cell(result) == "3/3 · 4/4"
 
 
 def test_a_study_table_says_how_many_seeds_each_mean_holds():
