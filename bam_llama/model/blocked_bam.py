@@ -42,7 +42,8 @@ def bam_attention_blocked(
     mask of one block is materialized. A block is `block_rows` queries of `block_heads` query heads (a multiple of
     the heads sharing a key/value head); both default to `default_block_shape`. The blocks are planned from
     shapes only (P is the table's length - 1), never from tensor values, so a traced graph has no data-dependent
-    branch.
+    branch. Without gradients, a decoding step (one query) is one SDPA call whose mask is the table itself
+    (`_attend_single_query`), and a compiled graph calls the blocks as one operator (`_blocked_inference`).
 
     Precision: 16-bit inputs are computed in float32 (`attention_compute_dtype`), with autocast off inside: under
     autocast SDPA would run, and the prior's mask be rounded, in 16 bits. The output comes in the query's dtype.
