@@ -320,7 +320,8 @@ def test_the_best_bam_variant_is_judged_at_512x_on_position_matched_perplexity_a
         "BAM's best variant: bam-ssmax-qk",  # the most keys at 512x, though fewer at 64x and fewer needles
         "bam-ssmax-qk passkey at 64x 95% (target >= 95%): met",
         "bam-ssmax-qk passkey at 512x 85% (target >= 80%): met",
-        "bam-ssmax-qk last-window perplexity 512x / 2x = 1.150 (target <= 1.10): MISSED",
+        "bam-ssmax-qk last-window perplexity 512x / 2x = 1.150, ALiBi's on the same tokens 1.000: 1.150 of ALiBi's "
+        "(target <= 1.10): MISSED",
         "needles at 32x (the four tasks together): bam-ssmax-qk 70%, ALiBi 15% (target >= 30 points above ALiBi): met",
     ]
 
@@ -672,8 +673,19 @@ def test_the_targets_judge_the_mean_of_the_seeds():
         "BAM's best variant: bam",
         "bam passkey at 64x 92% (target >= 95%): MISSED",  # seed 0 alone: 100%
         "bam passkey at 512x 80% (target >= 80%): met",  # 85% and 75%
-        "bam last-window perplexity 512x / 2x = 1.150 (target <= 1.10): MISSED",  # seed 0 alone: 1.05
+        "bam last-window perplexity 512x / 2x = 1.150 (target <= 1.10; not judged: the two windows hold other tokens, "
+        "and no ALiBi ran to 512x to compare the same tokens with)",
     ]
+    results.update({"alibi/seed-0": model([20, 5, 1], 9.0), "alibi/seed-1": model([20, 4, 0], 11.0)})
+    means = benchmark.seed_means(results, replace(recipe, models=("bam", "alibi")))
+    lines = benchmark.best_variant_lines(means, recipe, lambda name, scale: benchmark.accuracy(means[name]["passkey"][10 * scale]))
+    # bam's mean 512x / 2x: 11.5 / 10 = 1.15; alibi's: 10.0 / 10 = 1.0 on the same tokens: 1.15 of ALiBi's
+    assert lines[-1] == ("bam last-window perplexity 512x / 2x = 1.150, ALiBi's on the same tokens 1.000: 1.150 of "
+                         "ALiBi's (target <= 1.10): MISSED")
+    results.update({"alibi/seed-0": model([20, 5, 1], 10.5), "alibi/seed-1": model([20, 4, 0], 12.5)})
+    means = benchmark.seed_means(results, replace(recipe, models=("bam", "alibi")))
+    lines = benchmark.best_variant_lines(means, recipe, lambda name, scale: benchmark.accuracy(means[name]["passkey"][10 * scale]))
+    assert lines[-1].endswith("1.000 of ALiBi's (target <= 1.10): met")
 
 
 def test_misses_are_counted_by_wrong_digits_and_found_keys_by_the_half_they_sit_in():
