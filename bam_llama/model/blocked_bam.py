@@ -42,8 +42,8 @@ def bam_attention_blocked(
     mask of one block is materialized. A block is `block_rows` queries of `block_heads` query heads (a multiple of
     the heads sharing a key/value head); both default to `default_block_shape`. The blocks are planned from
     shapes only (P is the table's length - 1), never from tensor values, so a traced graph has no data-dependent
-    branch. Without gradients, a decoding step (one query) is one SDPA call whose mask is the table itself
-    (`_attend_single_query`), and a compiled graph calls the blocks as one operator (`_blocked_inference`).
+    branch. Without gradients or dropout, a decoding step (one query) is one SDPA call whose mask is the table
+    itself (`_attend_single_query`), and a compiled graph calls the blocks as one operator (`_blocked_inference`).
 
     Precision: 16-bit inputs are computed in float32 (`attention_compute_dtype`), with autocast off inside: under
     autocast SDPA would run, and the prior's mask be rounded, in 16 bits. The output comes in the query's dtype.
@@ -68,9 +68,16 @@ def bam_attention_blocked(
     compute_dtype = attention_compute_dtype(input_dtype)
     with autocast_off(query.device):
         query, key, value = (tensor.to(compute_dtype) for tensor in (query, key, value))
-        if _decoding_step(query, document_ids, dropout, key, value, prior_table, ssmax_scale):
-            output = _attend_single_query(query, key, value, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid)
-        elif _traced_inference(dropout, query, key, value, prior_table, ssmax_scale):
+        inference = dropout == 0.0 and not _needs_gradient(query, key, value, prior_table, ssmax_scale)
+        compiling = torch.compiler.is_compiling()
+        if inference and not compiling and query.shape[2] == 1 and document_ids is None:  # a decoding step
+            output = _attend_single_query(
+                query, key, value, query_positions, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid
+            )
+        elif inference and compiling and not exporting():
+            # Traced, each block's mask would be written by Inductor's generated loops, which took 2.3x the eager
+            # blocks' time (BAM + SSMax, 2048 tokens, CPU): the graph calls the eager code as one operator instead.
+            # Exported programs stay plain ATen.
             output = _blocked_inference(
                 query, key, value, query_positions, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid,
                 document_ids, block_rows or 0, block_heads or 0,
@@ -83,50 +90,39 @@ def bam_attention_blocked(
     return output.to(input_dtype).transpose(1, 2)
 
 
-def _decoding_step(query: torch.Tensor, document_ids, dropout: float, *tensors: torch.Tensor | None) -> bool:
-    """Whether eager code attends one query without gradients or dropout (a decoding step, packed documents aside):
-    `_attend_single_query`, with none of the planning of query blocks."""
-    return (
-        query.shape[2] == 1 and document_ids is None and dropout == 0.0 and not _needs_gradient(*tensors)
-        and not torch.compiler.is_compiling()
-    )
-
-
 def _attend_single_query(
-    query, key, value, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid
+    query, key, value, query_positions, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid
 ) -> torch.Tensor:
-    """One query at position P (the table's last entry, distance 0) against keys 0..P, in one SDPA call: its mask
-    is the prior table itself, (H, P + 1), no future key in it. The SSMax factor c = s ln n (n keys seen) scales
-    the query and, where SSMax scales the prior, the table. Returns (B, 1, H, D), zeros where no key is seen."""
+    """One query at position P (the table's last entry, distance 0) against keys 0..P, without gradients, in one SDPA
+    call: its mask is the prior table itself, (H, P + 1), no future key in it, and none of the planning of query
+    blocks. The SSMax factor scales the query and, where SSMax scales the prior, the table. Returns (B, 1, H, D),
+    zeros where no key is seen."""
     keys = prior_table.shape[-1]
     key, value = key[:, :, :keys], value[:, :, :keys]  # a static cache holds more slots than keys so far
     mask = prior_table.to(query.dtype)[None, :, None, :]  # (1, H, 1, P + 1)
-    counts = None if key_valid is None else key_valid[:, :keys].bool().sum(-1, keepdim=True)  # (B, 1)
+    counts = None if ssmax_scale is None and key_valid is None else _visible_counts(query_positions, keys, key_valid, None)
     if ssmax_scale is not None:
-        if counts is None:  # every key 0..P: n = P + 1
-            factor = (ssmax_scale.to(query.dtype) * math.log(keys))[None, :, None, None]
-        else:
-            factor = ssmax_factor(counts, ssmax_scale).to(query.dtype)  # (B, H, 1, 1)
+        factor = ssmax_factor(counts, ssmax_scale).to(query.dtype)  # (B or 1, H, 1, 1)
         query = query * factor
         mask = mask * factor if ssmax_prior else mask
     if key_valid is not None:
         mask = mask.masked_fill(~key_valid[:, None, None, :keys].bool(), HIDDEN_KEY_SCORE)
     output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
-    if counts is not None:
+    if key_valid is not None:  # a row that sees no key gives zeros
         output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
     return output.transpose(1, 2)
 
 
+def _visible_counts(query_positions, keys: int, key_valid, document_ids) -> torch.Tensor:
+    """(1 or B, Lq) keys each query sees (Scalable Softmax's n): every key up to its own position, unless padding or
+    packed documents hide some."""
+    if key_valid is None and document_ids is None:
+        return (query_positions + 1)[None]
+    return visible_key_counts(query_positions, keys, key_valid, document_ids)
+
+
 def _needs_gradient(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _traced_inference(dropout: float, *tensors: torch.Tensor | None) -> bool:
-    """Whether a torch.compile graph runs the blocks without gradients or dropout: they then run as one opaque
-    operator (`_blocked_inference`), the eager code. Traced, each block's mask is written by Inductor's generated
-    loops, which took 2.3x the eager blocks' time (BAM + SSMax, 2048 tokens, CPU); the eager code reuses one mask
-    buffer, writes masks in key tiles, or passes views of the table. Exported programs stay plain ATen."""
-    return torch.compiler.is_compiling() and not exporting() and not _needs_gradient(*tensors) and dropout == 0.0
 
 
 @torch.library.custom_op("bam_llama::blocked_attention_inference", mutates_args=())
@@ -169,19 +165,14 @@ def _attention_over_query_blocks(
     compute_dtype = query.dtype
     batch, heads, q_len, _ = query.shape
     last = prior_table.shape[-1] - 1  # the last query's position, from a shape: no tensor value plans the blocks
-    if key_valid is None and document_ids is None:
-        counts = (query_positions + 1)[None]  # (1, Lq): every key up to the query's own position
-    else:
-        counts = visible_key_counts(query_positions, key.shape[2], key_valid, document_ids)  # (B, Lq)
+    counts = _visible_counts(query_positions, key.shape[2], key_valid, document_ids)  # (1 or B, Lq)
     row_factor = None if ssmax_scale is None else ssmax_factor(counts, ssmax_scale)
     scale_prior = row_factor is not None and ssmax_prior
     # dropout runs SDPA's unfused path, which materializes each block's probabilities: keep those bounded too
     mask_is_view = not scale_prior and key_valid is None and document_ids is None and dropout == 0.0
     group = heads // key.shape[1]
     prior_trains = torch.is_grad_enabled() and (prior_table.requires_grad or (scale_prior and row_factor.requires_grad))
-    inputs_train = torch.is_grad_enabled() and any(  # q, k, v, and the row factor, which is folded into q
-        t is not None and t.requires_grad for t in (query, key, value, row_factor)
-    )
+    inputs_train = _needs_gradient(query, key, value, row_factor)  # the row factor is folded into q
     key_tiled = _in_key_tiles(query, last + 1, mask_is_view, prior_trains or inputs_train, dropout)
     if key_tiled:
         default_rows, default_heads = key_tile_block_shape(batch, heads, group, q_len)
