@@ -161,6 +161,8 @@ def main(argv=None) -> int:
     parser.add_argument("--attention", action="store_true", help="time the attention alone, not the model")
     parser.add_argument("--batch", type=int, default=1, help="--attention: batch size")
     parser.add_argument("--padded", action="store_true", help="--attention: pad the keys of the last batch row")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice; on cores "
+                        "shared with other work, 1: two threads on one free core wait on each other)")
     args = parser.parse_args(argv)
     if args.length < 2 or args.repeats < 1 or args.batch < 1:
         parser.error("--length must be >= 2, --repeats and --batch >= 1")
@@ -168,6 +170,8 @@ def main(argv=None) -> int:
         parser.error("--attention times fwd and fwd+bwd only")
     if (args.batch != 1 or args.padded) and not args.attention:
         parser.error("--batch and --padded apply to --attention only")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as folder:
         try:
             versions = {args.old: attention_at(args.old, Path(folder), args.old_path), "current": dispatch_bam.bam_attention_blocked}
@@ -175,7 +179,8 @@ def main(argv=None) -> int:
             parser.error(str(error))
     times = (attention_timings if args.attention else model_timings)(versions, args)
     what = f"attention alone, batch {args.batch}{', padded' if args.padded else ''}" if args.attention else "model"
-    print(f"L={args.length}, {what}, {args.repeats} interleaved repeats; median (min) ms, ratio of medians to Llama's")
+    print(f"L={args.length}, {what}, {torch.get_num_threads()} threads, {args.repeats} interleaved repeats; "
+          "median (min) ms, ratio of medians to Llama's")
     for (mode, case, version), seconds in times.items():
         ratio = statistics.median(seconds) / statistics.median(times[mode, "llama", "-"])
         print(f"{mode:8} {case:20} {version:8} {statistics.median(seconds) * 1000:7.1f} ({min(seconds) * 1000:.1f})"

@@ -394,6 +394,8 @@ def test_blocked_attention_with_dropout_has_the_gradient_of_its_own_random_masks
 SEVERAL_BLOCK_CASES = {
     **{name: options for name, options in BLOCKED_CASES.items() if not options.get("frozen")},
     "padded_packed_cache_offset": dict(ssmax=True, padded=True, packed=True, offset=6),
+    # no row factor: the written mask is the table's windows, the hidden keys and (key tiles) the row shift alone
+    "prior_padded_packed_cache_offset": dict(ssmax=False, padded=True, packed=True, offset=6),
 }
 
 
