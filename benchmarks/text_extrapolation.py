@@ -9,7 +9,8 @@ thing of `bam` (`bam-long`: twice the steps; `bam-prior-lr`: the prior's learnin
 the weights' 1e-3 that `--prior-lr` otherwise gives it; `bam-frozen-prior`: the prior `bam-prior-lr` of the same
 seed learned, frozen, the weights trained from scratch (`bam-pretrain --frozen-prior-from` its saved model), a
 diagnostic of prior against content; `bam-wide`: hidden
-192 at the same training FLOPs, 1056 steps). The data is the no-download
+192 at the same training FLOPs, 1056 steps), and `bam-ssmax-frozen-prior`: the same two stages for BAM + SSMax (the
+prior `bam-ssmax` of the same seed learned, frozen on a fresh SSMax model). The data is the no-download
 Python corpus (`bam_llama.data.corpus`: language reference + standard library sources, split by file) with synthetic
 passkey documents (the prompt `bam-demo` trains on, answer included) and needle documents (the four tasks of
 `bam_llama.evaluation.needles`, their haystack from the training split) mixed into the training split, so the same
@@ -135,7 +136,8 @@ class Variant:
     ssmax_learning_rate_factor: float | None = None  # the scales' rate, times the recipe's learning rate
     steps_factor: int = 1
     prior_learning_rate: float | None = None  # None: the recipe's
-    frozen_prior: bool = False  # the prior set to FROZEN_PRIOR_SOURCE's learned one and frozen; the weights train
+    frozen_prior_of: str | None = None  # the model of the same seed whose learned prior this one takes, frozen; the
+    # weights train from scratch
     hidden_factor: float = 1.0  # the hidden size times this, the steps cut to keep the training FLOPs (`training_flops`)
     what: str = ""
 
@@ -185,8 +187,6 @@ def training_flops(recipe: Recipe, hidden: int) -> int:
     return 3 * 2 * (recipe.layers * per_layer + recipe.vocab_size * hidden)
 
 
-FROZEN_PRIOR_SOURCE = "bam-prior-lr"  # whose learned prior bam-frozen-prior starts from and keeps (same seed)
-
 MODELS = {
     "bam": Variant("bam", what="learned GGD prior"),
     "bam-ssmax": Variant("bam", ssmax=True, what="+ Scalable Softmax on q.k and the prior (the reference's order)"),
@@ -205,9 +205,13 @@ MODELS = {
     # The recipe study (issue 44): each changes one thing of bam
     "bam-long": Variant("bam", steps_factor=2, what="bam with twice the steps (bam-ssmax-long's control)"),
     "bam-prior-lr": Variant("bam", prior_learning_rate=5e-2, what="the prior's learning rate 5e-2 (bam-demo's)"),
-    "bam-frozen-prior": Variant("bam", frozen_prior=True,
-                                what=f"the prior set to {FROZEN_PRIOR_SOURCE}'s learned one (same seed) and frozen, "
-                                     "the weights trained from scratch: prior against content"),
+    "bam-frozen-prior": Variant("bam", frozen_prior_of="bam-prior-lr",
+                                what="the prior set to bam-prior-lr's learned one (same seed) and frozen, the weights "
+                                     "trained from scratch: prior against content"),
+    # After the 3-seed result: BAM + SSMax's prior (learned at the recipe's prior rate) frozen on a fresh SSMax model
+    "bam-ssmax-frozen-prior": Variant("bam", ssmax=True, frozen_prior_of="bam-ssmax",
+                                      what="+ Scalable Softmax, the prior set to bam-ssmax's learned one (same seed) "
+                                           "and frozen, the weights and scales trained from scratch"),
     "bam-wide": Variant("bam", hidden_factor=1.5, what="1.5x the hidden size (the recipe's 128: 192, head size 48), "
                                                       "the steps cut to the same training FLOPs (2000: 1056)"),
 }
@@ -250,7 +254,7 @@ class Recipe:
     long_needle_depths: dict = field(default_factory=lambda: {128: 4, 256: 3, 512: 2})
     needles: bool = True
     seeds: tuple[int, ...] = (0,)  # each a whole run of its own: training data, tokenizer, models, evaluation keys
-    frozen_prior_from: str | None = None  # bam-frozen-prior's prior: a saved model or results folder (`frozen_prior_source`)
+    frozen_prior_from: str | None = None  # frozen-prior models' prior: a saved model or results folder (`frozen_prior_source`)
     threads: int | None = None  # torch threads of each model; None: PyTorch's default (one per core), 1 with jobs > 1
     jobs: int = 1  # models trained and evaluated at once, each in a process of its own
     models: tuple[str, ...] = DEFAULT_MODELS  # which of MODELS to train (rope brings its two extensions)
@@ -483,8 +487,8 @@ def perplexity_documents(heldout: list[Document], tokenizer, recipe: Recipe,
 
 
 def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe, frozen_prior: str | None = None):
-    """(saved folder, training summary with the learned prior and SSMax scales). `frozen_prior`: bam-frozen-prior's
-    prior, the saved BamLlama folder bam-pretrain takes it from (`--frozen-prior-from`)."""
+    """(saved folder, training summary with the learned prior and SSMax scales). `frozen_prior`: a frozen-prior
+    model's prior, the saved BamLlama folder bam-pretrain takes it from (`--frozen-prior-from`)."""
     from bam_llama.training.pretrain import PretrainArguments, run_pretraining
 
     variant = MODELS[name]
@@ -498,9 +502,9 @@ def train(name: str, data: Path, tokenizer_dir: Path, work: Path, recipe: Recipe
         logging_steps=max(recipe.steps // 10, 1), seed=recipe.seed, disable_progress_bars=True, eval_rows=8,
         **({"prior_scope": recipe.prior_scope} if POSITIONAL_VARIANTS[variant.positional].is_bam_llama else {}),
     )
-    if variant.frozen_prior and frozen_prior is None:
-        raise ValueError(f"{name} needs the prior it freezes ({FROZEN_PRIOR_SOURCE}'s learned one)")
-    if variant.frozen_prior:
+    if variant.frozen_prior_of and frozen_prior is None:
+        raise ValueError(f"{name} needs the prior it freezes ({variant.frozen_prior_of}'s learned one)")
+    if variant.frozen_prior_of:
         fields["frozen_prior_from"] = str(frozen_prior)
     args = PretrainArguments(**{**fields, **variant.pretrain_overrides(recipe)})
     started = time.perf_counter()
@@ -1213,7 +1217,7 @@ def seed_data(train_documents: list[Document], heldout_documents: list[Document]
 
 @dataclass
 class ModelJob:
-    """One model of one seed to train and evaluate; bam-frozen-prior's carries the prior it freezes once known."""
+    """One model of one seed to train and evaluate; a frozen-prior model's carries the prior it freezes once known."""
 
     name: str
     seed: int
@@ -1224,19 +1228,20 @@ class ModelJob:
 
     @property
     def ready(self) -> bool:
-        """Whether it can start: all but bam-frozen-prior at once, that one once its prior is known."""
-        return not MODELS[self.name].frozen_prior or self.frozen_prior is not None
+        """Whether it can start: a model with a frozen prior once that prior is known, the others at once."""
+        return not MODELS[self.name].frozen_prior_of or self.frozen_prior is not None
 
     def with_prior(self, folder: str | Path, entry: str) -> ModelJob:
         """This job with the prior of the saved model `folder` (learned by `entry`) to freeze."""
         return replace(self, frozen_prior=str(folder), frozen_prior_from=entry)
 
 
-def frozen_prior_source(folder: Path, seed: int, recipe: Recipe) -> tuple[Path | dict, str]:
-    """(prior, where from) for bam-frozen-prior from --frozen-prior-from: a saved BamLlama (config.json), whose
+def frozen_prior_source(folder: Path, seed: int, recipe: Recipe, source: str = "bam-prior-lr") -> tuple[Path | dict, str]:
+    """(prior, where from) for a frozen-prior model from --frozen-prior-from: a saved BamLlama (config.json), whose
     prior every seed takes (the folder itself), or the output folder of an earlier run of this benchmark
-    (results.json), whose bam-prior-lr of the same seed gives its learned prior (theta_alpha and theta_beta
-    [layer][head]; `prior_folder` saves it for bam-pretrain). A ValueError where neither holds one that fits."""
+    (results.json), whose `source` model (the one whose prior it freezes) of the same seed gives its learned prior
+    (theta_alpha and theta_beta [layer][head]; `prior_folder` saves it for bam-pretrain). A ValueError where neither
+    holds one that fits."""
     if (folder / "config.json").is_file():
         from bam_llama.training.frozen_prior import check_prior_source
 
@@ -1247,9 +1252,9 @@ def frozen_prior_source(folder: Path, seed: int, recipe: Recipe) -> tuple[Path |
         return folder, str(folder)
     if (folder / "results.json").is_file():
         report = json.loads((folder / "results.json").read_text())
-        entry = entry_name(FROZEN_PRIOR_SOURCE, seed, recorded_seeds(report["recipe"]))
+        entry = entry_name(source, seed, recorded_seeds(report["recipe"]))
         if seed not in recorded_seeds(report["recipe"]) or entry not in report["training"]:
-            raise ValueError(f"--frozen-prior-from {folder}: its run has no {FROZEN_PRIOR_SOURCE} of seed {seed}")
+            raise ValueError(f"--frozen-prior-from {folder}: its run has no {source} of seed {seed}")
         learned, where = report["training"][entry]["learned"], f"{entry} of {folder}"
     else:
         raise ValueError(f"--frozen-prior-from {folder}: neither a saved model (config.json) nor a run of this "
@@ -1284,17 +1289,19 @@ def prior_folder(prior: Path | dict, recipe: Recipe, folder: Path) -> Path:
 
 
 def check_frozen_prior_source(recipe: Recipe) -> None:
-    """bam-frozen-prior needs a prior to freeze: --frozen-prior-from's for every seed, or bam-prior-lr in the same
-    run. A ValueError otherwise."""
-    if "bam-frozen-prior" not in recipe.models:
-        return
-    if recipe.frozen_prior_from is not None:
-        for seed in recipe.seeds:
-            frozen_prior_source(Path(recipe.frozen_prior_from), seed, recipe.for_seed(seed))
-    elif FROZEN_PRIOR_SOURCE not in recipe.models:
-        raise ValueError(f"--models bam-frozen-prior freezes the prior {FROZEN_PRIOR_SOURCE} learned: add "
-                         f"{FROZEN_PRIOR_SOURCE} to --models (trained first, same seed), or give --frozen-prior-from "
-                         "(a saved model, or the output folder of a run with it)")
+    """A frozen-prior model needs a prior to freeze: --frozen-prior-from's for every seed, or the model it takes the
+    prior of in the same run. A ValueError otherwise."""
+    for name in recipe.models:
+        source = MODELS[name].frozen_prior_of
+        if source is None:
+            continue
+        if recipe.frozen_prior_from is not None:
+            for seed in recipe.seeds:
+                frozen_prior_source(Path(recipe.frozen_prior_from), seed, recipe.for_seed(seed), source)
+        elif source not in recipe.models:
+            raise ValueError(f"--models {name} freezes the prior {source} learned: add {source} to --models (trained "
+                             "first, same seed), or give --frozen-prior-from (a saved model, or the output folder of a "
+                             "run with it)")
 
 
 def run(recipe: Recipe, output_dir: Path, resume: bool = False) -> dict:
@@ -1372,22 +1379,22 @@ def run(recipe: Recipe, output_dir: Path, resume: bool = False) -> dict:
 
 
 def model_jobs(recipe: Recipe, data: dict[int, SeedData], kept: dict, training: dict) -> list[ModelJob]:
-    """The (model, seed) pairs to train, seed by seed in the recipe's order; bam-frozen-prior's with its prior where
-    it is known already (--frozen-prior-from, or bam-prior-lr kept from the earlier run)."""
+    """The (model, seed) pairs to train, seed by seed in the recipe's order; a frozen-prior model's with its prior
+    where it is known already (--frozen-prior-from, or the model it takes the prior of kept from the earlier run)."""
     jobs = []
     for seed in recipe.seeds:
         for name in recipe.models:
             if (name, seed) in kept:
                 continue
             job = ModelJob(name, seed, data[seed], recipe.for_seed(seed))
-            source = entry_name(FROZEN_PRIOR_SOURCE, seed, recipe.seeds)
-            saved = data[seed].work / "frozen-prior"  # where a prior known only as lists is saved for bam-pretrain
-            if MODELS[name].frozen_prior and recipe.frozen_prior_from is not None:
-                prior, where = frozen_prior_source(Path(recipe.frozen_prior_from), seed, job.recipe)
+            source = MODELS[name].frozen_prior_of
+            saved = data[seed].work / f"frozen-prior-of-{source}"  # a prior known only as lists, saved for bam-pretrain
+            if source and recipe.frozen_prior_from is not None:
+                prior, where = frozen_prior_source(Path(recipe.frozen_prior_from), seed, job.recipe, source)
                 job = job.with_prior(prior_folder(prior, job.recipe, saved), where)
-            elif MODELS[name].frozen_prior and source in training:  # bam-prior-lr kept: its model is gone, its prior not
-                learned = training[source]["learned"]
-                job = job.with_prior(prior_folder(learned, job.recipe, saved), source)
+            elif source and entry_name(source, seed, recipe.seeds) in training:  # kept: its model is gone, its prior not
+                entry = entry_name(source, seed, recipe.seeds)
+                job = job.with_prior(prior_folder(training[entry]["learned"], job.recipe, saved), entry)
             jobs.append(job)
     return jobs
 
@@ -1422,17 +1429,17 @@ def train_and_evaluate(job: ModelJob) -> tuple[ModelJob, dict, dict]:
 
 def trained_models(jobs: list[ModelJob], recipe: Recipe):
     """`train_and_evaluate` of every job, yielded as each finishes: one after another here, or with `recipe.jobs` > 1
-    in a pool of spawned processes (a fresh PyTorch each, `model_threads` threads). A bam-frozen-prior job starts
-    once the bam-prior-lr of its seed is done (`ModelJob.ready`). The workers ignore Ctrl-C; this process stops them
+    in a pool of spawned processes (a fresh PyTorch each, `model_threads` threads). A frozen-prior job starts once
+    the model of its seed whose prior it takes is done (`ModelJob.ready`). The workers ignore Ctrl-C; this process stops them
     on Ctrl-C, SIGTERM or an error."""
     waiting = list(jobs)
 
     def ready_after(done: tuple | None) -> list[ModelJob]:
         """The waiting jobs that can start, once `done` (a finished job's result) is known."""
-        if done is not None and done[0].name == FROZEN_PRIOR_SOURCE:
+        if done is not None:
             source, summary = done[0], done[1]
             for index, job in enumerate(waiting):
-                if MODELS[job.name].frozen_prior and job.frozen_prior is None and job.seed == source.seed:
+                if MODELS[job.name].frozen_prior_of == source.name and job.frozen_prior is None and job.seed == source.seed:
                     waiting[index] = job.with_prior(summary["final_dir"], entry_name(source.name, source.seed, recipe.seeds))
         ready = [job for job in waiting if job.ready]
         for job in ready:
@@ -1448,7 +1455,8 @@ def trained_models(jobs: list[ModelJob], recipe: Recipe):
     else:
         yield from pooled(ready_after, min(recipe.jobs, len(jobs)), model_threads(recipe))
     if waiting:
-        raise ValueError(f"{', '.join(job.name for job in waiting)}: no {FROZEN_PRIOR_SOURCE} trained to take the prior from")
+        raise ValueError(", ".join(f"{job.name}: no {MODELS[job.name].frozen_prior_of} trained to take the prior from"
+                                   for job in waiting))
 
 
 def pooled(ready_after, processes: int, threads: int):
@@ -1544,9 +1552,10 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prior-lr", type=float, default=None, help="the prior's (and SSMax scales') learning rate "
                         "(default: the weights' 1e-3; bam-prior-lr trains at 5e-2 whatever this says)")
     parser.add_argument("--hidden-size", type=int, default=None, help="every model's hidden size (default 128)")
-    parser.add_argument("--frozen-prior-from", default=None, help="bam-frozen-prior's prior: a saved BamLlama folder, "
-                        "or the output folder of a run of this benchmark with bam-prior-lr (its learned prior of the "
-                        "same seed); default: bam-prior-lr of this run, which --models must then hold")
+    parser.add_argument("--frozen-prior-from", default=None, help="the frozen-prior models' prior (bam-frozen-prior: "
+                        "bam-prior-lr's, bam-ssmax-frozen-prior: bam-ssmax's): a saved BamLlama folder, or the output "
+                        "folder of a run of this benchmark with that model (its learned prior of the same seed); "
+                        "default: that model of this run, which --models must then hold")
     parser.add_argument("--no-needles", action="store_true", help="no needle documents in training, no needle evaluation")
     parser.add_argument("--passkey-share", type=float, default=None, help="passkey documents' share of the training characters (default 0.35)")
     parser.add_argument("--needle-share", type=float, default=None, help="needle documents' share of the training characters (default 0.15)")

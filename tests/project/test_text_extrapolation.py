@@ -177,6 +177,7 @@ def test_codec_tables_are_generated_tables_and_code_is_not():
         (["--models", "bam", "--long-models", "alibi"], "--long-models"),
         (["--models", "bam-frozen-prior"], "--models bam-frozen-prior"),
         (["--models", "bam-frozen-prior", "--frozen-prior-from", "/nonexistent"], "--frozen-prior-from"),
+        (["--models", "bam-ssmax-frozen-prior,bam-prior-lr"], "--models bam-ssmax-frozen-prior freezes the prior bam-ssmax"),
         (["--seeds", "0,0"], "--seeds"),
         (["--seeds", "1,x"], "--seeds"),
         (["--prior-lr", "0"], "--prior-lr"),
@@ -369,7 +370,9 @@ def test_study_variants_change_one_setting_each():
     }
     for name, change in changes.items():
         assert benchmark.MODELS[name].pretrain_overrides(recipe) == {**bam, **change}, name
-    assert changes["bam-wide"]["max_steps"] == 1056 and benchmark.MODELS["bam-frozen-prior"].frozen_prior
+    assert changes["bam-wide"]["max_steps"] == 1056 and benchmark.MODELS["bam-frozen-prior"].frozen_prior_of == "bam-prior-lr"
+    ssmax_frozen = benchmark.MODELS["bam-ssmax-frozen-prior"]  # bam-ssmax's two-stage twin: its prior is bam-ssmax's
+    assert ssmax_frozen.pretrain_overrides(recipe) == {**bam, "ssmax": True} and ssmax_frozen.frozen_prior_of == "bam-ssmax"
     assert "bam-frozen-prior" not in benchmark.DEFAULT_MODELS and "bam-prior-lr" not in benchmark.DEFAULT_MODELS
     assert set(benchmark.DEFAULT_MODELS) < set(benchmark.MODELS)
 
@@ -797,3 +800,33 @@ def test_one_at_a_time_bam_frozen_prior_waits_for_the_prior_of_its_seed(monkeypa
                         ("bam-frozen-prior", 0), ("bam-frozen-prior", 1)]
     frozen = {seed: (prior, where) for name, seed, prior, where in started if name == "bam-frozen-prior"}
     assert frozen == {seed: (f"bam-prior-lr-of-seed-{seed}/model", f"bam-prior-lr/seed-{seed}") for seed in (0, 1)}
+
+
+def test_each_frozen_prior_model_takes_the_prior_of_its_own_source(monkeypatch, tmp_path):
+    """bam-frozen-prior freezes bam-prior-lr's prior and bam-ssmax-frozen-prior bam-ssmax's, in one run (each waits
+    for its own source) and from an earlier run's results.json (--frozen-prior-from, the learned lists)."""
+    import json
+    from dataclasses import replace
+
+    benchmark = load_benchmark()
+    models = ("bam-ssmax-frozen-prior", "bam-frozen-prior", "bam-ssmax", "bam-prior-lr")
+    recipe = replace(benchmark.QUICK, models=models, seeds=(0,), jobs=1)
+    started = []
+
+    def fake(job):
+        started.append((job.name, job.frozen_prior, job.frozen_prior_from))
+        return job, {"learned": {}, "final_dir": f"{job.name}/model"}, {}
+
+    monkeypatch.setattr(benchmark, "train_and_evaluate", fake)
+    jobs = [benchmark.ModelJob(name, 0, None, recipe.for_seed(0)) for name in models]
+    finished = [job.name for job, _, _ in benchmark.trained_models(jobs, recipe)]
+    assert finished == ["bam-ssmax", "bam-prior-lr", "bam-ssmax-frozen-prior", "bam-frozen-prior"]
+    assert ("bam-ssmax-frozen-prior", "bam-ssmax/model", "bam-ssmax") in started  # one seed: entries carry no seed
+    assert ("bam-frozen-prior", "bam-prior-lr/model", "bam-prior-lr") in started
+
+    learned = {name: {"theta_alpha": [[index]], "theta_beta": [[-index]]} for index, name in enumerate(models)}
+    (tmp_path / "results.json").write_text(json.dumps({
+        "recipe": {"seeds": [0, 1]}, "training": {f"{name}/seed-0": {"learned": learned[name]} for name in models}}))
+    for frozen, source in (("bam-ssmax-frozen-prior", "bam-ssmax"), ("bam-frozen-prior", "bam-prior-lr")):
+        prior, where = benchmark.frozen_prior_source(tmp_path, 0, recipe, benchmark.MODELS[frozen].frozen_prior_of)
+        assert (prior, where) == (learned[source], f"{source}/seed-0 of {tmp_path}")
