@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from ..progress import progress_bar
 from . import plots
 from .costs import measured
-from .decoding import check_positive, greedy_and_teacher_forced, greedy_continuation, model_device
+from .decoding import check_positive, greedy_and_teacher_forced, greedy_continuation, model_device, sharing_prefixes
 from .depth_plan import DepthPlan, uniform_depths
 from .intervals import interval_text
 from .memory_needs import check_lengths_fit
@@ -69,7 +69,8 @@ def run_retrieval(
 ) -> RetrievalRows:
     """For every length and every depth of `plan`, in that order: `make_case(length, depth)`, greedy decoding after
     a chunked prefill, and `is_correct(decoded answer, case)`; a case with a `forced_answer` is also scored
-    teacher-forced after the same prefill. Each length is timed and its peak memory measured."""
+    teacher-forced after the same prefill. The prompts of one length share one KV cache: each runs from where it
+    parts from the one before (`sharing_prefixes`). Each length is timed and its peak memory measured."""
     check_positive(lengths=min(lengths, default=0), chunk_size=chunk_size)
     check_lengths_fit(model, lengths, chunk_size)  # before any prompt is built
     model.eval()
@@ -79,7 +80,7 @@ def run_retrieval(
         for length in lengths:
             depths = plan.depths(length)
             found, forced, expected, predictions, longest = [], [], [], [], 0
-            with measured(model_device(model)) as cost:
+            with measured(model_device(model)) as cost, sharing_prefixes(model):
                 for depth in depths:
                     case = make_case(length, depth)
                     if case.forced_answer is None:
