@@ -40,7 +40,9 @@ and for the BamLlama priors (the BAM variants and ALiBi; NoPE and RoPE fail by 4
 Cost of the evaluation (the tiny models' measured seconds per 1-thread prompt: 1.9 s at 8K, 7.4 s at 16K, 27 s at
 32K, 100 s at 64K tokens; a document's perplexity forward costs about one prompt): 1x-64x about 5 min a model
 (50 prompts a length, 8 documents); 128x-512x about 45 min of passkey (20 prompts a length, against 12 min with
-the earlier 10/6/5) and 20 min of perplexity (8 documents) a model with a prior, besides the needles.
+the earlier 10/6/5) and 20 min of perplexity (8 documents) a model with a prior, besides the needles. Those passkey
+minutes were measured before the prompts of a length shared the KV cache of their common filler
+(`sharing_prefixes`): about 0.7x of them since (estimated from 0.76x measured at 16K with 8 prompts).
 
 Every length's seconds and peak RSS are recorded; the learned SSMax scales (and priors) of every BamLlama model
 are read back after training.
