@@ -78,6 +78,7 @@ class SharedPrefix:
             self.cache = DynamicCache(config=self.model.config)
         elif self.cache.get_seq_length() > shared:
             self.cache.crop(shared - self.cache.get_seq_length())  # a negative count: that many tokens removed
+        self.tokens = None  # until the prompt has run whole: a prompt stopped halfway leaves no prefix to share
         logits = _run_chunks(self.model, self.cache, input_ids[:, shared:], chunk_size)
         self.tokens = tokens
         self.tokens_run += tokens.numel() - shared

@@ -1,6 +1,7 @@
 """Prompts that open alike share one KV cache (`sharing_prefixes`): each must come out as if it ran from its start,
 and only its own tokens may run."""
 
+import functools
 from contextlib import contextmanager
 
 import pytest
@@ -129,3 +130,30 @@ def test_passkey_evaluation_shares_each_length_s_filler_and_finds_what_it_found_
         reused = [0] + [shared_start(before, after) for before, after in zip(asked, asked[1:])]
         assert block.tokens_reused == sum(reused) and block.tokens_run == sum(map(len, asked)) - sum(reused)
         assert sum(reused) > len(asked[-1])  # the filler before the keys at depths 1/3 and 2/3, and the task
+
+
+def test_a_prompt_stopped_halfway_leaves_nothing_to_share():
+    """A prompt whose prefill raises after its first chunk has written part of itself into the cache: the next
+    prompt, sharing more with the one before it than with the stopped one, must not read the stopped one's entries
+    as the earlier prompt's."""
+    model = tiny_bam()
+    first, stopped, last = prompts_with_keys_at([150, 40, 120], seed=2)
+    with torch.inference_mode():
+        expected = prefill(model, torch.tensor([last]), 1000)[1]
+        forward, calls = model.forward, []
+
+        @functools.wraps(forward)  # the same signature: the cache keeps the name the model's forward gives it
+        def stopping_forward(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 5:  # the second chunk of the second prompt (the first ran as 3 chunks of 64)
+                raise RuntimeError("stopped")
+            return forward(*args, **kwargs)
+
+        model.forward = stopping_forward
+        with sharing_prefixes(model) as shared:
+            prefill(model, torch.tensor([first]), 64)
+            with pytest.raises(RuntimeError, match="stopped"):
+                prefill(model, torch.tensor([stopped]), 64)
+            actual = prefill(model, torch.tensor([last]), 64)[1]
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert shared.tokens_reused == 0
