@@ -1238,12 +1238,13 @@ class ModelJob:
         return replace(self, frozen_prior=str(folder), frozen_prior_from=entry)
 
 
-def frozen_prior_source(folder: Path, seed: int, recipe: Recipe, source: str = "bam-prior-lr") -> tuple[Path | dict, str]:
+def frozen_prior_source(folder: Path, seed: int, recipe: Recipe, source: str | None = None) -> tuple[Path | dict, str]:
     """(prior, where from) for a frozen-prior model from --frozen-prior-from: a saved BamLlama (config.json), whose
     prior every seed takes (the folder itself), or the output folder of an earlier run of this benchmark
-    (results.json), whose `source` model (the one whose prior it freezes) of the same seed gives its learned prior
-    (theta_alpha and theta_beta [layer][head]; `prior_folder` saves it for bam-pretrain). A ValueError where neither
-    holds one that fits."""
+    (results.json), whose `source` model (the one whose prior it freezes; default bam-frozen-prior's) of the same seed
+    gives its learned prior (theta_alpha and theta_beta [layer][head]; `prior_folder` saves it for bam-pretrain). A
+    ValueError where neither holds one that fits."""
+    source = source or MODELS["bam-frozen-prior"].frozen_prior_of
     if (folder / "config.json").is_file():
         from bam_llama.training.frozen_prior import check_prior_source
 
@@ -1390,13 +1391,14 @@ def model_jobs(recipe: Recipe, data: dict[int, SeedData], kept: dict, training: 
                 continue
             job = ModelJob(name, seed, data[seed], recipe.for_seed(seed))
             source = MODELS[name].frozen_prior_of
-            saved = data[seed].work / f"frozen-prior-of-{source}"  # a prior known only as lists, saved for bam-pretrain
-            if source and recipe.frozen_prior_from is not None:
-                prior, where = frozen_prior_source(Path(recipe.frozen_prior_from), seed, job.recipe, source)
-                job = job.with_prior(prior_folder(prior, job.recipe, saved), where)
-            elif source and entry_name(source, seed, recipe.seeds) in training:  # kept: its model is gone, its prior not
+            if source is not None:
+                saved = data[seed].work / f"frozen-prior-of-{source}"  # a prior known only as lists, for bam-pretrain
                 entry = entry_name(source, seed, recipe.seeds)
-                job = job.with_prior(prior_folder(training[entry]["learned"], job.recipe, saved), entry)
+                if recipe.frozen_prior_from is not None:
+                    prior, where = frozen_prior_source(Path(recipe.frozen_prior_from), seed, job.recipe, source)
+                    job = job.with_prior(prior_folder(prior, job.recipe, saved), where)
+                elif entry in training:  # kept from the earlier run: its model is gone, its prior not
+                    job = job.with_prior(prior_folder(training[entry]["learned"], job.recipe, saved), entry)
             jobs.append(job)
     return jobs
 
