@@ -817,7 +817,8 @@ def tables(results: dict, recipe: Recipe, documents: int) -> str:
         sections.append(("Needles, the four tasks together", table(with_needles, every_length, pooled)))
     measured = {name: result for name, result in results.items() if "seconds" in result}  # not the means over seeds
     seconds = lambda result, length: f"{result['seconds'][length]:.0f}" if length in result["seconds"] else None  # noqa: E731
-    sections.append(("Seconds per length (perplexity, passkey and needles of the length)", table(measured, every_length, seconds)))
+    evaluated = "perplexity, passkey and needles" if with_needles else "perplexity and passkey"
+    sections.append((f"Seconds per length ({evaluated} of the length)", table(measured, every_length, seconds)))
     rss = lambda result, length: f"{result['peak_rss_mib'][length]:.0f}" if result["peak_rss_mib"].get(length) else None  # noqa: E731
     sections.append(("Peak RSS per length (MiB)", table(measured, every_length, rss)))
     return "".join(f"{title}\n\n{body}\n\n" for title, body in sections)
@@ -1061,7 +1062,7 @@ def write_report(staging: Path, report: dict, recipe: Recipe, documents: dict[in
                                         f"{len(recipe.models) * len(recipe.seeds)} models; the run went on, or was stopped.** ")
         + (f"{', '.join(report['resumed'])} measured by the earlier run this one resumed (--resume; the minutes "
            "add up both). " if report.get("resumed") else "")
-        + f"{report['minutes']:.1f} min, peak RSS {report['peak_rss_mib']:.0f} MiB, {machine['threads']} threads on "
+        + f"{report['minutes']:.1f} min, peak RSS {peak_rss_mib(report):.0f} MiB, {threads_line(machine, recipe)} on "
         f"{machine['processor']}, torch {machine['torch']}, transformers {machine['transformers']}.\n\n"
     )
     targets = "\n".join(f"- {line}" for line in target_lines(judged, recipe))
@@ -1081,10 +1082,23 @@ def write_report(staging: Path, report: dict, recipe: Recipe, documents: dict[in
     return text
 
 
+def peak_rss_mib(report: dict) -> float:
+    """The run's peak RSS: the main process's, or the largest a model's process reached (the workers of --jobs > 1
+    are alive when the report is written, so the main process's RUSAGE_CHILDREN does not count them yet)."""
+    measured = [rss for result in report["results"].values() for rss in result.get("peak_rss_mib", {}).values() if rss]
+    return max([report["peak_rss_mib"], *measured])
+
+
+def threads_line(machine: dict, recipe: Recipe) -> str:
+    threads = f"{machine['threads']} thread{'s' if machine['threads'] != 1 else ''}"
+    return f"{threads} a model, {recipe.jobs} models at a time" if recipe.jobs > 1 else threads
+
+
 def seeds_line(recipe: Recipe) -> str:
     if len(recipe.seeds) == 1:
         return f"Seed {recipe.seed}. "
-    return (f"Seeds {', '.join(map(str, recipe.seeds))}, each a run of its own (passkey and needle documents, BPE, "
+    documents = "passkey and needle documents" if recipe.needle_share > 0 else "passkey documents"
+    return (f"Seeds {', '.join(map(str, recipe.seeds))}, each a run of its own ({documents}, BPE, "
             "model initialisation and data order, evaluation keys): a row per seed (`<model>/seed-N`) and their mean "
             "(each perplexity the mean of the seeds'; each rate the mean of the seeds' rates, with the pooled count of "
             "prompts found and its 95% interval, which takes every seed's prompts as independent draws). ")
