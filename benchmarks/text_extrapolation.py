@@ -1062,7 +1062,7 @@ def write_report(staging: Path, report: dict, recipe: Recipe, documents: dict[in
                                         f"{len(recipe.models) * len(recipe.seeds)} models; the run went on, or was stopped.** ")
         + (f"{', '.join(report['resumed'])} measured by the earlier run this one resumed (--resume; the minutes "
            "add up both). " if report.get("resumed") else "")
-        + f"{report['minutes']:.1f} min, peak RSS {peak_rss_mib(report):.0f} MiB, {threads_line(machine, recipe)} on "
+        + f"{report['minutes']:.1f} min, peak RSS {report['peak_rss_mib']:.0f} MiB, {threads_line(machine, recipe)} on "
         f"{machine['processor']}, torch {machine['torch']}, transformers {machine['transformers']}.\n\n"
     )
     targets = "\n".join(f"- {line}" for line in target_lines(judged, recipe))
@@ -1080,13 +1080,6 @@ def write_report(staging: Path, report: dict, recipe: Recipe, documents: dict[in
         merged.save_heatmap(staging / f"passkey-{name.replace('/', '-')}.png",
                             title=f"{name}, trained at {recipe.train_length} tokens")
     return text
-
-
-def peak_rss_mib(report: dict) -> float:
-    """The run's peak RSS: the main process's, or the largest a model's process reached (the workers of --jobs > 1
-    are alive when the report is written, so the main process's RUSAGE_CHILDREN does not count them yet)."""
-    measured = [rss for result in report["results"].values() for rss in result.get("peak_rss_mib", {}).values() if rss]
-    return max([report["peak_rss_mib"], *measured])
 
 
 def threads_line(machine: dict, recipe: Recipe) -> str:
@@ -1370,7 +1363,7 @@ def run(recipe: Recipe, output_dir: Path, resume: bool = False) -> dict:
                 "resumed": resumed,  # models measured by the earlier run this one continued
                 "corpus": corpus,
                 "minutes": earlier_minutes + (time.perf_counter() - started) / 60,
-                "peak_rss_mib": max(peak_rss, earlier["peak_rss_mib"] if kept else 0.0),
+                "peak_rss_mib": max(peak_rss, earlier["peak_rss_mib"] if kept else 0.0, *model_peaks_mib(results)),
                 "machine": machine,
                 "training": training_here,
                 "results": results,
@@ -1393,6 +1386,12 @@ def run(recipe: Recipe, output_dir: Path, resume: bool = False) -> dict:
             report, text = publish()
     print(text)
     return report
+
+
+def model_peaks_mib(results: dict) -> list[float]:
+    """Every peak RSS the models' evaluations recorded: the workers of --jobs > 1 are alive when the report is
+    written, so the main process's RUSAGE_CHILDREN does not count them yet."""
+    return [rss for result in results.values() for rss in result.get("peak_rss_mib", {}).values() if rss]
 
 
 def model_jobs(recipe: Recipe, data: dict[int, SeedData], kept: dict, training: dict) -> list[ModelJob]:

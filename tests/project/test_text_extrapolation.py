@@ -647,6 +647,7 @@ def test_seeds_give_an_entry_per_model_and_seed_and_their_mean(tmp_path):
     assert "1 thread a model, 2 models at a time on" in text and "(passkey and needle documents, BPE," in text
     workers_peak = max(rss for result in results.values() for rss in result["peak_rss_mib"].values())
     assert int(re.search(r"peak RSS (\d+) MiB", text).group(1)) >= int(workers_peak)  # the model processes' too
+    assert report["peak_rss_mib"] >= workers_peak
     assert "Recipe study (passkey in %, the mean of 2 seeds)" in text
     misses = text[text.index("Passkey misses (strict) by their wrong digits"):]
     assert re.search(r"\| nope/seed-0 \| [^|]+ \|", misses) and "nope, mean of" not in misses.split("\n\n")[1]
