@@ -1,5 +1,6 @@
 """GGD-BAM attention without any (Lq x Lk) tensor: PyTorch SDPA over blocks of queries whose float mask is a window
-of one prior table per head, with a flash-style backward for the prior's gradient. The "sdpa" attention.
+of one prior table per head, with a flash-style backward for the prior's gradient. The "sdpa" attention. Without
+gradients on the CPU, in float32, the blocks run as one fused kernel instead (`fused_cpu_bam`).
 
 Shapes: B batch, H query heads, Hkv key/value heads, Lq queries, Lk keys, D head size.
 """
@@ -11,6 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .fused_cpu_bam import bam_attention_fused_cpu, fused_cpu_available
 from .prior_bam import attention_compute_dtype, autocast_off, exporting, ssmax_factor, visible_key_counts
 
 # The score of a key a query must not see (padding, another document): a finite "minus infinity", so that a row that
@@ -44,6 +46,8 @@ def bam_attention_blocked(
     shapes only (P is the table's length - 1), never from tensor values, so a traced graph has no data-dependent
     branch. Without gradients or dropout, a decoding step (one query) is one SDPA call whose mask is the table
     itself (`_attend_single_query`), and a compiled graph calls the blocks as one operator (`_blocked_inference`).
+    Without gradients, dropout, packed documents or explicit block shapes, float32 CPU queries run the fused kernel
+    of `fused_cpu_bam` (the table read in cache, no mask written), where it could be built.
 
     Precision: 16-bit inputs are computed in float32 (`attention_compute_dtype`), with autocast off inside: under
     autocast SDPA would run, and the prior's mask be rounded, in 16 bits. The output comes in the query's dtype.
@@ -173,6 +177,13 @@ def _attention_over_query_blocks(
     group = heads // key.shape[1]
     prior_trains = torch.is_grad_enabled() and (prior_table.requires_grad or (scale_prior and row_factor.requires_grad))
     inputs_train = _needs_gradient(query, key, value, row_factor)  # the row factor is folded into q
+    fused = not (prior_trains or inputs_train or block_rows or block_heads) and dropout == 0.0 and document_ids is None
+    if fused and _fused_kernel_runs(query):
+        output = bam_attention_fused_cpu(
+            query, key, value, last - q_len + 1, prior_table.to(compute_dtype), scaling,
+            None if row_factor is None else row_factor[..., 0], scale_prior, _key_bias(key_valid, compute_dtype),
+        )
+        return output if key_valid is None else output.masked_fill((counts == 0)[:, :, None, None], 0.0)
     key_tiled = _in_key_tiles(query, last + 1, mask_is_view, prior_trains or inputs_train, dropout)
     if key_tiled:
         default_rows, default_heads = key_tile_block_shape(batch, heads, group, q_len)
@@ -192,9 +203,8 @@ def _attention_over_query_blocks(
     if row_factor is not None:
         row_factor = (row_factor.flip(2) if q_len > 1 else row_factor).to(compute_dtype)
         query = query * row_factor
-    key_mask = None if key_valid is None else torch.zeros(key_valid.shape, dtype=compute_dtype, device=key.device)
-    if key_mask is not None:
-        key_mask = key_mask.masked_fill(~key_valid.bool(), HIDDEN_KEY_SCORE)[:, None, None, :]
+    key_mask = _key_bias(key_valid, compute_dtype)
+    key_mask = None if key_mask is None else key_mask[:, None, None, :]
     query_documents = None if document_ids is None else document_ids[:, query_positions.flip(0)]
 
     # Training a prior: SDPA has no gradient for its mask, so the blocks run without autograd (fused kernel) and
@@ -221,6 +231,24 @@ def _attention_over_query_blocks(
     if key_valid is not None:  # rows that see no key (queries on padding) give zeros
         output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
     return output
+
+
+def _fused_kernel_runs(query: torch.Tensor) -> bool:
+    """Whether a block of queries without gradients runs `fused_cpu_bam`'s kernel: eager float32 code on the CPU
+    (a traced graph reaches it through `_blocked_inference`, an exported program stays plain ATen), where the
+    kernel could be built."""
+    return (
+        query.device.type == "cpu" and query.dtype == torch.float32 and not torch.compiler.is_compiling()
+        and not exporting() and fused_cpu_available()
+    )
+
+
+def _key_bias(key_valid: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """(B, Lk) score added to every key: 0, HIDDEN_KEY_SCORE on padding."""
+    if key_valid is None:
+        return None
+    hidden = ~key_valid.bool()
+    return torch.zeros(key_valid.shape, dtype=dtype, device=key_valid.device).masked_fill(hidden, HIDDEN_KEY_SCORE)
 
 
 VIEW_BLOCK_ROWS = 256  # SDPA's CPU kernel is fastest on 256-query calls here (benchmarks/results/cpu-speed-ab.md)

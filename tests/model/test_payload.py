@@ -27,6 +27,7 @@ SHIPPED_CODE = {
     "prior_modules_bam.py",
     "reference_bam.py",
     "blocked_bam.py",
+    "fused_cpu_bam.py",
     "triton_bam.py",
     "triton_kernels_bam.py",
     "sequence_parallel_bam.py",

@@ -1,0 +1,136 @@
+"""The fused CPU kernel (`fused_cpu_bam`, BAM's float32 inference on the CPU) against the suite's float64 reference
+(tests/reference.py): shapes past its query block (128 rows) and key tile (512 keys), so that blocks meet several
+tiles and rows whose every key of a tile is in their future; GQA groups, SSMax on the prior or on q.k only, left
+padding, a cache offset, rows that see one key or none."""
+
+import functools
+
+import pytest
+import reference
+import torch
+import torch.utils.cpp_extension
+from helpers import tiny_model
+
+import bam_llama.model.blocked_bam as blocked
+from bam_llama.model import fused_cpu_bam
+from bam_llama.model.blocked_bam import bam_attention_blocked
+from bam_llama.model.prior_bam import ggd_bias
+
+pytestmark = pytest.mark.skipif(not fused_cpu_bam.fused_cpu_available(), reason="no C++ compiler to build the kernel")
+
+THETAS = {
+    "theta_alpha": torch.tensor([-1.2, -0.3, 0.4, 0.9, -2.0, 0.1, 1.3, -0.7]),
+    "theta_beta": torch.tensor([-1.5, -0.4, 0.6, 1.8, 0.0, 0.3, -0.9, 1.1]),
+    "theta_mu": torch.tensor([0.0, 0.3, 0.0, -0.2, 0.1, 0.0, 0.0, 0.4]),
+}
+SSMAX_SCALE = torch.tensor([0.6, 1.4, 0.9, 1.1, 0.8, 1.2, 0.5, 1.0])
+
+CASES = {
+    # name: (heads, kv_heads, queries, cache offset, ssmax, ssmax_prior, padded)
+    "ssmax_prior_gqa2_offset": (4, 2, 300, 400, True, True, False),
+    "ssmax_prior_padded_gqa4": (8, 2, 280, 250, True, True, True),
+    "ssmax_on_qk_gqa1_padded": (4, 4, 200, 330, True, False, True),
+    "prior_only_gqa2_no_offset": (4, 2, 600, 0, False, True, False),
+    "prior_only_padded_gqa2": (4, 2, 150, 600, False, True, True),
+}
+
+
+def inputs(heads, kv_heads, queries, offset, padded, head_dim=8, seed=3):
+    generator = torch.Generator().manual_seed(seed)
+    keys = queries + offset
+    query = torch.randn(2, heads, queries, head_dim, generator=generator)
+    key, value = (torch.randn(2, kv_heads, keys, head_dim, generator=generator) for _ in range(2))
+    positions = torch.arange(offset, keys)
+    key_valid = None
+    if padded:  # row 1 left-padded past the first queries: they see no key, the next one key
+        key_valid = torch.ones(2, keys, dtype=torch.long)
+        key_valid[1, : offset + 5] = 0
+    return query, key, value, positions, key_valid
+
+
+def fused_calls(monkeypatch) -> list[tuple]:
+    calls = []
+    kernel = blocked.bam_attention_fused_cpu
+
+    def counting(query, *arguments):
+        calls.append(tuple(query.shape))
+        return kernel(query, *arguments)
+
+    monkeypatch.setattr(blocked, "bam_attention_fused_cpu", counting)
+    return calls
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_kernel_matches_float64_reference(monkeypatch, case):
+    heads, kv_heads, queries, offset, ssmax, ssmax_prior, padded = CASES[case]
+    query, key, value, positions, key_valid = inputs(heads, kv_heads, queries, offset, padded)
+    thetas = {name: value[:heads] for name, value in THETAS.items()}
+    scale = SSMAX_SCALE[:heads] if ssmax else None
+    table = ggd_bias(torch.arange(-int(positions[-1]), 1), **thetas)
+    calls = fused_calls(monkeypatch)
+    with torch.no_grad():
+        output = bam_attention_blocked(
+            query, key, value, positions, table, query.shape[-1] ** -0.5, ssmax_scale=scale,
+            ssmax_prior=ssmax_prior, key_valid=key_valid,
+        )
+    assert calls == [tuple(query.shape)]
+    expected = reference.bam_attention(
+        query, key, value, positions, **thetas, ssmax_scale=scale, ssmax_prior=ssmax_prior, key_valid=key_valid
+    )
+    actual = output.double()
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)  # the table is float32: as blocked SDPA
+    if padded:  # queries on padding see no key: zeros; the first real one sees itself: its value vector
+        assert (actual[1, :, :5] == 0).all()
+        own_value = value[1, torch.arange(heads) // (heads // kv_heads), offset + 5].double()
+        torch.testing.assert_close(actual[1, :, 5], own_value, atol=1e-6, rtol=1e-6)
+
+
+def test_gradients_and_explicit_blocks_keep_blocked_sdpa(monkeypatch):
+    """Training (a prior that requires gradients), explicit block shapes, packed documents and float64 run the
+    blocked SDPA paths, which the kernel has no backward or document ids for."""
+    heads, kv_heads, queries, offset, *_ = CASES["ssmax_prior_gqa2_offset"]
+    query, key, value, positions, _ = inputs(heads, kv_heads, 40, 10, False)
+    table = ggd_bias(torch.arange(-int(positions[-1]), 1), **{n: v[:heads] for n, v in THETAS.items()})
+    calls = fused_calls(monkeypatch)
+    scaling = query.shape[-1] ** -0.5
+    bam_attention_blocked(query, key, value, positions, table.requires_grad_(), scaling)
+    with torch.no_grad():
+        bam_attention_blocked(query, key, value, positions, table, scaling, block_rows=8)
+        bam_attention_blocked(query, key, value, positions, table, scaling, document_ids=torch.zeros(2, 50).long())
+        bam_attention_blocked(query.double(), key.double(), value.double(), positions, table.double(), scaling)
+        assert calls == []
+        bam_attention_blocked(query, key, value, positions, table, scaling)
+    assert len(calls) == 1
+
+
+def test_switched_off_or_unbuilt_the_model_runs_blocked_sdpa_alike(monkeypatch):
+    """BAM_FUSED_CPU=0, or no compiler: the same logits from blocked SDPA; a failed build warns once, naming the
+    switch, and the model runs."""
+    model = tiny_model("sdpa", ssmax=True).eval()
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 300), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :7] = 0
+    calls = fused_calls(monkeypatch)
+    with torch.no_grad():
+        fused = model(input_ids, attention_mask=attention_mask).logits
+        assert len(calls) == model.config.num_hidden_layers
+        monkeypatch.setenv(fused_cpu_bam.ENVIRONMENT_SWITCH, "0")
+        switched_off = model(input_ids, attention_mask=attention_mask).logits
+        monkeypatch.delenv(fused_cpu_bam.ENVIRONMENT_SWITCH)
+        monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", _no_compiler)
+        monkeypatch.setattr(fused_cpu_bam, "_library", functools.cache(fused_cpu_bam._library.__wrapped__))
+        with pytest.warns(UserWarning, match="BAM_FUSED_CPU=0") as warned:
+            unbuilt = model(input_ids, attention_mask=attention_mask).logits
+            model(input_ids, attention_mask=attention_mask)
+    assert len(warned) == 1
+    assert len(calls) == model.config.num_hidden_layers
+    eager = tiny_model("eager", ssmax=True).eval()
+    with torch.no_grad():
+        expected = eager(input_ids, attention_mask=attention_mask).logits
+    keep = attention_mask.bool()
+    for logits in (fused, switched_off, unbuilt):
+        torch.testing.assert_close(logits[keep], expected[keep], atol=1e-4, rtol=1e-4)
+
+
+def _no_compiler(*arguments, **keywords):
+    raise RuntimeError("Error building extension: c++: not found")
