@@ -1,6 +1,6 @@
 """GGD-BAM attention without any (Lq x Lk) tensor: PyTorch SDPA over blocks of queries whose float mask is a window
-of one prior table per head, with a flash-style backward for the prior's gradient. The "sdpa" attention. Without
-gradients on the CPU, in float32, the blocks run as one fused kernel instead (`fused_cpu_bam`).
+of one prior table per head, with a flash-style backward for the prior's gradient. The "sdpa" attention. Eager
+float32 code on the CPU runs one fused kernel instead (`fused_cpu_bam`), forward and backward.
 
 Shapes: B batch, H query heads, Hkv key/value heads, Lq queries, Lk keys, D head size.
 """
@@ -46,8 +46,8 @@ def bam_attention_blocked(
     shapes only (P is the table's length - 1), never from tensor values, so a traced graph has no data-dependent
     branch. Without gradients or dropout, a decoding step (one query) is one SDPA call whose mask is the table
     itself (`_attend_single_query`), and a compiled graph calls the blocks as one operator (`_blocked_inference`).
-    Without gradients, dropout, packed documents or explicit block shapes, float32 CPU queries run the fused kernel
-    of `fused_cpu_bam` (the table read in cache, no mask written), where it could be built.
+    Without dropout, packed documents or explicit block shapes, eager float32 CPU queries run the fused kernel of
+    `fused_cpu_bam` (the table read in cache, no mask written; its own backward), where it could be built.
 
     Precision: 16-bit inputs are computed in float32 (`attention_compute_dtype`), with autocast off inside: under
     autocast SDPA would run, and the prior's mask be rounded, in 16 bits. The output comes in the query's dtype.
@@ -177,11 +177,12 @@ def _attention_over_query_blocks(
     group = heads // key.shape[1]
     prior_trains = torch.is_grad_enabled() and (prior_table.requires_grad or (scale_prior and row_factor.requires_grad))
     inputs_train = _needs_gradient(query, key, value, row_factor)  # the row factor is folded into q
-    fused = not (prior_trains or inputs_train or block_rows or block_heads) and dropout == 0.0 and document_ids is None
-    if fused and _fused_kernel_runs(query):
+    if not (block_rows or block_heads) and dropout == 0.0 and document_ids is None and _fused_kernel_runs(query):
+        row_factor = None if row_factor is None else row_factor.to(compute_dtype)
         output = bam_attention_fused_cpu(
-            query, key, value, last - q_len + 1, prior_table.to(compute_dtype), scaling,
-            None if row_factor is None else row_factor[..., 0], scale_prior, _key_bias(key_valid, compute_dtype),
+            query if row_factor is None else query * row_factor, key, value, last - q_len + 1,
+            prior_table.to(compute_dtype), scaling, row_factor[..., 0] if scale_prior else None,
+            _key_bias(key_valid, compute_dtype), counts,
         )
         return output if key_valid is None else output.masked_fill((counts == 0)[:, :, None, None], 0.0)
     key_tiled = _in_key_tiles(query, last + 1, mask_is_view, prior_trains or inputs_train, dropout)
@@ -234,9 +235,9 @@ def _attention_over_query_blocks(
 
 
 def _fused_kernel_runs(query: torch.Tensor) -> bool:
-    """Whether a block of queries without gradients runs `fused_cpu_bam`'s kernel: eager float32 code on the CPU
-    (a traced graph reaches it through `_blocked_inference`, an exported program stays plain ATen), where the
-    kernel could be built."""
+    """Whether the queries run `fused_cpu_bam`'s kernel: eager float32 code on the CPU (a traced graph reaches it
+    without gradients through `_blocked_inference`; an exported program stays plain ATen), where the kernel could be
+    built."""
     return (
         query.device.type == "cpu" and query.dtype == torch.float32 and not torch.compiler.is_compiling()
         and not exporting() and fused_cpu_available()

@@ -1,11 +1,13 @@
-"""GGD-BAM's attention forward as one fused CPU kernel (C++, built on first use with PyTorch's own compiler
-tooling): queries in blocks, keys in tiles, an online softmax whose logits take the prior from the table and the
-SSMax factor per row in the same pass that reads the scores. Nothing of size (Lq x Lk) is written to memory: where
-SDPA's fused kernel must read a written mask (SSMax scaling the prior: c_i * b(j - i) differs per row), this kernel
-reads a window of the (H, P + 1) table, which stays in cache.
+"""GGD-BAM's attention as one fused CPU kernel, forward and backward (C++, built on first use with PyTorch's own
+extension tooling): queries in blocks, keys in tiles, an online softmax whose logits take the prior from the table
+and the SSMax factor per row in the same pass that reads the scores. Nothing of size (Lq x Lk) is written to memory:
+where SDPA's fused kernel must read a written mask (SSMax scaling the prior: c_i * b(j - i) differs per row), this
+kernel reads a window of the (H, P + 1) table, which stays in cache; and its backward returns the prior's gradient
+(the diagonal sums of dS) beside dQ, dK, dV, which SDPA's backward cannot.
 
-Without gradients only (inference: forward, prefill, decoding); training keeps `blocked_bam`'s paths. The plain-
-PyTorch reference it is tested against is `reference_bam.bam_attention_reference` (and the tests' own formula).
+float32 on the CPU, eager code (`blocked_bam` routes there; traced graphs, exported programs, dropout and packed
+documents keep its blocked SDPA paths). The plain-PyTorch reference it is tested against is
+`reference_bam.bam_attention_reference` (and the tests' own float64 formula).
 
 Shapes: B batch, H query heads, Hkv key/value heads, Lq queries, Lk keys, D head size; P = the last query's position.
 """
@@ -27,8 +29,10 @@ _SOURCE = r"""
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 #if defined(__SSE__)
 #include <xmmintrin.h>
@@ -43,58 +47,13 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t QUERY_BLOCK = QUERY_BLOCK_ROWS;
 constexpr int64_t KEY_TILE = KEY_TILE_KEYS;
+constexpr float MINUS_INFINITY = -std::numeric_limits<float>::infinity();
 
-// row-major C (m x n, ldc) = A (m x k, lda) . B^T, B (n x k, ldb): column-major C^T = B^T' . A
-void scores_gemm(int m, int n, int k, const float* a, int lda, const float* b, int ldb, float* c, int ldc) {
-  const float one = 1.0f, zero = 0.0f;
-  sgemm_("T", "N", &n, &m, &k, &one, b, &ldb, a, &lda, &zero, c, &ldc);
-}
-
-// row-major C (m x n, ldc) += A (m x k, lda) . B (k x n, ldb)
-void accumulate_gemm(int m, int n, int k, const float* a, int lda, const float* b, int ldb, float* c, int ldc) {
-  const float one = 1.0f;
-  sgemm_("N", "N", &n, &m, &k, &one, b, &ldb, a, &lda, &one, c, &ldc);
-}
-
-// logits[t] = score_scale * scores[t] + prior_scale * table[t] (+ key_bias[t]) for t < visible; returns their max
-float write_logits(float* scores, const float* table, const float* key_bias, int64_t visible, float score_scale,
-                   float prior_scale) {
-  const Vec vs(score_scale), vp(prior_scale);
-  Vec vmax(-std::numeric_limits<float>::infinity());
-  int64_t t = 0;
-  for (; t + Vec::size() <= visible; t += Vec::size()) {
-    Vec x = at::vec::fmadd(Vec::loadu(scores + t), vs, Vec::loadu(table + t) * vp);
-    if (key_bias) x = x + Vec::loadu(key_bias + t);
-    x.store(scores + t);
-    vmax = at::vec::maximum(vmax, x);
-  }
-  float row_max = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
-  for (; t < visible; ++t) {
-    float x = score_scale * scores[t] + prior_scale * table[t];
-    if (key_bias) x += key_bias[t];
-    scores[t] = x;
-    row_max = std::max(row_max, x);
-  }
-  return row_max;
-}
-
-// scores[t] = exp(scores[t] - row_max) for t < visible, 0 for visible <= t < width; returns their sum
-float exponentiate(float* scores, int64_t visible, int64_t width, float row_max) {
-  const Vec vmax(row_max);
-  Vec vsum(0.0f);
-  int64_t t = 0;
-  for (; t + Vec::size() <= visible; t += Vec::size()) {
-    Vec p = (Vec::loadu(scores + t) - vmax).exp_u20();
-    p.store(scores + t);
-    vsum = vsum + p;
-  }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
-  for (; t < visible; ++t) {
-    scores[t] = std::exp(scores[t] - row_max);
-    sum += scores[t];
-  }
-  if (width > visible) std::memset(scores + visible, 0, sizeof(float) * (width - visible));
-  return sum;
+// Row-major C (m x n, ldc) = alpha op(A) op(B) + beta C, op(X) = X^T where transposed: column-major BLAS computes
+// C^T = op(B)^T op(A)^T, whose operands are the row-major B and A as stored.
+void gemm(bool transpose_a, bool transpose_b, int m, int n, int k, float alpha, const float* a, int lda,
+          const float* b, int ldb, float beta, float* c, int ldc) {
+  sgemm_(transpose_b ? "T" : "N", transpose_a ? "T" : "N", &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
 }
 
 // Probabilities below float32's normal range (a far key under a steep prior) are flushed to 0 while the kernel runs:
@@ -109,97 +68,297 @@ class FlushSubnormals {
 #endif
 };
 
+float reduce_max(Vec v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v); }
+float reduce_sum(Vec v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); }
+
+// logits[t] = scaling * scores[t] + prior_scale * table[t] (+ key_bias[t]) for t < visible; returns their max
+float write_logits(float* scores, const float* table, const float* key_bias, int64_t visible, float scaling,
+                   float prior_scale) {
+  const Vec vs(scaling), vp(prior_scale);
+  Vec vmax(MINUS_INFINITY);
+  int64_t t = 0;
+  for (; t + Vec::size() <= visible; t += Vec::size()) {
+    Vec x = at::vec::fmadd(Vec::loadu(scores + t), vs, Vec::loadu(table + t) * vp);
+    if (key_bias) x = x + Vec::loadu(key_bias + t);
+    x.store(scores + t);
+    vmax = at::vec::maximum(vmax, x);
+  }
+  float row_max = reduce_max(vmax);
+  for (; t < visible; ++t) {
+    float x = scaling * scores[t] + prior_scale * table[t];
+    if (key_bias) x += key_bias[t];
+    scores[t] = x;
+    row_max = std::max(row_max, x);
+  }
+  return row_max;
+}
+
+// scores[t] = exp(scores[t] - shift) for t < visible, 0 for visible <= t < width; returns their sum
+float exponentiate(float* scores, int64_t visible, int64_t width, float shift) {
+  const Vec vshift(shift);
+  Vec vsum(0.0f);
+  int64_t t = 0;
+  for (; t + Vec::size() <= visible; t += Vec::size()) {
+    Vec p = (Vec::loadu(scores + t) - vshift).exp_u20();
+    p.store(scores + t);
+    vsum = vsum + p;
+  }
+  float sum = reduce_sum(vsum);
+  for (; t < visible; ++t) {
+    scores[t] = std::exp(scores[t] - shift);
+    sum += scores[t];
+  }
+  if (width > visible) std::memset(scores + visible, 0, sizeof(float) * (width - visible));
+  return sum;
+}
+
+float dot(const float* a, const float* b, int64_t size) {
+  Vec acc(0.0f);
+  int64_t t = 0;
+  for (; t + Vec::size() <= size; t += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + t), Vec::loadu(b + t), acc);
+  float sum = reduce_sum(acc);
+  for (; t < size; ++t) sum += a[t] * b[t];
+  return sum;
+}
+
+// y[t] += a * x[t]
+void add_scaled(float* y, const float* x, float a, int64_t size) {
+  const Vec va(a);
+  int64_t t = 0;
+  for (; t + Vec::size() <= size; t += Vec::size()) at::vec::fmadd(Vec::loadu(x + t), va, Vec::loadu(y + t)).store(y + t);
+  for (; t < size; ++t) y[t] += a * x[t];
+}
+
 void scale_row(float* row, int64_t size, float factor) {
   at::vec::map([factor](Vec x) { return x * Vec(factor); }, row, row, size);
 }
 
+// The shapes of one call and the rows of one block: `group` query heads of key/value head `kv_head` stacked, rows
+// first_row .. first_row + rows - 1 of each (row = g * rows + r).
+struct Problem {
+  int64_t batch, heads, q_len, dim, kv_heads, k_len, group, first_position, last, table_len, blocks, factor_batch;
+  Problem(const at::Tensor& query, const at::Tensor& key, const at::Tensor& table, const at::Tensor& prior_factor,
+          int64_t first) {
+    batch = query.size(0), heads = query.size(1), q_len = query.size(2), dim = query.size(3);
+    kv_heads = key.size(1), k_len = key.size(2), group = heads / kv_heads;
+    first_position = first, last = first + q_len - 1, table_len = table.size(1);
+    blocks = (q_len + QUERY_BLOCK - 1) / QUERY_BLOCK;
+    factor_batch = prior_factor.numel() > 0 ? prior_factor.size(0) : 0;
+    TORCH_CHECK(table_len == last + 1 && last < k_len && heads % kv_heads == 0,
+                "bam fused attention: the table, the positions and the keys disagree");
+  }
+  int64_t head(int64_t kv_head, int64_t row, int64_t rows) const { return kv_head * group + row / rows; }
+  int64_t factor_index(int64_t b, int64_t h, int64_t query_row) const {
+    return ((factor_batch > 1 ? b : 0) * heads + h) * q_len + query_row;
+  }
+};
+
+void check_inputs(const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors)
+    TORCH_CHECK(t.numel() == 0 || (t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu()),
+                "bam fused attention takes contiguous float32 CPU tensors");
+}
+
 }  // namespace
 
-// query (B, H, Lq, D), key / value (B, Hkv, Lk, D), table (H, P + 1) with P = first_position + Lq - 1: all contiguous
-// float32. factor: (1 or B, H, Lq) or empty (c_i = 1); key_bias: (B, Lk) or empty. Returns (B, Lq, H, D).
-at::Tensor bam_attention_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                                 const at::Tensor& table, const at::Tensor& factor, const at::Tensor& key_bias,
-                                 double scaling, bool ssmax_prior, int64_t first_position) {
-  const int64_t batch = query.size(0), heads = query.size(1), q_len = query.size(2), dim = query.size(3);
-  const int64_t kv_heads = key.size(1), k_len = key.size(2), group = heads / kv_heads;
-  const int64_t last = first_position + q_len - 1, table_len = table.size(1);
-  TORCH_CHECK(table_len == last + 1 && last < k_len, "bam fused attention: table / positions / keys disagree");
-  auto output = at::empty({batch, q_len, heads, dim}, query.options());
-  const float* q = query.const_data_ptr<float>();
-  const float* k = key.const_data_ptr<float>();
-  const float* v = value.const_data_ptr<float>();
-  const float* tab = table.const_data_ptr<float>();
-  const bool has_factor = factor.numel() > 0, has_bias = key_bias.numel() > 0;
-  const float* fac = has_factor ? factor.const_data_ptr<float>() : nullptr;
-  const int64_t factor_batch = has_factor ? factor.size(0) : 0;
-  const float* bias = has_bias ? key_bias.const_data_ptr<float>() : nullptr;
+// query (B, H, Lq, D) (the SSMax factor already in it), key / value (B, Hkv, Lk, D), table (H, P + 1) with
+// P = first_position + Lq - 1; prior_factor (1 or B, H, Lq) or empty (the prior unscaled); key_bias (B, Lk) or empty.
+// logit = scaling q.k + prior_factor * table[j - position + P] + key_bias[j]. Returns the output (B, Lq, H, D) and,
+// with_lse, the log-sum-exp of every row (B, H, Lq) for the backward.
+std::tuple<at::Tensor, at::Tensor> bam_attention_forward(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& table,
+    const at::Tensor& prior_factor, const at::Tensor& key_bias, double scaling_, int64_t first_position,
+    bool with_lse) {
+  check_inputs({query, key, value, table, prior_factor, key_bias});
+  const Problem p(query, key, table, prior_factor, first_position);
+  const float scaling = static_cast<float>(scaling_);
+  auto output = at::empty({p.batch, p.q_len, p.heads, p.dim}, query.options());
+  auto lse = with_lse ? at::empty({p.batch, p.heads, p.q_len}, query.options()) : at::empty({0}, query.options());
+  const float *q = query.const_data_ptr<float>(), *k = key.const_data_ptr<float>();
+  const float *v = value.const_data_ptr<float>(), *tab = table.const_data_ptr<float>();
+  const float* fac = prior_factor.numel() ? prior_factor.const_data_ptr<float>() : nullptr;
+  const float* bias = key_bias.numel() ? key_bias.const_data_ptr<float>() : nullptr;
   float* out = output.data_ptr<float>();
-  const int64_t blocks = (q_len + QUERY_BLOCK - 1) / QUERY_BLOCK;
-  const int64_t max_rows = group * QUERY_BLOCK;
+  float* lse_out = with_lse ? lse.data_ptr<float>() : nullptr;
+  const int64_t max_rows = p.group * QUERY_BLOCK, dim = p.dim;
 
-  at::parallel_for(0, batch * kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, p.batch * p.kv_heads * p.blocks, 1, [&](int64_t begin, int64_t end) {
     FlushSubnormals flush;
     std::vector<float> stacked(max_rows * dim), scores(max_rows * KEY_TILE), acc(max_rows * dim);
-    std::vector<float> row_max(max_rows), row_sum(max_rows), score_scale(max_rows), prior_scale(max_rows);
+    std::vector<float> row_max(max_rows), row_sum(max_rows), prior_scale(max_rows);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (kv_heads * blocks), kvh = (task / blocks) % kv_heads, blk = task % blocks;
-      const int64_t first_row = blk * QUERY_BLOCK, rows = std::min(QUERY_BLOCK, q_len - first_row);
-      const int64_t m = group * rows;
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = kvh * group + g;
-        std::memcpy(stacked.data() + g * rows * dim, q + ((b * heads + h) * q_len + first_row) * dim,
-                    sizeof(float) * rows * dim);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float c = has_factor ? fac[((factor_batch > 1 ? b : 0) * heads + h) * q_len + first_row + r] : 1.0f;
-          score_scale[g * rows + r] = static_cast<float>(scaling) * c;
-          prior_scale[g * rows + r] = ssmax_prior ? c : 1.0f;
-        }
+      const int64_t b = task / (p.kv_heads * p.blocks), kvh = (task / p.blocks) % p.kv_heads;
+      const int64_t first_row = (task % p.blocks) * QUERY_BLOCK, rows = std::min(QUERY_BLOCK, p.q_len - first_row);
+      const int64_t m = p.group * rows;
+      for (int64_t row = 0; row < m; ++row) {
+        const int64_t h = p.head(kvh, row, rows), r = row % rows;
+        std::memcpy(stacked.data() + row * dim, q + ((b * p.heads + h) * p.q_len + first_row + r) * dim,
+                    sizeof(float) * dim);
+        prior_scale[row] = fac ? fac[p.factor_index(b, h, first_row + r)] : 1.0f;
       }
-      std::fill(row_max.begin(), row_max.begin() + m, -std::numeric_limits<float>::infinity());
+      std::fill(row_max.begin(), row_max.begin() + m, MINUS_INFINITY);
       std::fill(row_sum.begin(), row_sum.begin() + m, 0.0f);
       std::fill(acc.begin(), acc.begin() + m * dim, 0.0f);
-      const float* k_head = k + (b * kv_heads + kvh) * k_len * dim;
-      const float* v_head = v + (b * kv_heads + kvh) * k_len * dim;
+      const float* k_head = k + (b * p.kv_heads + kvh) * p.k_len * dim;
+      const float* v_head = v + (b * p.kv_heads + kvh) * p.k_len * dim;
       const int64_t block_keys = first_position + first_row + rows;  // keys 0 .. the block's last position
       for (int64_t first_key = 0; first_key < block_keys; first_key += KEY_TILE) {
         const int64_t width = std::min(KEY_TILE, block_keys - first_key);
-        scores_gemm(m, width, dim, stacked.data(), dim, k_head + first_key * dim, dim, scores.data(), KEY_TILE);
+        gemm(false, true, m, width, dim, 1.0f, stacked.data(), dim, k_head + first_key * dim, dim, 0.0f,
+             scores.data(), KEY_TILE);
         for (int64_t row = 0; row < m; ++row) {
-          const int64_t g = row / rows, r = row % rows, h = kvh * group + g;
-          const int64_t position = first_position + first_row + r;
+          const int64_t h = p.head(kvh, row, rows), position = first_position + first_row + row % rows;
           const int64_t visible = std::min(width, position - first_key + 1);
           float* s = scores.data() + row * KEY_TILE;
           if (visible <= 0) {  // every key of the tile is in this row's future
             std::memset(s, 0, sizeof(float) * width);
             continue;
           }
-          // key j sits at table entry j - position + last
-          const float* window = tab + h * table_len + (first_key - position + last);
-          const float* key_row_bias = has_bias ? bias + b * k_len + first_key : nullptr;
-          const float tile_max = write_logits(s, window, key_row_bias, visible, score_scale[row], prior_scale[row]);
+          const float* window = tab + h * p.table_len + (first_key - position + p.last);  // key j: j - position + P
+          const float* key_row_bias = bias ? bias + b * p.k_len + first_key : nullptr;
+          const float tile_max = write_logits(s, window, key_row_bias, visible, scaling, prior_scale[row]);
           const float new_max = std::max(row_max[row], tile_max);
           const float correction = std::exp(row_max[row] - new_max);  // exp(-inf) = 0 on the first tile
           row_sum[row] = row_sum[row] * correction + exponentiate(s, visible, width, new_max);
           if (row_max[row] != new_max && first_key > 0) scale_row(acc.data() + row * dim, dim, correction);
           row_max[row] = new_max;
         }
-        accumulate_gemm(m, dim, width, scores.data(), KEY_TILE, v_head + first_key * dim, dim, acc.data(), dim);
+        gemm(false, false, m, dim, width, 1.0f, scores.data(), KEY_TILE, v_head + first_key * dim, dim, 1.0f,
+             acc.data(), dim);
       }
       for (int64_t row = 0; row < m; ++row) {
-        const int64_t g = row / rows, r = row % rows, h = kvh * group + g;
-        float* o = out + ((b * q_len + first_row + r) * heads + h) * dim;
+        const int64_t h = p.head(kvh, row, rows), r = row % rows;
+        float* o = out + ((b * p.q_len + first_row + r) * p.heads + h) * dim;
         const float inverse = row_sum[row] > 0.0f ? 1.0f / row_sum[row] : 0.0f;
         at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, o, acc.data() + row * dim, dim);
+        if (lse_out) lse_out[(b * p.heads + h) * p.q_len + first_row + r] = row_max[row] + std::log(row_sum[row]);
       }
     }
   });
-  return output;
+  return {output, lse};
+}
+
+// The gradients of bam_attention_forward: dQ (B, H, Lq, D), dK, dV (B, Hkv, Lk, D), d table (B, H, P + 1) (summed
+// over the batch by the caller), d prior_factor (B, H, Lq) (empty unless asked for). grad_output and output:
+// (B, Lq, H, D); lse: (B, H, Lq); single_key: (1 or B, Lq) uint8, 1 for a row that sees one key (its dS is 0 exactly:
+// dP - rowsum(dO * O) is 0 there up to rounding, and the prior's gradient at distance 0 is ~1e16 for beta = -3).
+// Flash-style: per block of rows, key tiles in order; P = exp(logit - lse), dP = dO V^T, dS = P (dP - rowsum(dO * O)),
+// dV += P^T dO, dK += scaling dS^T Q, dQ += scaling dS K, d table[j - position + P] += prior_scale dS,
+// d prior_factor += dS . table window. Every (batch, key/value head) pair is one task: its dK, dV are its own.
+std::vector<at::Tensor> bam_attention_backward(
+    const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& output, const at::Tensor& lse, const at::Tensor& table, const at::Tensor& prior_factor,
+    const at::Tensor& key_bias, const at::Tensor& single_key, double scaling_, int64_t first_position,
+    bool table_grad, bool factor_grad) {
+  check_inputs({grad_output, query, key, value, output, lse, table, prior_factor, key_bias});
+  TORCH_CHECK(single_key.scalar_type() == at::kByte && single_key.is_contiguous(), "single_key: contiguous uint8");
+  const Problem p(query, key, table, prior_factor, first_position);
+  const float scaling = static_cast<float>(scaling_);
+  auto grad_query = at::empty_like(query);
+  auto grad_key = at::zeros_like(key), grad_value = at::zeros_like(value);
+  auto grad_table = table_grad ? at::zeros({p.batch, p.heads, p.table_len}, table.options()) : at::empty({0}, table.options());
+  auto grad_factor = factor_grad ? at::zeros({p.batch, p.heads, p.q_len}, query.options()) : at::empty({0}, query.options());
+  const float *q = query.const_data_ptr<float>(), *k = key.const_data_ptr<float>();
+  const float *v = value.const_data_ptr<float>(), *tab = table.const_data_ptr<float>();
+  const float *dout = grad_output.const_data_ptr<float>(), *out = output.const_data_ptr<float>();
+  const float* lse_in = lse.const_data_ptr<float>();
+  const float* fac = prior_factor.numel() ? prior_factor.const_data_ptr<float>() : nullptr;
+  const float* bias = key_bias.numel() ? key_bias.const_data_ptr<float>() : nullptr;
+  const uint8_t* single = single_key.const_data_ptr<uint8_t>();
+  const int64_t single_batch = single_key.size(0);
+  float *dq = grad_query.data_ptr<float>(), *dk = grad_key.data_ptr<float>(), *dv = grad_value.data_ptr<float>();
+  float* dtab = table_grad ? grad_table.data_ptr<float>() : nullptr;
+  float* dfac = factor_grad ? grad_factor.data_ptr<float>() : nullptr;
+  const int64_t max_rows = p.group * QUERY_BLOCK, dim = p.dim;
+
+  at::parallel_for(0, p.batch * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    FlushSubnormals flush;
+    std::vector<float> stacked(max_rows * dim), grads(max_rows * dim), acc(max_rows * dim);
+    std::vector<float> probs(max_rows * KEY_TILE), dscores(max_rows * KEY_TILE);
+    std::vector<float> row_lse(max_rows), delta(max_rows), prior_scale(max_rows);
+    std::vector<uint8_t> row_single(max_rows);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / p.kv_heads, kvh = task % p.kv_heads;
+      const float* k_head = k + (b * p.kv_heads + kvh) * p.k_len * dim;
+      const float* v_head = v + (b * p.kv_heads + kvh) * p.k_len * dim;
+      float* dk_head = dk + (b * p.kv_heads + kvh) * p.k_len * dim;
+      float* dv_head = dv + (b * p.kv_heads + kvh) * p.k_len * dim;
+      for (int64_t first_row = 0; first_row < p.q_len; first_row += QUERY_BLOCK) {
+        const int64_t rows = std::min(QUERY_BLOCK, p.q_len - first_row), m = p.group * rows;
+        for (int64_t row = 0; row < m; ++row) {
+          const int64_t h = p.head(kvh, row, rows), r = row % rows, query_row = first_row + r;
+          std::memcpy(stacked.data() + row * dim, q + ((b * p.heads + h) * p.q_len + query_row) * dim,
+                      sizeof(float) * dim);
+          const int64_t out_index = ((b * p.q_len + query_row) * p.heads + h) * dim;
+          std::memcpy(grads.data() + row * dim, dout + out_index, sizeof(float) * dim);
+          delta[row] = dot(dout + out_index, out + out_index, dim);
+          row_lse[row] = lse_in[(b * p.heads + h) * p.q_len + query_row];
+          prior_scale[row] = fac ? fac[p.factor_index(b, h, query_row)] : 1.0f;
+          row_single[row] = single[(single_batch > 1 ? b : 0) * p.q_len + query_row];
+        }
+        std::fill(acc.begin(), acc.begin() + m * dim, 0.0f);
+        const int64_t block_keys = first_position + first_row + rows;
+        for (int64_t first_key = 0; first_key < block_keys; first_key += KEY_TILE) {
+          const int64_t width = std::min(KEY_TILE, block_keys - first_key);
+          gemm(false, true, m, width, dim, 1.0f, stacked.data(), dim, k_head + first_key * dim, dim, 0.0f,
+               probs.data(), KEY_TILE);
+          gemm(false, true, m, width, dim, 1.0f, grads.data(), dim, v_head + first_key * dim, dim, 0.0f,
+               dscores.data(), KEY_TILE);
+          for (int64_t row = 0; row < m; ++row) {
+            const int64_t h = p.head(kvh, row, rows), query_row = first_row + row % rows;
+            const int64_t position = first_position + query_row;
+            const int64_t visible = std::min(width, position - first_key + 1);
+            float* prob = probs.data() + row * KEY_TILE;
+            float* ds = dscores.data() + row * KEY_TILE;
+            if (visible <= 0) {
+              std::memset(prob, 0, sizeof(float) * width);
+              std::memset(ds, 0, sizeof(float) * width);
+              continue;
+            }
+            const float* window = tab + h * p.table_len + (first_key - position + p.last);
+            const float* key_row_bias = bias ? bias + b * p.k_len + first_key : nullptr;
+            write_logits(prob, window, key_row_bias, visible, scaling, prior_scale[row]);
+            exponentiate(prob, visible, width, row_lse[row]);
+            if (row_single[row]) {  // dV takes its P (1 on its key), nothing else
+              std::memset(ds, 0, sizeof(float) * width);
+              continue;
+            }
+            // dS = P (dP - delta), 0 past the visible keys (P is 0 there)
+            const Vec vdelta(delta[row]);
+            int64_t t = 0;
+            for (; t + Vec::size() <= width; t += Vec::size())
+              (Vec::loadu(prob + t) * (Vec::loadu(ds + t) - vdelta)).store(ds + t);
+            for (; t < width; ++t) ds[t] = prob[t] * (ds[t] - delta[row]);
+            if (dtab) add_scaled(dtab + (b * p.heads + h) * p.table_len + (first_key - position + p.last), ds,
+                                 prior_scale[row], visible);
+            if (dfac) dfac[(b * p.heads + h) * p.q_len + query_row] += dot(ds, window, visible);
+          }
+          gemm(true, false, width, dim, m, 1.0f, probs.data(), KEY_TILE, grads.data(), dim, 1.0f,
+               dv_head + first_key * dim, dim);
+          gemm(true, false, width, dim, m, scaling, dscores.data(), KEY_TILE, stacked.data(), dim, 1.0f,
+               dk_head + first_key * dim, dim);
+          gemm(false, false, m, dim, width, scaling, dscores.data(), KEY_TILE, k_head + first_key * dim, dim, 1.0f,
+               acc.data(), dim);
+        }
+        for (int64_t row = 0; row < m; ++row) {
+          const int64_t h = p.head(kvh, row, rows), r = row % rows;
+          std::memcpy(dq + ((b * p.heads + h) * p.q_len + first_row + r) * dim, acc.data() + row * dim,
+                      sizeof(float) * dim);
+        }
+      }
+    }
+  });
+  return {grad_query, grad_key, grad_value, grad_table, grad_factor};
 }
 
 TORCH_LIBRARY(LIBRARY_NAME, m) {
-  m.def("forward(Tensor query, Tensor key, Tensor value, Tensor table, Tensor factor, Tensor key_bias, float scaling, "
-        "bool ssmax_prior, int first_position) -> Tensor");
+  m.def("forward(Tensor query, Tensor key, Tensor value, Tensor table, Tensor prior_factor, Tensor key_bias, "
+        "float scaling, int first_position, bool with_lse) -> (Tensor, Tensor)");
+  m.def("backward(Tensor grad_output, Tensor query, Tensor key, Tensor value, Tensor output, Tensor lse, "
+        "Tensor table, Tensor prior_factor, Tensor key_bias, Tensor single_key, float scaling, int first_position, "
+        "bool table_grad, bool factor_grad) -> Tensor[]");
   m.impl("forward", c10::DispatchKey::CPU, &bam_attention_forward);
+  m.impl("backward", c10::DispatchKey::CPU, &bam_attention_backward);
 }
 """
 
@@ -255,25 +414,70 @@ def bam_attention_fused_cpu(
     first_position: int,
     prior_table: torch.Tensor,
     scaling: float,
-    row_factor: torch.Tensor | None,
-    ssmax_prior: bool,
+    prior_factor: torch.Tensor | None,
     key_bias: torch.Tensor | None,
+    counts: torch.Tensor,
 ) -> torch.Tensor:
-    """Attention of queries at positions first_position .. P against keys 0 .. P, float32, no gradients.
+    """Attention of queries at positions first_position .. P against keys 0 .. P, float32, differentiable in the
+    query, key, value, table and prior factor:
+
+        logit_ij = scaling q_i.k_j + prior_factor_i * table[j - p_i + P] + key_bias_j,   j <= p_i
 
     Args:
-        query: (B, H, Lq, D); key, value: (B, Hkv, Lk >= P + 1, D).
+        query: (B, H, Lq, D), the SSMax factor c_i already multiplied in; key, value: (B, Hkv, Lk >= P + 1, D).
         prior_table: (H, P + 1) prior at distances -P .. 0.
-        row_factor: (1 or B, H, Lq) SSMax factor c_i, or None.
+        prior_factor: (1 or B, H, Lq) c_i where SSMax scales the prior, or None.
         key_bias: (B, Lk) 0 for a key, a large negative score for padding, or None.
+        counts: (1 or B, Lq) keys each query sees (a row that sees one key has no score gradient).
     Returns:
         (B, Lq, H, D).
     """
-    name = _library()
-    empty = query.new_empty(0)
-    operator = getattr(torch.ops, name).forward
-    return operator(
-        query.contiguous(), key.contiguous(), value.contiguous(), prior_table.contiguous(),
-        empty if row_factor is None else row_factor.contiguous(), empty if key_bias is None else key_bias.contiguous(),
-        float(scaling), bool(ssmax_prior), int(first_position),
+    tensors = (query, key, value, prior_table, prior_factor, key_bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return _FusedAttention.apply(*tensors, counts, scaling, first_position)
+    output, _ = _forward(*tensors, scaling, first_position, with_lse=False)
+    return output
+
+
+def _operators():
+    return getattr(torch.ops, _library())
+
+
+def _contiguous(tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0) if tensor is None else tensor.detach().contiguous()
+
+
+def _forward(query, key, value, table, prior_factor, key_bias, scaling, first_position, with_lse):
+    return _operators().forward(
+        *(_contiguous(t, query) for t in (query, key, value, table, prior_factor, key_bias)), float(scaling),
+        int(first_position), with_lse,
     )
+
+
+class _FusedAttention(torch.autograd.Function):
+    """The kernel's forward (keeping each row's log-sum-exp) and its flash-style backward (O(L) memory)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, table, prior_factor, key_bias, counts, scaling, first_position):
+        output, lse = _forward(query, key, value, table, prior_factor, key_bias, scaling, first_position, True)
+        ctx.save_for_backward(query, key, value, table, prior_factor, key_bias, counts, output, lse)
+        ctx.arguments = (scaling, first_position)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, table, prior_factor, key_bias, counts, output, lse = ctx.saved_tensors
+        scaling, first_position = ctx.arguments
+        table_grad, factor_grad = ctx.needs_input_grad[3], prior_factor is not None and ctx.needs_input_grad[4]
+        single_key = (counts == 1).to(torch.uint8).contiguous()
+        grad_query, grad_key, grad_value, grad_table, grad_factor = _operators().backward(
+            grad_output.contiguous(), *(_contiguous(t, query) for t in (query, key, value, output, lse, table)),
+            _contiguous(prior_factor, query), _contiguous(key_bias, query), single_key, float(scaling),
+            int(first_position), table_grad, factor_grad,
+        )
+        grad_table = grad_table.sum(0) if table_grad else None
+        if factor_grad and prior_factor.shape[0] == 1:
+            grad_factor = grad_factor.sum(0, keepdim=True)
+        return (
+            grad_query, grad_key, grad_value, grad_table, grad_factor if factor_grad else None, None, None, None, None
+        )

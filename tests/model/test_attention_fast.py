@@ -300,8 +300,11 @@ def test_long_key_blocks_keep_32_queries_and_stay_exact(monkeypatch, queries):
     the 6 MiB mask budget alone would leave 30 queries a call (15 of all 4 heads for a 40-query chunk), below SDPA's
     CPU tiles. Every call keeps 32 queries of whole key/value groups, the last block the rest, and the rows, left
     padding and SSMax counts included, match the float64 reference. The prior's parameters require gradients here:
-    the untiled path that training and compiled graphs take (inference past 8K keys runs key tiles, tested below)."""
+    the untiled path that compiled training graphs take (inference past 8K keys runs key tiles, tested below), with
+    the fused CPU kernel, which eager float32 calls run instead, switched off."""
     import bam_llama.model.blocked_bam as attention
+
+    monkeypatch.setenv("BAM_FUSED_CPU", "0")
 
     shapes = []
     sdpa = attention.F.scaled_dot_product_attention

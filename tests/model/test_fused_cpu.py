@@ -85,22 +85,68 @@ def test_fused_kernel_matches_float64_reference(monkeypatch, case):
         torch.testing.assert_close(actual[1, :, 5], own_value, atol=1e-6, rtol=1e-6)
 
 
-def test_gradients_and_explicit_blocks_keep_blocked_sdpa(monkeypatch):
-    """Training (a prior that requires gradients), explicit block shapes, packed documents and float64 run the
-    blocked SDPA paths, which the kernel has no backward or document ids for."""
-    heads, kv_heads, queries, offset, *_ = CASES["ssmax_prior_gqa2_offset"]
+def reference_gradients(query, key, value, positions, thetas, scale, ssmax_prior, key_valid, grad_output):
+    parameters = [query, key, value, *thetas.values()] + ([scale] if scale is not None else [])
+    expected = reference.bam_attention(
+        query, key, value, positions, **thetas, ssmax_scale=scale, ssmax_prior=ssmax_prior, key_valid=key_valid
+    )
+    return expected, torch.autograd.grad(expected, parameters, grad_output.double())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_gradients_match_float64_reference(monkeypatch, case):
+    """The kernel's backward: dQ, dK, dV per element, the prior's parameters and the SSMax scales per head."""
+    heads, kv_heads, queries, offset, ssmax, ssmax_prior, padded = CASES[case]
+    query, key, value, positions, key_valid = inputs(heads, kv_heads, queries, offset, padded)
+    for tensor in (query, key, value):
+        tensor.requires_grad_()
+    thetas = {name: value[:heads].clone().requires_grad_() for name, value in THETAS.items()}
+    scale = SSMAX_SCALE[:heads].clone().requires_grad_() if ssmax else None
+    calls = fused_calls(monkeypatch)
+    table = ggd_bias(torch.arange(-int(positions[-1]), 1), **thetas)
+    output = bam_attention_blocked(
+        query, key, value, positions, table, query.shape[-1] ** -0.5, ssmax_scale=scale, ssmax_prior=ssmax_prior,
+        key_valid=key_valid,
+    )
+    assert len(calls) == 1
+    grad_output = torch.randn(output.shape, generator=torch.Generator().manual_seed(5))
+    parameters = [query, key, value, *thetas.values()] + ([scale] if ssmax else [])
+    actual = torch.autograd.grad(output, parameters, grad_output)
+    expected_output, expected = reference_gradients(
+        query, key, value, positions, thetas, scale, ssmax_prior, key_valid, grad_output
+    )
+    torch.testing.assert_close(output.double(), expected_output, atol=2e-5, rtol=1e-4)
+    names = ["query", "key", "value", *thetas] + (["ssmax scale"] if ssmax else [])
+    for name, got, want in zip(names, actual, expected):
+        if got.dim() == 1:  # per head: a wrong head cannot hide behind a large one
+            for head in range(heads):
+                torch.testing.assert_close(
+                    got[head].double(), want[head].double(), atol=1e-5 * (1 + float(want.abs().max())), rtol=1e-4,
+                    msg=lambda m: f"{name}, head {head}: {m}",
+                )
+        else:
+            torch.testing.assert_close(got.double(), want.double(), atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_dropout_packed_documents_explicit_blocks_and_float64_keep_blocked_sdpa(monkeypatch):
+    """Dropout, packed documents (no document ids in the kernel), explicit block shapes and float64 run the blocked
+    SDPA paths; a training call and an inference call run the kernel."""
+    heads, kv_heads = 4, 2
     query, key, value, positions, _ = inputs(heads, kv_heads, 40, 10, False)
     table = ggd_bias(torch.arange(-int(positions[-1]), 1), **{n: v[:heads] for n, v in THETAS.items()})
     calls = fused_calls(monkeypatch)
     scaling = query.shape[-1] ** -0.5
-    bam_attention_blocked(query, key, value, positions, table.requires_grad_(), scaling)
+    bam_attention_blocked(query, key, value, positions, table.requires_grad_(), scaling, dropout=0.1)
+    bam_attention_blocked(query, key, value, positions, table, scaling, block_rows=8)
+    bam_attention_blocked(query, key, value, positions, table, scaling, document_ids=torch.zeros(2, 50).long())
     with torch.no_grad():
-        bam_attention_blocked(query, key, value, positions, table, scaling, block_rows=8)
-        bam_attention_blocked(query, key, value, positions, table, scaling, document_ids=torch.zeros(2, 50).long())
         bam_attention_blocked(query.double(), key.double(), value.double(), positions, table.double(), scaling)
-        assert calls == []
+    assert calls == []
+    bam_attention_blocked(query, key, value, positions, table, scaling).sum().backward()
+    assert table.grad is not None and len(calls) == 1
+    with torch.no_grad():
         bam_attention_blocked(query, key, value, positions, table, scaling)
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_switched_off_or_unbuilt_the_model_runs_blocked_sdpa_alike(monkeypatch):
