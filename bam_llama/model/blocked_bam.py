@@ -177,12 +177,12 @@ def _attention_over_query_blocks(
     group = heads // key.shape[1]
     prior_trains = torch.is_grad_enabled() and (prior_table.requires_grad or (scale_prior and row_factor.requires_grad))
     inputs_train = _needs_gradient(query, key, value, row_factor)  # the row factor is folded into q
-    if not (block_rows or block_heads) and dropout == 0.0 and document_ids is None and _fused_kernel_runs(query):
+    if not (block_rows or block_heads) and dropout == 0.0 and _fused_kernel_runs(query, document_ids):
         row_factor = None if row_factor is None else row_factor.to(compute_dtype)
         output = bam_attention_fused_cpu(
             query if row_factor is None else query * row_factor, key, value, last - q_len + 1,
             prior_table.to(compute_dtype), scaling, row_factor[..., 0] if scale_prior else None,
-            _key_bias(key_valid, compute_dtype), counts,
+            _key_bias(key_valid, compute_dtype), _document_starts(document_ids, query_positions), counts,
         )
         return output if key_valid is None else output.masked_fill((counts == 0)[:, :, None, None], 0.0)
     key_tiled = _in_key_tiles(query, last + 1, mask_is_view, prior_trains or inputs_train, dropout)
@@ -234,14 +234,28 @@ def _attention_over_query_blocks(
     return output
 
 
-def _fused_kernel_runs(query: torch.Tensor) -> bool:
+def _fused_kernel_runs(query: torch.Tensor, document_ids: torch.Tensor | None) -> bool:
     """Whether the queries run `fused_cpu_bam`'s kernel: eager float32 code on the CPU (a traced graph reaches it
     without gradients through `_blocked_inference`; an exported program stays plain ATen), where the kernel could be
-    built."""
-    return (
-        query.device.type == "cpu" and query.dtype == torch.float32 and not torch.compiler.is_compiling()
-        and not exporting() and fused_cpu_available()
-    )
+    built, with packed documents only as runs of keys (ids that never decrease along a row, as the model's own
+    detection from restarting position_ids makes them): the kernel sees each query's keys from its document's first."""
+    eager_cpu = query.device.type == "cpu" and not torch.compiler.is_compiling() and not exporting()
+    if not eager_cpu or query.dtype != torch.float32:
+        return False
+    if document_ids is not None and not bool((document_ids[:, 1:] >= document_ids[:, :-1]).all()):
+        return False
+    return fused_cpu_available()
+
+
+def _document_starts(document_ids: torch.Tensor | None, query_positions: torch.Tensor) -> torch.Tensor | None:
+    """(B, Lq) index of the first key of each query's document (documents are runs of equal ids), or None."""
+    if document_ids is None:
+        return None
+    keys = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    run_start = torch.where(starts, keys, torch.zeros_like(keys)).cummax(-1).values
+    return run_start[:, query_positions]
 
 
 def _key_bias(key_valid: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

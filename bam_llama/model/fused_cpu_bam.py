@@ -93,11 +93,12 @@ float write_logits(float* scores, const float* table, const float* key_bias, int
   return row_max;
 }
 
-// scores[t] = exp(scores[t] - shift) for t < visible, 0 for visible <= t < width; returns their sum
-float exponentiate(float* scores, int64_t visible, int64_t width, float shift) {
+// scores[t] = exp(scores[t] - shift) for lo <= t < visible, 0 elsewhere in 0 .. width - 1; returns their sum
+float exponentiate(float* scores, int64_t lo, int64_t visible, int64_t width, float shift) {
   const Vec vshift(shift);
   Vec vsum(0.0f);
-  int64_t t = 0;
+  if (lo > 0) std::memset(scores, 0, sizeof(float) * lo);
+  int64_t t = lo;
   for (; t + Vec::size() <= visible; t += Vec::size()) {
     Vec p = (Vec::loadu(scores + t) - vshift).exp_u20();
     p.store(scores + t);
@@ -148,10 +149,26 @@ struct Problem {
                 "bam fused attention: the table, the positions and the keys disagree");
   }
   int64_t head(int64_t kv_head, int64_t row, int64_t rows) const { return kv_head * group + row / rows; }
+  // the first key row `query_row` of batch b may see: its document's first (0 without documents)
+  int64_t document_start(const int64_t* key_start, int64_t b, int64_t query_row) const {
+    return key_start ? key_start[b * q_len + query_row] : 0;
+  }
   int64_t factor_index(int64_t b, int64_t h, int64_t query_row) const {
     return ((factor_batch > 1 ? b : 0) * heads + h) * q_len + query_row;
   }
 };
+
+// The first key tile any of a block's rows sees (tiles before it hold other documents' keys only)
+int64_t first_tile(const std::vector<int64_t>& row_start, int64_t rows) {
+  const int64_t first = *std::min_element(row_start.begin(), row_start.begin() + rows);
+  return first / KEY_TILE * KEY_TILE;
+}
+
+void check_key_start(const at::Tensor& key_start, const at::Tensor& query) {
+  TORCH_CHECK(key_start.numel() == 0 || (key_start.scalar_type() == at::kLong && key_start.is_contiguous() &&
+                                         key_start.size(0) == query.size(0) && key_start.size(1) == query.size(2)),
+              "key_start: contiguous int64 (B, Lq)");
+}
 
 void check_inputs(const std::vector<at::Tensor>& tensors) {
   for (const auto& t : tensors)
@@ -167,9 +184,10 @@ void check_inputs(const std::vector<at::Tensor>& tensors) {
 // with_lse, the log-sum-exp of every row (B, H, Lq) for the backward.
 std::tuple<at::Tensor, at::Tensor> bam_attention_forward(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& table,
-    const at::Tensor& prior_factor, const at::Tensor& key_bias, double scaling_, int64_t first_position,
-    bool with_lse) {
+    const at::Tensor& prior_factor, const at::Tensor& key_bias, const at::Tensor& key_start, double scaling_,
+    int64_t first_position, bool with_lse) {
   check_inputs({query, key, value, table, prior_factor, key_bias});
+  check_key_start(key_start, query);
   const Problem p(query, key, table, prior_factor, first_position);
   const float scaling = static_cast<float>(scaling_);
   auto output = at::empty({p.batch, p.q_len, p.heads, p.dim}, query.options());
@@ -178,6 +196,7 @@ std::tuple<at::Tensor, at::Tensor> bam_attention_forward(
   const float *v = value.const_data_ptr<float>(), *tab = table.const_data_ptr<float>();
   const float* fac = prior_factor.numel() ? prior_factor.const_data_ptr<float>() : nullptr;
   const float* bias = key_bias.numel() ? key_bias.const_data_ptr<float>() : nullptr;
+  const int64_t* starts = key_start.numel() ? key_start.const_data_ptr<int64_t>() : nullptr;
   float* out = output.data_ptr<float>();
   float* lse_out = with_lse ? lse.data_ptr<float>() : nullptr;
   const int64_t max_rows = p.group * QUERY_BLOCK, dim = p.dim;
@@ -186,6 +205,7 @@ std::tuple<at::Tensor, at::Tensor> bam_attention_forward(
     FlushSubnormals flush;
     std::vector<float> stacked(max_rows * dim), scores(max_rows * KEY_TILE), acc(max_rows * dim);
     std::vector<float> row_max(max_rows), row_sum(max_rows), prior_scale(max_rows);
+    std::vector<int64_t> row_start(max_rows);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (p.kv_heads * p.blocks), kvh = (task / p.blocks) % p.kv_heads;
       const int64_t first_row = (task % p.blocks) * QUERY_BLOCK, rows = std::min(QUERY_BLOCK, p.q_len - first_row);
@@ -195,6 +215,7 @@ std::tuple<at::Tensor, at::Tensor> bam_attention_forward(
         std::memcpy(stacked.data() + row * dim, q + ((b * p.heads + h) * p.q_len + first_row + r) * dim,
                     sizeof(float) * dim);
         prior_scale[row] = fac ? fac[p.factor_index(b, h, first_row + r)] : 1.0f;
+        row_start[row] = p.document_start(starts, b, first_row + r);
       }
       std::fill(row_max.begin(), row_max.begin() + m, MINUS_INFINITY);
       std::fill(row_sum.begin(), row_sum.begin() + m, 0.0f);
@@ -202,25 +223,28 @@ std::tuple<at::Tensor, at::Tensor> bam_attention_forward(
       const float* k_head = k + (b * p.kv_heads + kvh) * p.k_len * dim;
       const float* v_head = v + (b * p.kv_heads + kvh) * p.k_len * dim;
       const int64_t block_keys = first_position + first_row + rows;  // keys 0 .. the block's last position
-      for (int64_t first_key = 0; first_key < block_keys; first_key += KEY_TILE) {
+      for (int64_t first_key = first_tile(row_start, m); first_key < block_keys; first_key += KEY_TILE) {
         const int64_t width = std::min(KEY_TILE, block_keys - first_key);
         gemm(false, true, m, width, dim, 1.0f, stacked.data(), dim, k_head + first_key * dim, dim, 0.0f,
              scores.data(), KEY_TILE);
         for (int64_t row = 0; row < m; ++row) {
           const int64_t h = p.head(kvh, row, rows), position = first_position + first_row + row % rows;
+          // keys lo .. visible - 1 of the tile: from the document's first key to the row's own position
+          const int64_t lo = std::max<int64_t>(0, row_start[row] - first_key);
           const int64_t visible = std::min(width, position - first_key + 1);
           float* s = scores.data() + row * KEY_TILE;
-          if (visible <= 0) {  // every key of the tile is in this row's future
+          if (visible <= lo) {  // every key of the tile is in this row's future, or before its document
             std::memset(s, 0, sizeof(float) * width);
             continue;
           }
           const float* window = tab + h * p.table_len + (first_key - position + p.last);  // key j: j - position + P
-          const float* key_row_bias = bias ? bias + b * p.k_len + first_key : nullptr;
-          const float tile_max = write_logits(s, window, key_row_bias, visible, scaling, prior_scale[row]);
+          const float* key_row_bias = bias ? bias + b * p.k_len + first_key + lo : nullptr;
+          const float tile_max =
+              write_logits(s + lo, window + lo, key_row_bias, visible - lo, scaling, prior_scale[row]);
           const float new_max = std::max(row_max[row], tile_max);
-          const float correction = std::exp(row_max[row] - new_max);  // exp(-inf) = 0 on the first tile
-          row_sum[row] = row_sum[row] * correction + exponentiate(s, visible, width, new_max);
-          if (row_max[row] != new_max && first_key > 0) scale_row(acc.data() + row * dim, dim, correction);
+          const float correction = std::exp(row_max[row] - new_max);  // exp(-inf) = 0 on the row's first tile
+          row_sum[row] = row_sum[row] * correction + exponentiate(s, lo, visible, width, new_max);
+          if (row_max[row] != new_max) scale_row(acc.data() + row * dim, dim, correction);
           row_max[row] = new_max;
         }
         gemm(false, false, m, dim, width, 1.0f, scores.data(), KEY_TILE, v_head + first_key * dim, dim, 1.0f,
@@ -248,9 +272,10 @@ std::tuple<at::Tensor, at::Tensor> bam_attention_forward(
 std::vector<at::Tensor> bam_attention_backward(
     const at::Tensor& grad_output, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& output, const at::Tensor& lse, const at::Tensor& table, const at::Tensor& prior_factor,
-    const at::Tensor& key_bias, const at::Tensor& single_key, double scaling_, int64_t first_position,
-    bool table_grad, bool factor_grad) {
+    const at::Tensor& key_bias, const at::Tensor& key_start, const at::Tensor& single_key, double scaling_,
+    int64_t first_position, bool table_grad, bool factor_grad) {
   check_inputs({grad_output, query, key, value, output, lse, table, prior_factor, key_bias});
+  check_key_start(key_start, query);
   TORCH_CHECK(single_key.scalar_type() == at::kByte && single_key.is_contiguous(), "single_key: contiguous uint8");
   const Problem p(query, key, table, prior_factor, first_position);
   const float scaling = static_cast<float>(scaling_);
@@ -265,6 +290,7 @@ std::vector<at::Tensor> bam_attention_backward(
   const float* fac = prior_factor.numel() ? prior_factor.const_data_ptr<float>() : nullptr;
   const float* bias = key_bias.numel() ? key_bias.const_data_ptr<float>() : nullptr;
   const uint8_t* single = single_key.const_data_ptr<uint8_t>();
+  const int64_t* starts = key_start.numel() ? key_start.const_data_ptr<int64_t>() : nullptr;
   const int64_t single_batch = single_key.size(0);
   float *dq = grad_query.data_ptr<float>(), *dk = grad_key.data_ptr<float>(), *dv = grad_value.data_ptr<float>();
   float* dtab = table_grad ? grad_table.data_ptr<float>() : nullptr;
@@ -277,6 +303,7 @@ std::vector<at::Tensor> bam_attention_backward(
     std::vector<float> probs(max_rows * KEY_TILE), dscores(max_rows * KEY_TILE);
     std::vector<float> row_lse(max_rows), delta(max_rows), prior_scale(max_rows);
     std::vector<uint8_t> row_single(max_rows);
+    std::vector<int64_t> row_start(max_rows);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / p.kv_heads, kvh = task % p.kv_heads;
       const float* k_head = k + (b * p.kv_heads + kvh) * p.k_len * dim;
@@ -295,10 +322,11 @@ std::vector<at::Tensor> bam_attention_backward(
           row_lse[row] = lse_in[(b * p.heads + h) * p.q_len + query_row];
           prior_scale[row] = fac ? fac[p.factor_index(b, h, query_row)] : 1.0f;
           row_single[row] = single[(single_batch > 1 ? b : 0) * p.q_len + query_row];
+          row_start[row] = p.document_start(starts, b, query_row);
         }
         std::fill(acc.begin(), acc.begin() + m * dim, 0.0f);
         const int64_t block_keys = first_position + first_row + rows;
-        for (int64_t first_key = 0; first_key < block_keys; first_key += KEY_TILE) {
+        for (int64_t first_key = first_tile(row_start, m); first_key < block_keys; first_key += KEY_TILE) {
           const int64_t width = std::min(KEY_TILE, block_keys - first_key);
           gemm(false, true, m, width, dim, 1.0f, stacked.data(), dim, k_head + first_key * dim, dim, 0.0f,
                probs.data(), KEY_TILE);
@@ -307,18 +335,19 @@ std::vector<at::Tensor> bam_attention_backward(
           for (int64_t row = 0; row < m; ++row) {
             const int64_t h = p.head(kvh, row, rows), query_row = first_row + row % rows;
             const int64_t position = first_position + query_row;
+            const int64_t lo = std::max<int64_t>(0, row_start[row] - first_key);
             const int64_t visible = std::min(width, position - first_key + 1);
             float* prob = probs.data() + row * KEY_TILE;
             float* ds = dscores.data() + row * KEY_TILE;
-            if (visible <= 0) {
+            if (visible <= lo) {
               std::memset(prob, 0, sizeof(float) * width);
               std::memset(ds, 0, sizeof(float) * width);
               continue;
             }
             const float* window = tab + h * p.table_len + (first_key - position + p.last);
-            const float* key_row_bias = bias ? bias + b * p.k_len + first_key : nullptr;
-            write_logits(prob, window, key_row_bias, visible, scaling, prior_scale[row]);
-            exponentiate(prob, visible, width, row_lse[row]);
+            const float* key_row_bias = bias ? bias + b * p.k_len + first_key + lo : nullptr;
+            write_logits(prob + lo, window + lo, key_row_bias, visible - lo, scaling, prior_scale[row]);
+            exponentiate(prob, lo, visible, width, row_lse[row]);
             if (row_single[row]) {  // dV takes its P (1 on its key), nothing else
               std::memset(ds, 0, sizeof(float) * width);
               continue;
@@ -329,9 +358,9 @@ std::vector<at::Tensor> bam_attention_backward(
             for (; t + Vec::size() <= width; t += Vec::size())
               (Vec::loadu(prob + t) * (Vec::loadu(ds + t) - vdelta)).store(ds + t);
             for (; t < width; ++t) ds[t] = prob[t] * (ds[t] - delta[row]);
-            if (dtab) add_scaled(dtab + (b * p.heads + h) * p.table_len + (first_key - position + p.last), ds,
-                                 prior_scale[row], visible);
-            if (dfac) dfac[(b * p.heads + h) * p.q_len + query_row] += dot(ds, window, visible);
+            if (dtab) add_scaled(dtab + (b * p.heads + h) * p.table_len + (first_key - position + p.last) + lo,
+                                 ds + lo, prior_scale[row], visible - lo);
+            if (dfac) dfac[(b * p.heads + h) * p.q_len + query_row] += dot(ds + lo, window + lo, visible - lo);
           }
           gemm(true, false, width, dim, m, 1.0f, probs.data(), KEY_TILE, grads.data(), dim, 1.0f,
                dv_head + first_key * dim, dim);
@@ -353,9 +382,10 @@ std::vector<at::Tensor> bam_attention_backward(
 
 TORCH_LIBRARY(LIBRARY_NAME, m) {
   m.def("forward(Tensor query, Tensor key, Tensor value, Tensor table, Tensor prior_factor, Tensor key_bias, "
-        "float scaling, int first_position, bool with_lse) -> (Tensor, Tensor)");
+        "Tensor key_start, float scaling, int first_position, bool with_lse) -> (Tensor, Tensor)");
   m.def("backward(Tensor grad_output, Tensor query, Tensor key, Tensor value, Tensor output, Tensor lse, "
-        "Tensor table, Tensor prior_factor, Tensor key_bias, Tensor single_key, float scaling, int first_position, "
+        "Tensor table, Tensor prior_factor, Tensor key_bias, Tensor key_start, Tensor single_key, float scaling, "
+        "int first_position, "
         "bool table_grad, bool factor_grad) -> Tensor[]");
   m.impl("forward", c10::DispatchKey::CPU, &bam_attention_forward);
   m.impl("backward", c10::DispatchKey::CPU, &bam_attention_backward);
@@ -416,24 +446,26 @@ def bam_attention_fused_cpu(
     scaling: float,
     prior_factor: torch.Tensor | None,
     key_bias: torch.Tensor | None,
+    key_start: torch.Tensor | None,
     counts: torch.Tensor,
 ) -> torch.Tensor:
     """Attention of queries at positions first_position .. P against keys 0 .. P, float32, differentiable in the
     query, key, value, table and prior factor:
 
-        logit_ij = scaling q_i.k_j + prior_factor_i * table[j - p_i + P] + key_bias_j,   j <= p_i
+        logit_ij = scaling q_i.k_j + prior_factor_i * table[j - p_i + P] + key_bias_j,   key_start_i <= j <= p_i
 
     Args:
         query: (B, H, Lq, D), the SSMax factor c_i already multiplied in; key, value: (B, Hkv, Lk >= P + 1, D).
         prior_table: (H, P + 1) prior at distances -P .. 0.
         prior_factor: (1 or B, H, Lq) c_i where SSMax scales the prior, or None.
         key_bias: (B, Lk) 0 for a key, a large negative score for padding, or None.
+        key_start: (B, Lq) int64 first key each query sees (its document's first: packed sequences), or None (0).
         counts: (1 or B, Lq) keys each query sees (a row that sees one key has no score gradient).
     Returns:
         (B, Lq, H, D).
     """
-    tensors = (query, key, value, prior_table, prior_factor, key_bias)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    tensors = (query, key, value, prior_table, prior_factor, key_bias, key_start)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors[:5]):
         return _FusedAttention.apply(*tensors, counts, scaling, first_position)
     output, _ = _forward(*tensors, scaling, first_position, with_lse=False)
     return output
@@ -447,10 +479,14 @@ def _contiguous(tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor
     return like.new_empty(0) if tensor is None else tensor.detach().contiguous()
 
 
-def _forward(query, key, value, table, prior_factor, key_bias, scaling, first_position, with_lse):
+def _key_starts(key_start: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0, dtype=torch.long) if key_start is None else key_start.long().contiguous()
+
+
+def _forward(query, key, value, table, prior_factor, key_bias, key_start, scaling, first_position, with_lse):
     return _operators().forward(
-        *(_contiguous(t, query) for t in (query, key, value, table, prior_factor, key_bias)), float(scaling),
-        int(first_position), with_lse,
+        *(_contiguous(t, query) for t in (query, key, value, table, prior_factor, key_bias)),
+        _key_starts(key_start, query), float(scaling), int(first_position), with_lse,
     )
 
 
@@ -458,26 +494,30 @@ class _FusedAttention(torch.autograd.Function):
     """The kernel's forward (keeping each row's log-sum-exp) and its flash-style backward (O(L) memory)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, table, prior_factor, key_bias, counts, scaling, first_position):
-        output, lse = _forward(query, key, value, table, prior_factor, key_bias, scaling, first_position, True)
-        ctx.save_for_backward(query, key, value, table, prior_factor, key_bias, counts, output, lse)
+    def forward(ctx, query, key, value, table, prior_factor, key_bias, key_start, counts, scaling, first_position):
+        output, lse = _forward(
+            query, key, value, table, prior_factor, key_bias, key_start, scaling, first_position, True
+        )
+        ctx.save_for_backward(query, key, value, table, prior_factor, key_bias, key_start, counts, output, lse)
         ctx.arguments = (scaling, first_position)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        query, key, value, table, prior_factor, key_bias, counts, output, lse = ctx.saved_tensors
+        query, key, value, table, prior_factor, key_bias, key_start, counts, output, lse = ctx.saved_tensors
         scaling, first_position = ctx.arguments
         table_grad, factor_grad = ctx.needs_input_grad[3], prior_factor is not None and ctx.needs_input_grad[4]
         single_key = (counts == 1).to(torch.uint8).contiguous()
         grad_query, grad_key, grad_value, grad_table, grad_factor = _operators().backward(
             grad_output.contiguous(), *(_contiguous(t, query) for t in (query, key, value, output, lse, table)),
-            _contiguous(prior_factor, query), _contiguous(key_bias, query), single_key, float(scaling),
+            _contiguous(prior_factor, query), _contiguous(key_bias, query), _key_starts(key_start, query), single_key,
+            float(scaling),
             int(first_position), table_grad, factor_grad,
         )
         grad_table = grad_table.sum(0) if table_grad else None
         if factor_grad and prior_factor.shape[0] == 1:
             grad_factor = grad_factor.sum(0, keepdim=True)
         return (
-            grad_query, grad_key, grad_value, grad_table, grad_factor if factor_grad else None, None, None, None, None
+            grad_query, grad_key, grad_value, grad_table, grad_factor if factor_grad else None,
+            None, None, None, None, None,
         )

@@ -26,13 +26,25 @@ THETAS = {
 SSMAX_SCALE = torch.tensor([0.6, 1.4, 0.9, 1.1, 0.8, 1.2, 0.5, 1.0])
 
 CASES = {
-    # name: (heads, kv_heads, queries, cache offset, ssmax, ssmax_prior, padded)
-    "ssmax_prior_gqa2_offset": (4, 2, 300, 400, True, True, False),
-    "ssmax_prior_padded_gqa4": (8, 2, 280, 250, True, True, True),
-    "ssmax_on_qk_gqa1_padded": (4, 4, 200, 330, True, False, True),
-    "prior_only_gqa2_no_offset": (4, 2, 600, 0, False, True, False),
-    "prior_only_padded_gqa2": (4, 2, 150, 600, False, True, True),
+    # name: (heads, kv_heads, queries, cache offset, ssmax, ssmax_prior, padded, packed)
+    "ssmax_prior_gqa2_offset": (4, 2, 300, 400, True, True, False, False),
+    "ssmax_prior_padded_gqa4": (8, 2, 280, 250, True, True, True, False),
+    "ssmax_on_qk_gqa1_padded": (4, 4, 200, 330, True, False, True, False),
+    "prior_only_gqa2_no_offset": (4, 2, 600, 0, False, True, False, False),
+    "prior_only_padded_gqa2": (4, 2, 150, 600, False, True, True, False),
+    "ssmax_prior_packed_gqa2": (4, 2, 700, 0, True, True, False, True),
+    "ssmax_on_qk_packed_padded_offset": (4, 2, 300, 400, True, False, True, True),
 }
+# packed rows: documents start at these keys (within a tile, on a tile's first key, past a block of rows)
+DOCUMENT_STARTS = ([137, 512, 530], [300, 601])
+
+
+def document_ids_for(keys: int) -> torch.Tensor:
+    ids = torch.zeros(2, keys, dtype=torch.long)
+    for row, starts in enumerate(DOCUMENT_STARTS):
+        for start in starts:
+            ids[row, start:] += 1
+    return ids
 
 
 def inputs(heads, kv_heads, queries, offset, padded, head_dim=8, seed=3):
@@ -62,8 +74,9 @@ def fused_calls(monkeypatch) -> list[tuple]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_kernel_matches_float64_reference(monkeypatch, case):
-    heads, kv_heads, queries, offset, ssmax, ssmax_prior, padded = CASES[case]
+    heads, kv_heads, queries, offset, ssmax, ssmax_prior, padded, packed = CASES[case]
     query, key, value, positions, key_valid = inputs(heads, kv_heads, queries, offset, padded)
+    document_ids = document_ids_for(queries + offset) if packed else None
     thetas = {name: value[:heads] for name, value in THETAS.items()}
     scale = SSMAX_SCALE[:heads] if ssmax else None
     table = ggd_bias(torch.arange(-int(positions[-1]), 1), **thetas)
@@ -71,11 +84,12 @@ def test_fused_kernel_matches_float64_reference(monkeypatch, case):
     with torch.no_grad():
         output = bam_attention_blocked(
             query, key, value, positions, table, query.shape[-1] ** -0.5, ssmax_scale=scale,
-            ssmax_prior=ssmax_prior, key_valid=key_valid,
+            ssmax_prior=ssmax_prior, key_valid=key_valid, document_ids=document_ids,
         )
     assert calls == [tuple(query.shape)]
     expected = reference.bam_attention(
-        query, key, value, positions, **thetas, ssmax_scale=scale, ssmax_prior=ssmax_prior, key_valid=key_valid
+        query, key, value, positions, **thetas, ssmax_scale=scale, ssmax_prior=ssmax_prior, key_valid=key_valid,
+        document_ids=document_ids,
     )
     actual = output.double()
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)  # the table is float32: as blocked SDPA
@@ -85,10 +99,13 @@ def test_fused_kernel_matches_float64_reference(monkeypatch, case):
         torch.testing.assert_close(actual[1, :, 5], own_value, atol=1e-6, rtol=1e-6)
 
 
-def reference_gradients(query, key, value, positions, thetas, scale, ssmax_prior, key_valid, grad_output):
+def reference_gradients(
+    query, key, value, positions, thetas, scale, ssmax_prior, key_valid, document_ids, grad_output
+):
     parameters = [query, key, value, *thetas.values()] + ([scale] if scale is not None else [])
     expected = reference.bam_attention(
-        query, key, value, positions, **thetas, ssmax_scale=scale, ssmax_prior=ssmax_prior, key_valid=key_valid
+        query, key, value, positions, **thetas, ssmax_scale=scale, ssmax_prior=ssmax_prior, key_valid=key_valid,
+        document_ids=document_ids,
     )
     return expected, torch.autograd.grad(expected, parameters, grad_output.double())
 
@@ -96,8 +113,9 @@ def reference_gradients(query, key, value, positions, thetas, scale, ssmax_prior
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_gradients_match_float64_reference(monkeypatch, case):
     """The kernel's backward: dQ, dK, dV per element, the prior's parameters and the SSMax scales per head."""
-    heads, kv_heads, queries, offset, ssmax, ssmax_prior, padded = CASES[case]
+    heads, kv_heads, queries, offset, ssmax, ssmax_prior, padded, packed = CASES[case]
     query, key, value, positions, key_valid = inputs(heads, kv_heads, queries, offset, padded)
+    document_ids = document_ids_for(queries + offset) if packed else None
     for tensor in (query, key, value):
         tensor.requires_grad_()
     thetas = {name: value[:heads].clone().requires_grad_() for name, value in THETAS.items()}
@@ -106,14 +124,14 @@ def test_fused_gradients_match_float64_reference(monkeypatch, case):
     table = ggd_bias(torch.arange(-int(positions[-1]), 1), **thetas)
     output = bam_attention_blocked(
         query, key, value, positions, table, query.shape[-1] ** -0.5, ssmax_scale=scale, ssmax_prior=ssmax_prior,
-        key_valid=key_valid,
+        key_valid=key_valid, document_ids=document_ids,
     )
     assert len(calls) == 1
     grad_output = torch.randn(output.shape, generator=torch.Generator().manual_seed(5))
     parameters = [query, key, value, *thetas.values()] + ([scale] if ssmax else [])
     actual = torch.autograd.grad(output, parameters, grad_output)
     expected_output, expected = reference_gradients(
-        query, key, value, positions, thetas, scale, ssmax_prior, key_valid, grad_output
+        query, key, value, positions, thetas, scale, ssmax_prior, key_valid, document_ids, grad_output
     )
     torch.testing.assert_close(output.double(), expected_output, atol=2e-5, rtol=1e-4)
     names = ["query", "key", "value", *thetas] + (["ssmax scale"] if ssmax else [])
@@ -128,9 +146,10 @@ def test_fused_gradients_match_float64_reference(monkeypatch, case):
             torch.testing.assert_close(got.double(), want.double(), atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
-def test_dropout_packed_documents_explicit_blocks_and_float64_keep_blocked_sdpa(monkeypatch):
-    """Dropout, packed documents (no document ids in the kernel), explicit block shapes and float64 run the blocked
-    SDPA paths; a training call and an inference call run the kernel."""
+def test_dropout_unordered_documents_explicit_blocks_and_float64_keep_blocked_sdpa(monkeypatch):
+    """Dropout, document ids that are not runs (an id back after another: the kernel knows a document by its first
+    key), explicit block shapes and float64 run the blocked SDPA paths; a training call and an inference call run
+    the kernel."""
     heads, kv_heads = 4, 2
     query, key, value, positions, _ = inputs(heads, kv_heads, 40, 10, False)
     table = ggd_bias(torch.arange(-int(positions[-1]), 1), **{n: v[:heads] for n, v in THETAS.items()})
@@ -138,7 +157,12 @@ def test_dropout_packed_documents_explicit_blocks_and_float64_keep_blocked_sdpa(
     scaling = query.shape[-1] ** -0.5
     bam_attention_blocked(query, key, value, positions, table.requires_grad_(), scaling, dropout=0.1)
     bam_attention_blocked(query, key, value, positions, table, scaling, block_rows=8)
-    bam_attention_blocked(query, key, value, positions, table, scaling, document_ids=torch.zeros(2, 50).long())
+    unordered = torch.tensor([[0] * 20 + [1] * 10 + [0] * 20] * 2)
+    with torch.no_grad():
+        output = bam_attention_blocked(query, key, value, positions, table, scaling, document_ids=unordered)
+    expected = reference.bam_attention(query, key, value, positions, **{n: v[:heads] for n, v in THETAS.items()},
+                                       document_ids=unordered)
+    torch.testing.assert_close(output.double(), expected, atol=2e-5, rtol=1e-4)
     with torch.no_grad():
         bam_attention_blocked(query.double(), key.double(), value.double(), positions, table.double(), scaling)
     assert calls == []
