@@ -204,3 +204,31 @@ def test_switched_off_or_unbuilt_the_model_runs_blocked_sdpa_alike(monkeypatch):
 
 def _no_compiler(*arguments, **keywords):
     raise RuntimeError("Error building extension: c++: not found")
+
+
+def test_two_threads_give_what_one_gives():
+    """Tasks (a block of rows of one key/value group forward, one (batch, key/value head) pair backward) write only
+    their own rows, keys and table gradients: the output and every gradient on 2 threads are those of 1 thread, up to
+    the rounding of the BLAS's own blocking (a lost or doubled update would be off by the whole update)."""
+    heads, kv_heads, queries, offset, ssmax, ssmax_prior, padded, packed = CASES["ssmax_on_qk_packed_padded_offset"]
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            query, key, value, positions, key_valid = inputs(heads, kv_heads, queries, offset, padded)
+            for tensor in (query, key, value):
+                tensor.requires_grad_()
+            thetas = {name: value[:heads].clone().requires_grad_() for name, value in THETAS.items()}
+            scale = SSMAX_SCALE[:heads].clone().requires_grad_()
+            table = ggd_bias(torch.arange(-int(positions[-1]), 1), **thetas)
+            output = bam_attention_blocked(
+                query, key, value, positions, table, 0.3, ssmax_scale=scale, ssmax_prior=True, key_valid=key_valid,
+                document_ids=document_ids_for(queries + offset),
+            )
+            output.square().sum().backward()
+            results.append([output, query.grad, key.grad, value.grad, scale.grad, *(t.grad for t in thetas.values())])
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results):
+        torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
