@@ -18,6 +18,7 @@ import os
 import warnings
 
 import torch
+import torch.utils.cpp_extension
 
 # Set to 0 to keep blocked SDPA everywhere (the kernel is then never built).
 ENVIRONMENT_SWITCH = "BAM_FUSED_CPU"
@@ -419,9 +420,9 @@ def _library() -> str | None:
         .replace("LIBRARY_NAME", name)
     )
     try:
-        from torch.utils.cpp_extension import load_inline
-
-        load_inline(name, cpp_sources=[source], extra_cflags=flags, is_python_module=False, verbose=False)
+        torch.utils.cpp_extension.load_inline(
+            name, cpp_sources=[source], extra_cflags=flags, is_python_module=False, verbose=False
+        )
     except Exception as error:  # noqa: BLE001 - no compiler, no headers: the blocked path stays
         warnings.warn(
             f"BAM's fused CPU attention could not be built ({type(error).__name__}: {str(error)[:200]}); "
