@@ -210,12 +210,32 @@ def test_cpu_path_reads_decoding_keys_in_place_and_gathers_prompts(monkeypatch, 
     assert len(gathered) == len(blocked) == prompts
 
 
-def test_cpu_prompts_past_8k_keys_run_over_key_tiles(monkeypatch):
-    """SSMax scaling the prior past 8192 keys: a prompt's 40 queries, both query heads of each key/value head
-    stacked, meet the keys in tiles of 512 whose masks stay in cache (the tile with the diagonal first, up to 40
-    keys wider), every key in one tile; the rows stay exact."""
+def test_cpu_prompts_past_8k_keys_run_the_fused_kernel(monkeypatch):
+    """SSMax scaling the prior past 8192 keys: the prompt (40 queries) runs the fused CPU kernel once, the decoding
+    request reads its keys in place; the rows stay exact."""
     import bam_llama.model.blocked_bam as blocked
 
+    calls = []
+    kernel = blocked.bam_attention_fused_cpu
+
+    def counting_kernel(query, *args):
+        calls.append(tuple(query.shape))
+        return kernel(query, *args)
+
+    monkeypatch.setattr(blocked, "bam_attention_fused_cpu", counting_kernel)
+    terms, witness = make_terms(ssmax="prior", max_len=26_500)
+    step = Step([(40, 26_000), (1, 300)], 2, 128)
+    assert_rows_match(run_path("cpu", step, terms), step, witness)
+    assert calls == [(1, HEADS, 40, HEAD_DIM)]  # the prompt, once; the decoding request reads its keys in place
+
+
+def test_cpu_prompts_past_8k_keys_run_over_key_tiles_without_the_fused_kernel(monkeypatch):
+    """The same prompt with the fused kernel switched off (BAM_FUSED_CPU=0, as where it cannot be built): its 40
+    queries, both query heads of each key/value head stacked, meet the keys in tiles of 512 whose masks stay in cache
+    (the tile with the diagonal first, up to 40 keys wider), every key in one tile; the rows stay exact."""
+    import bam_llama.model.blocked_bam as blocked
+
+    monkeypatch.setenv("BAM_FUSED_CPU", "0")
     calls = []
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
