@@ -46,8 +46,8 @@ def bam_attention_blocked(
     shapes only (P is the table's length - 1), never from tensor values, so a traced graph has no data-dependent
     branch. Without gradients or dropout, a decoding step (one query) is one SDPA call whose mask is the table
     itself (`_attend_single_query`), and a compiled graph calls the blocks as one operator (`_blocked_inference`).
-    Without dropout, packed documents or explicit block shapes, eager float32 CPU queries run the fused kernel of
-    `fused_cpu_bam` (the table read in cache, no mask written; its own backward), where it could be built.
+    Without dropout or explicit block shapes, eager float32 CPU queries run the fused kernel of `fused_cpu_bam` (the
+    table read in cache, no mask written; its own backward; packed documents as runs of ids), where it was built.
 
     Precision: 16-bit inputs are computed in float32 (`attention_compute_dtype`), with autocast off inside: under
     autocast SDPA would run, and the prior's mask be rounded, in 16 bits. The output comes in the query's dtype.

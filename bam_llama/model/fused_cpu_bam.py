@@ -5,8 +5,8 @@ where SDPA's fused kernel must read a written mask (SSMax scaling the prior: c_i
 kernel reads a window of the (H, P + 1) table, which stays in cache; and its backward returns the prior's gradient
 (the diagonal sums of dS) beside dQ, dK, dV, which SDPA's backward cannot.
 
-float32 on the CPU, eager code (`blocked_bam` routes there; traced graphs, exported programs, dropout and packed
-documents keep its blocked SDPA paths). The plain-PyTorch reference it is tested against is
+float32 on the CPU, eager code (`blocked_bam` routes there; traced graphs with gradients, exported programs,
+dropout, and document ids that are not runs keep its blocked SDPA paths). The plain-PyTorch reference it is tested against is
 `reference_bam.bam_attention_reference` (and the tests' own float64 formula).
 
 Shapes: B batch, H query heads, Hkv key/value heads, Lq queries, Lk keys, D head size; P = the last query's position.
@@ -535,8 +535,7 @@ class _FusedAttention(torch.autograd.Function):
         grad_query, grad_key, grad_value, grad_table, grad_factor = _operators().backward(
             grad_output.contiguous(), *(_contiguous(t, query) for t in (query, key, value, output, lse, table)),
             _contiguous(prior_factor, query), _contiguous(key_bias, query), _key_starts(key_start, query), single_key,
-            float(scaling),
-            int(first_position), table_grad, factor_grad,
+            float(scaling), int(first_position), table_grad, factor_grad,
         )
         grad_table = grad_table.sum(0) if table_grad else None
         if factor_grad and prior_factor.shape[0] == 1:
