@@ -432,10 +432,13 @@ def _compile_flags() -> list[str]:
 
 @functools.cache
 def _library() -> str | None:
-    """Builds (once per source, flags and PyTorch version; cached on disk by PyTorch) and loads the kernel; returns
-    its operator namespace, or None where it cannot be built (no compiler): the caller keeps blocked SDPA."""
+    """Builds (once per source, flags and PyTorch installation; cached on disk by PyTorch) and loads the kernel;
+    returns its operator namespace, or None where it cannot be built (no compiler): the caller keeps blocked SDPA.
+    Each PyTorch installation (a venv) gets a build of its own: one build folder compiled against two venvs' headers
+    would be rebuilt every time a process of the other venv loads it."""
     flags = _compile_flags()
-    digest = hashlib.sha256("\n".join([_SOURCE, *flags, torch.__version__]).encode()).hexdigest()[:12]
+    installation = [torch.__version__, os.path.dirname(torch.__file__)]
+    digest = hashlib.sha256("\n".join([_SOURCE, *flags, *installation]).encode()).hexdigest()[:12]
     name = f"bam_fused_cpu_{digest}"
     source = (
         _SOURCE.replace("QUERY_BLOCK_ROWS", str(QUERY_BLOCK_ROWS)).replace("KEY_TILE_KEYS", str(KEY_TILE_KEYS))
