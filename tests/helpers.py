@@ -309,3 +309,18 @@ def asked_values(text: str) -> list[str]:
     if len(labels) == 1:  # one key, all its values in the order they appear
         return [value for label, value in needles if label == labels[0]]
     return [next(value for label, value in needles if label == asked) for asked in labels]
+
+
+def fused_kernel_calls(monkeypatch) -> list[tuple]:
+    """The query shape of every call of the fused CPU attention kernel from the model's attention, from now on."""
+    import bam_llama.model.blocked_bam as blocked
+
+    calls = []
+    kernel = blocked.bam_attention_fused_cpu
+
+    def counting(query, *arguments):
+        calls.append(tuple(query.shape))
+        return kernel(query, *arguments)
+
+    monkeypatch.setattr(blocked, "bam_attention_fused_cpu", counting)
+    return calls

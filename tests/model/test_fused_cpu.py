@@ -9,9 +9,8 @@ import pytest
 import reference
 import torch
 import torch.utils.cpp_extension
-from helpers import tiny_model
+from helpers import fused_kernel_calls, tiny_model
 
-import bam_llama.model.blocked_bam as blocked
 from bam_llama.model import fused_cpu_bam
 from bam_llama.model.blocked_bam import bam_attention_blocked
 from bam_llama.model.prior_bam import ggd_bias
@@ -60,18 +59,6 @@ def inputs(heads, kv_heads, queries, offset, padded, head_dim=8, seed=3):
     return query, key, value, positions, key_valid
 
 
-def fused_calls(monkeypatch) -> list[tuple]:
-    calls = []
-    kernel = blocked.bam_attention_fused_cpu
-
-    def counting(query, *arguments):
-        calls.append(tuple(query.shape))
-        return kernel(query, *arguments)
-
-    monkeypatch.setattr(blocked, "bam_attention_fused_cpu", counting)
-    return calls
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_kernel_matches_float64_reference(monkeypatch, case):
     heads, kv_heads, queries, offset, ssmax, ssmax_prior, padded, packed = CASES[case]
@@ -80,7 +67,7 @@ def test_fused_kernel_matches_float64_reference(monkeypatch, case):
     thetas = {name: value[:heads] for name, value in THETAS.items()}
     scale = SSMAX_SCALE[:heads] if ssmax else None
     table = ggd_bias(torch.arange(-int(positions[-1]), 1), **thetas)
-    calls = fused_calls(monkeypatch)
+    calls = fused_kernel_calls(monkeypatch)
     with torch.no_grad():
         output = bam_attention_blocked(
             query, key, value, positions, table, query.shape[-1] ** -0.5, ssmax_scale=scale,
@@ -120,7 +107,7 @@ def test_fused_gradients_match_float64_reference(monkeypatch, case):
         tensor.requires_grad_()
     thetas = {name: value[:heads].clone().requires_grad_() for name, value in THETAS.items()}
     scale = SSMAX_SCALE[:heads].clone().requires_grad_() if ssmax else None
-    calls = fused_calls(monkeypatch)
+    calls = fused_kernel_calls(monkeypatch)
     table = ggd_bias(torch.arange(-int(positions[-1]), 1), **thetas)
     output = bam_attention_blocked(
         query, key, value, positions, table, query.shape[-1] ** -0.5, ssmax_scale=scale, ssmax_prior=ssmax_prior,
@@ -153,7 +140,7 @@ def test_dropout_unordered_documents_explicit_blocks_and_float64_keep_blocked_sd
     heads, kv_heads = 4, 2
     query, key, value, positions, _ = inputs(heads, kv_heads, 40, 10, False)
     table = ggd_bias(torch.arange(-int(positions[-1]), 1), **{n: v[:heads] for n, v in THETAS.items()})
-    calls = fused_calls(monkeypatch)
+    calls = fused_kernel_calls(monkeypatch)
     scaling = query.shape[-1] ** -0.5
     bam_attention_blocked(query, key, value, positions, table.requires_grad_(), scaling, dropout=0.1)
     bam_attention_blocked(query, key, value, positions, table, scaling, block_rows=8)
@@ -180,7 +167,7 @@ def test_switched_off_or_unbuilt_the_model_runs_blocked_sdpa_alike(monkeypatch):
     input_ids = torch.randint(0, model.config.vocab_size, (2, 300), generator=torch.Generator().manual_seed(0))
     attention_mask = torch.ones_like(input_ids)
     attention_mask[0, :7] = 0
-    calls = fused_calls(monkeypatch)
+    calls = fused_kernel_calls(monkeypatch)
     with torch.no_grad():
         fused = model(input_ids, attention_mask=attention_mask).logits
         assert len(calls) == model.config.num_hidden_layers

@@ -12,6 +12,7 @@ reference attends over them in order; output rows are pre-filled with NaN, so a 
 import pytest
 import reference
 import torch
+from helpers import fused_kernel_calls
 
 from bam_llama.serving import paged_attention, paged_kernels, paged_torch, paged_triton
 from bam_llama.serving.paged_batch import BamTerms, PagedBatch, prior_table
@@ -213,16 +214,7 @@ def test_cpu_path_reads_decoding_keys_in_place_and_gathers_prompts(monkeypatch, 
 def test_cpu_prompts_past_8k_keys_run_the_fused_kernel(monkeypatch):
     """SSMax scaling the prior past 8192 keys: the prompt (40 queries) runs the fused CPU kernel once, the decoding
     request reads its keys in place; the rows stay exact."""
-    import bam_llama.model.blocked_bam as blocked
-
-    calls = []
-    kernel = blocked.bam_attention_fused_cpu
-
-    def counting_kernel(query, *args):
-        calls.append(tuple(query.shape))
-        return kernel(query, *args)
-
-    monkeypatch.setattr(blocked, "bam_attention_fused_cpu", counting_kernel)
+    calls = fused_kernel_calls(monkeypatch)
     terms, witness = make_terms(ssmax="prior", max_len=26_500)
     step = Step([(40, 26_000), (1, 300)], 2, 128)
     assert_rows_match(run_path("cpu", step, terms), step, witness)
