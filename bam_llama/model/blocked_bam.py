@@ -172,11 +172,6 @@ def _attention_over_query_blocks(
     counts = _visible_counts(query_positions, key.shape[2], key_valid, document_ids)  # (1 or B, Lq)
     row_factor = None if ssmax_scale is None else ssmax_factor(counts, ssmax_scale)
     scale_prior = row_factor is not None and ssmax_prior
-    # dropout runs SDPA's unfused path, which materializes each block's probabilities: keep those bounded too
-    mask_is_view = not scale_prior and key_valid is None and document_ids is None and dropout == 0.0
-    group = heads // key.shape[1]
-    prior_trains = torch.is_grad_enabled() and (prior_table.requires_grad or (scale_prior and row_factor.requires_grad))
-    inputs_train = _needs_gradient(query, key, value, row_factor)  # the row factor is folded into q
     if not (block_rows or block_heads) and dropout == 0.0 and _fused_kernel_runs(query, document_ids):
         row_factor = None if row_factor is None else row_factor.to(compute_dtype)
         output = bam_attention_fused_cpu(
@@ -185,6 +180,11 @@ def _attention_over_query_blocks(
             _key_bias(key_valid, compute_dtype), _document_starts(document_ids, query_positions), counts,
         )
         return output if key_valid is None else output.masked_fill((counts == 0)[:, :, None, None], 0.0)
+    # dropout runs SDPA's unfused path, which materializes each block's probabilities: keep those bounded too
+    mask_is_view = not scale_prior and key_valid is None and document_ids is None and dropout == 0.0
+    group = heads // key.shape[1]
+    prior_trains = torch.is_grad_enabled() and (prior_table.requires_grad or (scale_prior and row_factor.requires_grad))
+    inputs_train = _needs_gradient(query, key, value, row_factor)  # the row factor is folded into q
     key_tiled = _in_key_tiles(query, last + 1, mask_is_view, prior_trains or inputs_train, dropout)
     if key_tiled:
         default_rows, default_heads = key_tile_block_shape(batch, heads, group, q_len)

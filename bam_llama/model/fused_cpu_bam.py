@@ -171,6 +171,20 @@ struct Problem {
   int64_t factor_index(int64_t b, int64_t h, int64_t query_row) const {
     return ((factor_batch > 1 ? b : 0) * heads + h) * q_len + query_row;
   }
+  // the table entry of key first_key for the query at `position` (key j: j - position + P), in head h's row
+  int64_t table_entry(int64_t h, int64_t first_key, int64_t position) const {
+    return h * table_len + first_key - position + last;
+  }
+};
+
+// The keys of a tile (first_key .. first_key + width - 1) one row sees: lo .. visible - 1 of the tile, from its
+// document's first key to its own position; none where visible <= lo.
+struct TileKeys {
+  int64_t lo, visible;
+  TileKeys(int64_t row_start, int64_t position, int64_t first_key, int64_t width)
+      : lo(std::max<int64_t>(0, row_start - first_key)), visible(std::min(width, position - first_key + 1)) {}
+  bool none() const { return visible <= lo; }
+  int64_t count() const { return visible - lo; }
 };
 
 // The first key tile any of a block's rows sees (tiles before it hold other documents' keys only)
@@ -245,21 +259,19 @@ std::tuple<at::Tensor, at::Tensor> bam_attention_forward(
              scores.data(), KEY_TILE);
         for (int64_t row = 0; row < m; ++row) {
           const int64_t h = p.head(kvh, row, rows), position = first_position + first_row + row % rows;
-          // keys lo .. visible - 1 of the tile: from the document's first key to the row's own position
-          const int64_t lo = std::max<int64_t>(0, row_start[row] - first_key);
-          const int64_t visible = std::min(width, position - first_key + 1);
+          const TileKeys keys(row_start[row], position, first_key, width);
           float* s = scores.data() + row * KEY_TILE;
-          if (visible <= lo) {  // every key of the tile is in this row's future, or before its document
+          if (keys.none()) {  // every key of the tile is in this row's future, or before its document
             std::memset(s, 0, sizeof(float) * width);
             continue;
           }
-          const float* window = tab + h * p.table_len + (first_key - position + p.last);  // key j: j - position + P
-          const float* key_row_bias = bias ? bias + b * p.k_len + first_key + lo : nullptr;
+          const float* window = tab + p.table_entry(h, first_key, position);
+          const float* key_row_bias = bias ? bias + b * p.k_len + first_key + keys.lo : nullptr;
           const float tile_max =
-              write_logits(s + lo, window + lo, key_row_bias, visible - lo, scaling, prior_scale[row]);
+              write_logits(s + keys.lo, window + keys.lo, key_row_bias, keys.count(), scaling, prior_scale[row]);
           const float new_max = std::max(row_max[row], tile_max);
           const float correction = std::exp(row_max[row] - new_max);  // exp(-inf) = 0 on the row's first tile
-          row_sum[row] = row_sum[row] * correction + exponentiate(s, lo, visible, width, new_max);
+          row_sum[row] = row_sum[row] * correction + exponentiate(s, keys.lo, keys.visible, width, new_max);
           if (row_max[row] != new_max) scale_row(acc.data() + row * dim, dim, correction);
           row_max[row] = new_max;
         }
@@ -352,19 +364,18 @@ std::vector<at::Tensor> bam_attention_backward(
           for (int64_t row = 0; row < m; ++row) {
             const int64_t h = p.head(kvh, row, rows), query_row = first_row + row % rows;
             const int64_t position = first_position + query_row;
-            const int64_t lo = std::max<int64_t>(0, row_start[row] - first_key);
-            const int64_t visible = std::min(width, position - first_key + 1);
+            const TileKeys keys(row_start[row], position, first_key, width);
             float* prob = probs.data() + row * KEY_TILE;
             float* ds = dscores.data() + row * KEY_TILE;
-            if (visible <= lo) {
+            if (keys.none()) {
               std::memset(prob, 0, sizeof(float) * width);
               std::memset(ds, 0, sizeof(float) * width);
               continue;
             }
-            const float* window = tab + h * p.table_len + (first_key - position + p.last);
-            const float* key_row_bias = bias ? bias + b * p.k_len + first_key + lo : nullptr;
-            write_logits(prob + lo, window + lo, key_row_bias, visible - lo, scaling, prior_scale[row]);
-            exponentiate(prob, lo, visible, width, row_lse[row]);
+            const float* window = tab + p.table_entry(h, first_key, position);
+            const float* key_row_bias = bias ? bias + b * p.k_len + first_key + keys.lo : nullptr;
+            write_logits(prob + keys.lo, window + keys.lo, key_row_bias, keys.count(), scaling, prior_scale[row]);
+            exponentiate(prob, keys.lo, keys.visible, width, row_lse[row]);
             if (row_single[row]) {  // dV takes its P (1 on its key), nothing else
               std::memset(ds, 0, sizeof(float) * width);
               continue;
@@ -375,9 +386,10 @@ std::vector<at::Tensor> bam_attention_backward(
             for (; t + Vec::size() <= width; t += Vec::size())
               (Vec::loadu(prob + t) * (Vec::loadu(ds + t) - vdelta)).store(ds + t);
             for (; t < width; ++t) ds[t] = prob[t] * (ds[t] - delta[row]);
-            if (dtab) add_scaled(dtab + (b * p.heads + h) * p.table_len + (first_key - position + p.last) + lo,
-                                 ds + lo, prior_scale[row], visible - lo);
-            if (dfac) dfac[(b * p.heads + h) * p.q_len + query_row] += dot(ds + lo, window + lo, visible - lo);
+            if (dtab) add_scaled(dtab + b * p.heads * p.table_len + p.table_entry(h, first_key, position) + keys.lo,
+                                 ds + keys.lo, prior_scale[row], keys.count());
+            if (dfac)
+              dfac[(b * p.heads + h) * p.q_len + query_row] += dot(ds + keys.lo, window + keys.lo, keys.count());
           }
           gemm(true, false, width, dim, m, 1.0f, probs.data(), KEY_TILE, grads.data(), dim, 1.0f,
                dv_head + first_key * dim, dim);
