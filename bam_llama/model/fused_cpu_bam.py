@@ -21,10 +21,12 @@ import warnings
 import torch
 import torch.utils.cpp_extension
 
-# Set to 0 to keep blocked SDPA everywhere (the kernel is then never built).
+# Set to 0 to keep the PyTorch paths everywhere (blocked SDPA; no C++ kernel is then built).
 ENVIRONMENT_SWITCH = "BAM_FUSED_CPU"
 
-_SOURCE = r"""
+# What every CPU kernel of the package starts with (serving/paged_cpu.py builds one too): headers, the BLAS, vector
+# helpers; each source closes it and opens its own anonymous namespace.
+CPU_KERNEL_PRELUDE = r"""
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -50,8 +52,6 @@ extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t QUERY_BLOCK = QUERY_BLOCK_ROWS;
-constexpr int64_t KEY_TILE = KEY_TILE_KEYS;
 constexpr float MINUS_INFINITY = -std::numeric_limits<float>::infinity();
 
 // Row-major C (m x n, ldc) = alpha op(A) op(B) + beta C, op(X) = X^T where transposed: column-major BLAS computes
@@ -148,6 +148,15 @@ void add_scaled(float* y, const float* x, float a, int64_t size) {
 void scale_row(float* row, int64_t size, float factor) {
   at::vec::map([factor](Vec x) { return x * Vec(factor); }, row, row, size);
 }
+
+}  // namespace
+"""
+
+_SOURCE = r"""
+namespace {
+
+constexpr int64_t QUERY_BLOCK = QUERY_BLOCK_ROWS;
+constexpr int64_t KEY_TILE = KEY_TILE_KEYS;
 
 // The shapes of one call and the rows of one block: `group` query heads of key/value head `kv_head` stacked, rows
 // first_row .. first_row + rows - 1 of each (row = g * rows + r).
@@ -442,38 +451,47 @@ def _compile_flags() -> list[str]:
     return flags
 
 
-@functools.cache
-def _library() -> str | None:
-    """Builds (once per source, flags and PyTorch installation; cached on disk by PyTorch) and loads the kernel;
-    returns its operator namespace, or None where it cannot be built (no compiler): the caller keeps blocked SDPA.
-    Each PyTorch installation (a venv) gets a build of its own: one build folder compiled against two venvs' headers
-    would be rebuilt every time a process of the other venv loads it."""
+def build_cpu_library(stem: str, source: str, kernel: str, fallback: str) -> str | None:
+    """Builds (once per source, flags and PyTorch installation; cached on disk by PyTorch) and loads a kernel whose
+    C++ `source` follows CPU_KERNEL_PRELUDE and registers its operators under LIBRARY_NAME; returns that operator
+    namespace, or None where it cannot be built (no compiler: one warning, naming the `fallback` that runs instead). Each PyTorch
+    installation (a venv) gets a build of its own: one build folder compiled against two venvs' headers would be
+    rebuilt every time a process of the other venv loads it."""
     flags = _compile_flags()
     installation = [torch.__version__, os.path.dirname(torch.__file__)]
-    digest = hashlib.sha256("\n".join([_SOURCE, *flags, *installation]).encode()).hexdigest()[:12]
-    name = f"bam_fused_cpu_{digest}"
-    source = (
-        _SOURCE.replace("QUERY_BLOCK_ROWS", str(QUERY_BLOCK_ROWS)).replace("KEY_TILE_KEYS", str(KEY_TILE_KEYS))
-        .replace("LIBRARY_NAME", name)
-    )
+    source = CPU_KERNEL_PRELUDE + source
+    digest = hashlib.sha256("\n".join([source, *flags, *installation]).encode()).hexdigest()[:12]
+    name = f"{stem}_{digest}"
     try:
         torch.utils.cpp_extension.load_inline(
-            name, cpp_sources=[source], extra_cflags=flags, extra_ldflags=_openmp_flags(), is_python_module=False,
-            verbose=False,
+            name, cpp_sources=[source.replace("LIBRARY_NAME", name)], extra_cflags=flags,
+            extra_ldflags=_openmp_flags(), is_python_module=False, verbose=False,
         )
-    except Exception as error:  # noqa: BLE001 - no compiler, no headers: the blocked path stays
+    except Exception as error:  # noqa: BLE001 - no compiler, no headers: the caller's PyTorch path stays
         warnings.warn(
-            f"BAM's fused CPU attention could not be built ({type(error).__name__}: {str(error)[:200]}); "
-            f"attention runs as blocked SDPA (set {ENVIRONMENT_SWITCH}=0 to skip the build)",
-            stacklevel=3,
+            f"BAM's {kernel} CPU kernel could not be built ({type(error).__name__}: {str(error)[:200]}); {fallback} "
+            f"runs instead (set {ENVIRONMENT_SWITCH}=0 to skip the build)",
+            stacklevel=4,
         )
         return None
     return name
 
 
+def cpu_kernels_enabled() -> bool:
+    """Whether the package's C++ CPU kernels may run (BAM_FUSED_CPU=0 switches them all off; read at every call)."""
+    return os.environ.get(ENVIRONMENT_SWITCH, "1") != "0"
+
+
+@functools.cache
+def _library() -> str | None:
+    """The fused attention kernel's operator namespace, or None where it cannot be built (blocked SDPA stays)."""
+    source = _SOURCE.replace("QUERY_BLOCK_ROWS", str(QUERY_BLOCK_ROWS)).replace("KEY_TILE_KEYS", str(KEY_TILE_KEYS))
+    return build_cpu_library("bam_fused_cpu", source, "fused attention", "blocked SDPA")
+
+
 def fused_cpu_available() -> bool:
     """Whether the kernel runs: not switched off (BAM_FUSED_CPU=0, read at every call), and built."""
-    return os.environ.get(ENVIRONMENT_SWITCH, "1") != "0" and _library() is not None
+    return cpu_kernels_enabled() and _library() is not None
 
 
 def bam_attention_fused_cpu(
