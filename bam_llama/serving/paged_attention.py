@@ -5,8 +5,9 @@ device:
 - CUDA (paged_triton.py): Triton kernels over the block table (paged_kernels.py): a chunked-prefill kernel for any
   batch, split-KV decode for batches of single queries; launched from device metadata only, so a decoding step can
   be captured in a CUDA graph.
-- CPU (paged_torch.py, `paged_attention_cpu`): decoding requests read their keys in place; prompts and chunks of
-  them gather theirs and run blocked SDPA with the prior table.
+- CPU (paged_torch.py, `paged_attention_cpu`): decoding requests read their keys in place (one C++ call for all of
+  them, paged_cpu.py); prompts and chunks of them gather theirs and run the fused CPU attention with the prior
+  table. The step's keys and values go into the cache in C++ too.
 - Elsewhere (paged_torch.py, `paged_attention_reference`): plain PyTorch, one request at a time, scores
   materialized.
 
@@ -19,6 +20,7 @@ import torch
 
 from . import paged_kernels
 from .paged_batch import BamTerms, PagedBatch
+from .paged_cpu import paged_cpu_available, write_cache_cpu
 from .paged_torch import paged_attention_cpu, paged_attention_reference, write_cache_torch
 from .paged_triton import launch_write_cache, paged_attention_triton, triton_paged_usable
 
@@ -27,6 +29,8 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, 
     """Token t's key and value (T, Hkv * D) into its cache cell slot_mapping[t]; padding (slot < 0) is skipped."""
     if kv_cache.is_cuda and paged_kernels.TRITON_AVAILABLE:
         launch_write_cache(key, value, kv_cache, batch)
+    elif kv_cache.device.type == "cpu" and paged_cpu_available():
+        write_cache_cpu(key, value, kv_cache, batch)
     else:
         write_cache_torch(key, value, kv_cache, batch)
 

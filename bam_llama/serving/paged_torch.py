@@ -1,11 +1,13 @@
 """BAM attention over vLLM's paged KV cache in PyTorch (no vLLM, no Triton): the CPU path, the plain reference for
 other devices, and writing the step's keys and values into the cache.
 
-- `paged_attention_cpu`: a request with one query (a decoding step) reads its keys in place, run of blocks by run of
-  blocks, and attends with one (H x keys) score row; a request with several queries (a prompt or a chunk of one)
-  gathers its keys and runs the package's blocked SDPA with the prior table (model/blocked_bam.py), with or without
-  SSMax. Compiled FlexAttention with the prior as a score_mod took 1.4-2.2x its CPU time with SSMax scaling the
-  prior, from 100 queries to 4096 x 64K keys, and tied at 128 x 128 (benchmarks/results/cpu-attention-serving.md).
+- `paged_attention_cpu`: every request with one query (a decoding step) reads its keys in place, all of them in
+  one call of paged_cpu.py's C++ decode (where it cannot be built or BAM_FUSED_CPU=0: run of blocks by run of
+  blocks, one (H x keys) score row per request, in PyTorch); a request with several queries (a prompt or a chunk of
+  one) gathers its keys (paged_cpu.py again) and runs the package's attention with the prior table
+  (model/blocked_bam.py: the fused CPU kernel, or blocked SDPA), with or without SSMax. Compiled FlexAttention with
+  the prior as a score_mod took 1.4-2.2x blocked SDPA's CPU time with SSMax scaling the prior, from 100 queries to
+  4096 x 64K keys, and tied at 128 x 128 (benchmarks/results/cpu-attention-serving.md).
 - `paged_attention_reference`: one request at a time, every score materialized.
 
 The step, the layer's terms and the shapes: paged_batch.py.
@@ -17,6 +19,7 @@ import torch
 
 from ..model.blocked_bam import bam_attention_blocked
 from .paged_batch import BamTerms, PagedBatch
+from .paged_cpu import decode_cpu, gather_cpu, paged_cpu_available
 
 
 def write_cache_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch) -> None:
@@ -70,17 +73,24 @@ def _gather_keys(kv_cache: torch.Tensor, block_ids: list[int], keys: int) -> tup
 
 
 def paged_attention_cpu(query, kv_cache, batch: PagedBatch, terms: BamTerms, output) -> None:
-    """Decoding steps read their keys in place; prompts and chunks gather theirs and run a fused attention."""
+    """Decoding requests read their keys in place (all of them in one C++ call where the kernels are built:
+    paged_cpu.py); prompts and chunks gather theirs (in C++ there too) and run a fused attention."""
     heads, head_dim = terms.prior_table.shape[0], kv_cache.shape[-1] // 2
+    kernels = paged_cpu_available() and query.dtype == kv_cache.dtype == output.dtype
+    if kernels:
+        decode_cpu(query, kv_cache, batch, terms, output)
+        if batch.max_query_len <= 1:
+            return
     tokens = _head_major_tokens(kv_cache)
     for r, (first, rows, keys) in enumerate(batch.host_requests):
-        if rows == 0:
+        if rows == 0 or (rows == 1 and kernels):
             continue
         queries = query[first : first + rows].view(rows, heads, head_dim)
         if rows == 1 and tokens is not None:
             attended = _decode_in_place(queries[0], tokens, batch.key_runs[r], keys, terms)[None]
         else:
-            key, value = _gather_keys(kv_cache, batch.host_block_ids[r], keys)
+            key, value = (gather_cpu(kv_cache, batch.block_table[r], keys) if kernels
+                          else _gather_keys(kv_cache, batch.host_block_ids[r], keys))
             attended = _attend_prompt(queries, key, value, terms)
         output[first : first + rows] = attended.reshape(rows, -1).to(output.dtype)
 

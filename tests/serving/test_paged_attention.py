@@ -1,6 +1,6 @@
 """BAM attention over a paged KV cache (bam_llama/serving/paged_*.py) against the suite's float64 reference
-(tests/reference.py), without vLLM: every path (plain PyTorch, the CPU path with its in-place decode and blocked SDPA
-for prompts, the Triton kernels through Triton's interpreter) on steps that mix decoding requests, chunks of
+(tests/reference.py), without vLLM: every path (plain PyTorch, the CPU path with its C++ decode and the fused kernel
+for prompts, the same with its C++ kernels switched off, the Triton kernels through Triton's interpreter) on steps that mix decoding requests, chunks of
 prompts after cached tokens (chunk boundaries, prefix-cache hits) and whole prompts, over shuffled block tables in
 runs of one to four consecutive blocks, several block sizes and both cache layouts.
 
@@ -8,6 +8,8 @@ Every request's keys are written into the cache here (independently of `write_ca
 reference attends over them in order; output rows are pre-filled with NaN, so a row a path forgets fails.
 """
 
+import os
+from unittest import mock
 
 import pytest
 import reference
@@ -18,9 +20,18 @@ from bam_llama.serving import paged_attention, paged_kernels, paged_torch, paged
 from bam_llama.serving.paged_batch import BamTerms, PagedBatch, prior_table
 
 HEADS, HEAD_DIM, MAX_LEN = 4, 32, 1024
+
+
+def cpu_without_kernels(*arguments) -> None:
+    """The CPU path where its C++ kernels are switched off (BAM_FUSED_CPU=0) or cannot be built: PyTorch decodes."""
+    with mock.patch.dict(os.environ, {"BAM_FUSED_CPU": "0"}):
+        paged_torch.paged_attention_cpu(*arguments)
+
+
 PATHS = {
     "reference": paged_torch.paged_attention_reference,
     "cpu": paged_torch.paged_attention_cpu,
+    "cpu_pytorch": cpu_without_kernels,
     "triton": paged_triton.paged_attention_triton,
 }
 
@@ -39,7 +50,7 @@ def interpreter(monkeypatch):
 # ------------------------------------------------------------------------------------------------- a step
 
 
-def make_terms(heads=HEADS, formula="current", ssmax=None, max_len=MAX_LEN, seed=0):
+def make_terms(heads=HEADS, formula="current", ssmax=None, max_len=MAX_LEN, seed=0, head_dim=HEAD_DIM):
     """Prior parameters with a negative beta, mu != 0; ssmax None, "prior" (SSMax scales the prior) or "logits"."""
     generator = torch.Generator().manual_seed(seed)
     theta_alpha = torch.rand(heads, generator=generator) * 1.5 - 2.0
@@ -47,9 +58,9 @@ def make_terms(heads=HEADS, formula="current", ssmax=None, max_len=MAX_LEN, seed
     theta_mu = (torch.rand(heads, generator=generator) - 0.5) * 1.2
     scale = torch.rand(heads, generator=generator) + 0.5 if ssmax else None
     table = prior_table(theta_alpha, theta_beta, theta_mu, formula, 1e-5, max_len)
-    terms = BamTerms(table, scale, ssmax == "prior", HEAD_DIM**-0.5)
+    terms = BamTerms(table, scale, ssmax == "prior", head_dim**-0.5)
     witness = dict(theta_alpha=theta_alpha, theta_beta=theta_beta, theta_mu=theta_mu, formula=formula,
-                   ssmax_scale=scale, ssmax_prior=ssmax == "prior")
+                   ssmax_scale=scale, ssmax_prior=ssmax == "prior", scaling=head_dim**-0.5)
     return terms, witness
 
 
@@ -60,14 +71,16 @@ class Step:
     head_major: the cache is the head-major layout the plugin asks vLLM for (else vLLM's default, blocks outermost).
     padding: rows past the last request (a captured batch's padding)."""
 
-    def __init__(self, requests, kv_heads, block_size, head_major=True, padding=0, seed=0, dtype=torch.float32):
+    def __init__(self, requests, kv_heads, block_size, head_major=True, padding=0, seed=0, dtype=torch.float32,
+                 head_dim=HEAD_DIM):
         generator = torch.Generator().manual_seed(seed)
+        self.head_dim = head_dim
         self.requests, self.kv_heads, self.block_size = requests, kv_heads, block_size
         needed = [-(-keys // block_size) for _, keys in requests]  # a padding request: no query, no key
         free = _shuffled_runs(sum(needed) + 3, generator)
         blocks = len(free) + 1  # block 0 stays unused (vLLM's null block)
-        storage_shape = (kv_heads, blocks, block_size, 2 * HEAD_DIM) if head_major else (
-            blocks, kv_heads, block_size, 2 * HEAD_DIM)
+        storage_shape = (kv_heads, blocks, block_size, 2 * head_dim) if head_major else (
+            blocks, kv_heads, block_size, 2 * head_dim)
         storage = torch.randn(storage_shape, generator=generator).to(dtype)  # unwritten cells hold noise
         self.kv_cache = storage.transpose(0, 1) if head_major else storage
         self.block_table = torch.zeros(len(requests), max(needed) + 2, dtype=torch.int32)  # + unused entries
@@ -75,14 +88,14 @@ class Step:
         for r, ((rows, keys), count) in enumerate(zip(requests, needed)):
             self.block_table[r, :count] = torch.tensor(free[:count], dtype=torch.int32)
             free = free[count:]
-            key, value = (torch.randn(keys, kv_heads, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
+            key, value = (torch.randn(keys, kv_heads, head_dim, generator=generator).to(dtype) for _ in range(2))
             slots = self.slots(r, torch.arange(keys))
-            self.kv_cache[slots // block_size, :, slots % block_size, :HEAD_DIM] = key
-            self.kv_cache[slots // block_size, :, slots % block_size, HEAD_DIM:] = value
+            self.kv_cache[slots // block_size, :, slots % block_size, :head_dim] = key
+            self.kv_cache[slots // block_size, :, slots % block_size, head_dim:] = value
             self.keys.append(key)
             self.values.append(value)
         self.num_tokens = sum(rows for rows, _ in requests)
-        self.query = torch.randn(self.num_tokens + padding, HEADS * HEAD_DIM, generator=generator).to(dtype)
+        self.query = torch.randn(self.num_tokens + padding, HEADS * head_dim, generator=generator).to(dtype)
         starts = torch.tensor([0] + [rows for rows, _ in requests]).cumsum(0).to(torch.int32)
         self.batch = PagedBatch(
             query_start_loc=starts, seq_lens=torch.tensor([keys for _, keys in requests], dtype=torch.int32),
@@ -107,11 +120,11 @@ class Step:
             if rows == 0:
                 outputs.append(None)
                 continue
-            query = self.query[first : first + rows].view(1, rows, HEADS, HEAD_DIM).transpose(1, 2).float()
+            query = self.query[first : first + rows].view(1, rows, HEADS, self.head_dim).transpose(1, 2).float()
             output = reference.bam_attention(
                 query, key.transpose(0, 1)[None].float(), value.transpose(0, 1)[None].float(),
                 torch.arange(keys - rows, keys),
-                scaling=HEAD_DIM**-0.5, **witness,
+                **witness,
             )
             outputs.append(output[0].transpose(0, 1))
             first += rows
@@ -141,7 +154,7 @@ def assert_rows_match(output: torch.Tensor, step: Step, witness: dict, tolerance
     for (rows, keys), expected in zip(step.requests, step.expected(witness)):
         if rows == 0:
             continue
-        actual = output[first : first + rows].view(rows, HEADS, HEAD_DIM).double()
+        actual = output[first : first + rows].view(rows, HEADS, step.head_dim).double()
         error = (actual - expected).abs().max().item()
         assert error <= tolerance, f"request with {rows} queries and {keys} keys: max |error| {error:.2e}"
         first += rows
@@ -195,18 +208,20 @@ def test_triton_decode_kernel_runs_for_single_query_steps(monkeypatch):
     assert calls == []
 
 
+@pytest.mark.parametrize("path", ["cpu", "cpu_pytorch"])
 @pytest.mark.parametrize("ssmax", ["prior", "logits", None])
-def test_cpu_path_reads_decoding_keys_in_place_and_gathers_prompts(monkeypatch, ssmax):
+def test_cpu_path_reads_decoding_keys_in_place_and_gathers_prompts(monkeypatch, ssmax, path):
     """On the head-major cache a decoding request copies none of its keys; every prompt, SSMax scaling the prior or
-    not, runs blocked SDPA (compiled FlexAttention was slower or tied at every measured shape:
-    benchmarks/results/cpu-attention-serving.md)."""
+    not, gathers its keys (in C++, or PyTorch where the kernels are off) and runs the package's attention (compiled
+    FlexAttention was slower or tied at every measured shape: benchmarks/results/cpu-attention-serving.md)."""
     gathered, blocked = [], []
     spy = lambda calls, function: lambda *args, **kwargs: calls.append(1) or function(*args, **kwargs)  # noqa: E731
     monkeypatch.setattr(paged_torch, "_gather_keys", spy(gathered, paged_torch._gather_keys))
+    monkeypatch.setattr(paged_torch, "gather_cpu", spy(gathered, paged_torch.gather_cpu))
     monkeypatch.setattr(paged_torch, "bam_attention_blocked", spy(blocked, paged_torch.bam_attention_blocked))
     terms, witness = make_terms(ssmax=ssmax)
     step = Step(MIXED, 2, 16)
-    assert_rows_match(run_path("cpu", step, terms), step, witness)
+    assert_rows_match(run_path(path, step, terms), step, witness)
     prompts = sum(rows > 1 for rows, _ in MIXED)
     assert len(gathered) == len(blocked) == prompts
 
@@ -252,7 +267,41 @@ def test_cpu_path_on_the_blocks_outermost_layout():
     assert_rows_match(run_path("cpu", step, terms), step, witness)
 
 
-@pytest.mark.parametrize("path", ["cpu", "triton"])
+def test_cpu_decodes_a_steps_decoding_requests_in_one_kernel_call(monkeypatch):
+    """The C++ decode takes every request with one query in one call (PyTorch's decode none); switched off, PyTorch
+    decodes each of them. Prompts run the fused attention either way."""
+    kernel, pytorch = [], []
+    spy = lambda calls, function: lambda *args, **kwargs: calls.append(1) or function(*args, **kwargs)  # noqa: E731
+    monkeypatch.setattr(paged_torch, "decode_cpu", spy(kernel, paged_torch.decode_cpu))
+    monkeypatch.setattr(paged_torch, "_decode_in_place", spy(pytorch, paged_torch._decode_in_place))
+    terms, witness = make_terms(ssmax="prior")
+    step = Step(MIXED, 2, 16)
+    assert_rows_match(run_path("cpu", step, terms), step, witness)
+    assert (len(kernel), len(pytorch)) == (1, 0)
+    assert_rows_match(run_path("cpu_pytorch", step, terms), step, witness)
+    assert (len(kernel), len(pytorch)) == (1, sum(rows == 1 and keys > 0 for rows, keys in MIXED))
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("head_dim", [64, 80, 36])
+def test_cpu_decode_at_head_sizes_that_fill_vector_registers(head_dim, dtype, tolerance):
+    """Head sizes of real models: 64 channels fill the C++ decode's four vector registers of values (AVX-512), 80
+    leave a tail after them; 36 leaves channels past the last whole vector (AVX-512 and AVX2) to scalar loops. Keys
+    in blocks of 16 (the kernel's four-key dot products, and the tails of both), GQA 2.
+    16-bit caches are read as float32 (the reference gets the same rounded keys; the output is rounded again)."""
+    terms, witness = make_terms(ssmax="prior", head_dim=head_dim)
+    step = Step(DECODES + [(1, 300)], 2, 16, dtype=dtype, head_dim=head_dim)
+    assert_rows_match(run_path("cpu", step, terms), step, witness, tolerance)
+
+
+def test_cpu_decode_refuses_a_request_longer_than_the_prior_table():
+    terms, _ = make_terms(max_len=100)
+    step = Step([(1, 130)], 2, 16)
+    with pytest.raises(RuntimeError, match="longer than the prior table"):
+        run_path("cpu", step, terms)
+
+
+@pytest.mark.parametrize("path", ["cpu", "cpu_pytorch", "triton"])
 def test_bfloat16_cache_and_queries(path):
     """16-bit loads, casts and stores (the interpreter computes in fp32; its bf16 arithmetic is not the GPU's). The
     outputs are rounded to bf16 (up to 0.008 at |x| < 4) and the Triton dots of 16-bit inputs run at tf32, which the
@@ -272,23 +321,27 @@ def test_prior_table_is_the_prior_at_each_distance(formula):
     torch.testing.assert_close(terms.prior_table.double(), expected, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("value_rows", ["fused", "own"])
-@pytest.mark.parametrize("path", ["torch", "triton"])
-def test_write_cache_puts_each_token_in_its_slot(path, value_rows, monkeypatch):
+@pytest.mark.parametrize("path", ["torch", "cpu", "triton"])
+def test_write_cache_puts_each_token_in_its_slot(path, value_rows, dtype, monkeypatch):
     """Keys and values as vLLM's fused qkv projection hands them over (rows strided), padding slots skipped,
-    every other cell untouched; values in a tensor of their own (another row stride than the keys') too."""
-    if path == "torch":
-        monkeypatch.setattr(paged_kernels, "TRITON_AVAILABLE", False)
-    else:  # the launcher the plugin calls on CUDA
+    every other cell untouched; values in a tensor of their own (another row stride than the keys') too. Paths:
+    PyTorch (BAM_FUSED_CPU=0), the C++ CPU kernel, the Triton launcher the plugin calls on CUDA."""
+    if path == "triton":
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda tensor: True))
+    else:
+        monkeypatch.setattr(paged_kernels, "TRITON_AVAILABLE", False)
+        if path == "torch":
+            monkeypatch.setenv("BAM_FUSED_CPU", "0")
     kv_heads, block_size, blocks = 2, 16, 6
     generator = torch.Generator().manual_seed(1)
-    qkv = torch.randn(5, (HEADS + 2 * kv_heads) * HEAD_DIM, generator=generator)
+    qkv = torch.randn(5, (HEADS + 2 * kv_heads) * HEAD_DIM, generator=generator).to(dtype)
     key = qkv[:, HEADS * HEAD_DIM : (HEADS + kv_heads) * HEAD_DIM]
     value = qkv[:, (HEADS + kv_heads) * HEAD_DIM :]
     if value_rows == "own":
         value = value.contiguous()
-    cache = torch.randn(kv_heads, blocks, block_size, 2 * HEAD_DIM, generator=generator).transpose(0, 1)
+    cache = torch.randn(kv_heads, blocks, block_size, 2 * HEAD_DIM, generator=generator).to(dtype).transpose(0, 1)
     before = cache.clone()
     slots = torch.tensor([3 * 16 + 5, -1, 1 * 16 + 15, 5 * 16 + 0, -1])
     batch = PagedBatch(torch.tensor([0, 5]), torch.tensor([5]), torch.zeros(1, 1, dtype=torch.int32), slots, 5, 5,
