@@ -147,6 +147,15 @@ void decode_one(const PagedStep& s, const scalar_t* query, const scalar_t* cache
   }
 }
 
+// The blocks holding a request's `keys` keys: within its row of the block table and within the cache
+void check_blocks(const int32_t* ids, int64_t keys, int64_t block_size, int64_t row_length, int64_t cache_blocks) {
+  const int64_t needed = (keys + block_size - 1) / block_size;
+  TORCH_CHECK(needed <= row_length, "bam paged attention: a request's keys need more blocks than its block table row");
+  for (int64_t index = 0; index < needed; ++index)
+    TORCH_CHECK(ids[index] >= 0 && ids[index] < cache_blocks, "bam paged attention: block id ", ids[index],
+                " outside the cache's ", cache_blocks, " blocks");
+}
+
 void check_step(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& output,
                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
                 const at::Tensor& table, const at::Tensor& ssmax_scale) {
@@ -178,10 +187,16 @@ void paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at:
               block_table.const_data_ptr<int32_t>(), table.const_data_ptr<float>(),
               ssmax_scale.numel() ? ssmax_scale.const_data_ptr<float>() : nullptr, ssmax_prior,
               static_cast<float>(scaling)};
+  const int64_t requests = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == requests + 1 && block_table.size(0) >= requests &&
+                  s.starts[requests] <= std::min(query.size(0), output.size(0)),
+              "bam paged decode: query_start_loc, seq_lens, the block table and the query rows disagree");
   std::vector<int64_t> decoding;
-  for (int64_t r = 0; r < seq_lens.size(0); ++r)
+  for (int64_t r = 0; r < requests; ++r)
     if (s.starts[r + 1] - s.starts[r] == 1 && s.seq_lens[r] > 0) {
       TORCH_CHECK(s.seq_lens[r] <= s.table_len, "bam paged decode: a request longer than the prior table");
+      check_blocks(s.block_table + r * s.table_stride, s.seq_lens[r], s.block_size, block_table.size(1),
+                   kv_cache.size(0));
       decoding.push_back(r);
     }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "bam_paged_decode", [&] {
@@ -203,8 +218,8 @@ std::tuple<at::Tensor, at::Tensor> gather(const at::Tensor& kv_cache, const at::
   const int64_t kv_heads = kv_cache.size(1), block_size = kv_cache.size(2), dim = kv_cache.size(3) / 2;
   const int64_t blocks = (keys + block_size - 1) / block_size;
   TORCH_CHECK(kv_cache.stride(3) == 1 && block_ids.scalar_type() == at::kInt && block_ids.dim() == 1 &&
-                  block_ids.stride(0) == 1 && block_ids.size(0) >= blocks,
-              "bam gather: int32 block ids, as many as the keys need, and a cache whose cells are contiguous");
+                  block_ids.stride(0) == 1, "bam gather: int32 block ids, and a cache whose cells are contiguous");
+  check_blocks(block_ids.const_data_ptr<int32_t>(), keys, block_size, block_ids.size(0), kv_cache.size(0));
   auto key = at::empty({kv_heads, keys, dim}, kv_cache.options().dtype(at::kFloat));
   auto value = at::empty_like(key);
   const int32_t* ids = block_ids.const_data_ptr<int32_t>();
@@ -242,8 +257,10 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, const at::Tenso
   const char *k = static_cast<const char*>(key.const_data_ptr()), *v = static_cast<const char*>(value.const_data_ptr());
   char* cache = static_cast<char*>(kv_cache.mutable_data_ptr());
   const int64_t element = kv_cache.element_size();
+  const int64_t cells = kv_cache.size(0) * block_size;
   for (int64_t t = 0; t < slot_mapping.size(0); ++t) {
     if (slots[t] < 0) continue;
+    TORCH_CHECK(slots[t] < cells, "bam write cache: slot ", slots[t], " outside the cache's ", cells, " cells");
     const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
     for (int64_t g = 0; g < kv_heads; ++g) {
       char* cell = cache + (block * kv_cache.stride(0) + g * kv_cache.stride(1) + offset * kv_cache.stride(2)) * element;

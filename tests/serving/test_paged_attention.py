@@ -301,6 +301,27 @@ def test_cpu_decode_refuses_a_request_longer_than_the_prior_table():
         run_path("cpu", step, terms)
 
 
+@pytest.mark.parametrize("rows", [1, 5], ids=["decoding", "prompt"])
+def test_cpu_kernels_refuse_block_ids_outside_the_cache(rows):
+    """A block table entry past the cache (a decoding request's, read in place; a prompt's, gathered) is one error,
+    not a read of memory the cache does not own."""
+    terms, _ = make_terms()
+    step = Step([(rows, 40)], 2, 16)
+    step.block_table[0, 1] = step.kv_cache.shape[0]
+    with pytest.raises(RuntimeError, match="block id .* outside the cache"):
+        run_path("cpu", step, terms)
+
+
+def test_cpu_cache_write_refuses_a_slot_outside_the_cache():
+    cache = torch.zeros(2, 6, 16, 2 * HEAD_DIM).transpose(0, 1)
+    key = value = torch.ones(1, 2 * HEAD_DIM)
+    batch = PagedBatch(torch.tensor([0, 1]), torch.tensor([1]), torch.zeros(1, 1, dtype=torch.int32),
+                       torch.tensor([6 * 16]), 1, 1, 16, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="slot 96 outside the cache's 96 cells"):
+        paged_attention.write_cache(key, value, cache, batch)
+    assert not cache.any()
+
+
 @pytest.mark.parametrize("path", ["cpu", "cpu_pytorch", "triton"])
 def test_bfloat16_cache_and_queries(path):
     """16-bit loads, casts and stores (the interpreter computes in fp32; its bf16 arithmetic is not the GPU's). The
