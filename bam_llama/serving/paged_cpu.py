@@ -258,9 +258,10 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, const at::Tenso
   char* cache = static_cast<char*>(kv_cache.mutable_data_ptr());
   const int64_t element = kv_cache.element_size();
   const int64_t cells = kv_cache.size(0) * block_size;
+  for (int64_t t = 0; t < slot_mapping.size(0); ++t)  // all checked before any is written
+    TORCH_CHECK(slots[t] < cells, "bam write cache: slot ", slots[t], " outside the cache's ", cells, " cells");
   for (int64_t t = 0; t < slot_mapping.size(0); ++t) {
     if (slots[t] < 0) continue;
-    TORCH_CHECK(slots[t] < cells, "bam write cache: slot ", slots[t], " outside the cache's ", cells, " cells");
     const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
     for (int64_t g = 0; g < kv_heads; ++g) {
       char* cell = cache + (block * kv_cache.stride(0) + g * kv_cache.stride(1) + offset * kv_cache.stride(2)) * element;

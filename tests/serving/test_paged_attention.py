@@ -313,10 +313,11 @@ def test_cpu_kernels_refuse_block_ids_outside_the_cache(rows):
 
 
 def test_cpu_cache_write_refuses_a_slot_outside_the_cache():
+    """Checked before anything is written: the good slot before the bad one stays unwritten too."""
     cache = torch.zeros(2, 6, 16, 2 * HEAD_DIM).transpose(0, 1)
-    key = value = torch.ones(1, 2 * HEAD_DIM)
-    batch = PagedBatch(torch.tensor([0, 1]), torch.tensor([1]), torch.zeros(1, 1, dtype=torch.int32),
-                       torch.tensor([6 * 16]), 1, 1, 16, torch.tensor([0, 1]))
+    key = value = torch.ones(2, 2 * HEAD_DIM)
+    batch = PagedBatch(torch.tensor([0, 2]), torch.tensor([2]), torch.zeros(1, 1, dtype=torch.int32),
+                       torch.tensor([3, 6 * 16]), 2, 2, 16, torch.tensor([0, 2]))
     with pytest.raises(RuntimeError, match="slot 96 outside the cache's 96 cells"):
         paged_attention.write_cache(key, value, cache, batch)
     assert not cache.any()
