@@ -64,7 +64,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         parser.error("--hidden must be divisible by --heads, and --heads by --kv-heads")
     if arguments.hidden // arguments.heads not in (32, 64, 80, 96, 112, 128, 256):
         parser.error("head size (--hidden / --heads) must be one vLLM's own attention takes, e.g. 32, 64 or 128")
-    if min(arguments.prompt_lengths) < 1 or arguments.long_prompt < 0 or min(arguments.new_tokens, arguments.repeats) < 1:
+    if min(*arguments.prompt_lengths, arguments.new_tokens, arguments.repeats) < 1 or arguments.long_prompt < 0:
         parser.error("--prompt-lengths, --new-tokens and --repeats must be positive, --long-prompt >= 0")
     return arguments
 

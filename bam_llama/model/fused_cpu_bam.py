@@ -454,9 +454,9 @@ def _compile_flags() -> list[str]:
 def build_cpu_library(stem: str, source: str, kernel: str, fallback: str) -> str | None:
     """Builds (once per source, flags and PyTorch installation; cached on disk by PyTorch) and loads a kernel whose
     C++ `source` follows CPU_KERNEL_PRELUDE and registers its operators under LIBRARY_NAME; returns that operator
-    namespace, or None where it cannot be built (no compiler: one warning, naming the `fallback` that runs instead). Each PyTorch
-    installation (a venv) gets a build of its own: one build folder compiled against two venvs' headers would be
-    rebuilt every time a process of the other venv loads it."""
+    namespace, or None where it cannot be built (no compiler: one warning, naming the `fallback` that runs
+    instead). Each PyTorch installation (a venv) gets a build of its own: one build folder compiled against two
+    venvs' headers would be rebuilt every time a process of the other venv loads it."""
     flags = _compile_flags()
     installation = [torch.__version__, os.path.dirname(torch.__file__)]
     source = CPU_KERNEL_PRELUDE + source

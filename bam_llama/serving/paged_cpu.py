@@ -85,7 +85,7 @@ void add_weighted_rows(float* acc, const float* weights, const float* rows, int6
 // One step as the decode reads it. Cache (blocks, Hkv, N, 2D): a token's key in channels 0 .. D - 1 of its cell,
 // its value in D .. 2D - 1, channels contiguous, blocks / heads / tokens at any stride.
 struct PagedStep {
-  int64_t heads, kv_heads, group, dim, block_size, block_stride, head_stride, token_stride;
+  int64_t kv_heads, group, dim, block_size, block_stride, head_stride, token_stride;
   int64_t query_stride, output_stride, table_len, table_stride;
   const int32_t *starts, *seq_lens, *block_table;
   const float *table, *ssmax_scale;
@@ -106,13 +106,21 @@ struct PagedStep {
   }
 };
 
+// One thread's working memory: the group's queries (group x D), scores (group x keys), accumulated values
+// (group x D), a block converted to float32 (N x D), each row's softmax sum
+struct DecodeBuffers {
+  std::vector<float> queries, scores, acc, scratch, sums;
+  explicit DecodeBuffers(const PagedStep& s)
+      : queries(s.group * s.dim), acc(s.group * s.dim), scratch(s.block_size * s.dim), sums(s.group) {}
+};
+
 // Query heads g * group .. of request r (one query, at position keys - 1) against its keys 0 .. keys - 1 of
 // key/value head g: scores, logits c * (scaling q.k + b) or c * scaling q.k + b, softmax, P.V
 template <typename scalar_t>
 void decode_one(const PagedStep& s, const scalar_t* query, const scalar_t* cache, scalar_t* output, int64_t r,
-                int64_t g, std::vector<float>& queries, std::vector<float>& scores, std::vector<float>& acc,
-                std::vector<float>& scratch) {
+                int64_t g, DecodeBuffers& buffers) {
   const int64_t keys = s.seq_lens[r], row = s.starts[r], dim = s.dim, group = s.group;
+  auto& [queries, scores, acc, scratch, sums] = buffers;
   scores.resize(group * keys);
   for (int64_t i = 0; i < group; ++i) {
     const scalar_t* q = query + row * s.query_stride + (g * group + i) * dim;
@@ -123,7 +131,6 @@ void decode_one(const PagedStep& s, const scalar_t* query, const scalar_t* cache
     for (int64_t i = 0; i < group; ++i)
       dot_rows(queries.data() + i * dim, rows, stride, count, dim, scores.data() + i * keys + first);
   });
-  std::vector<float> sums(group);
   const float log_count = std::log(static_cast<float>(keys));
   for (int64_t i = 0; i < group; ++i) {
     const int64_t h = g * group + i;
@@ -181,7 +188,7 @@ void paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at:
   check_step(query, kv_cache, output, query_start_loc, seq_lens, block_table, table, ssmax_scale);
   const int64_t heads = table.size(0), kv_heads = kv_cache.size(1), dim = kv_cache.size(3) / 2;
   TORCH_CHECK(heads % kv_heads == 0 && query.size(1) == heads * dim, "bam paged decode: heads and head size");
-  PagedStep s{heads, kv_heads, heads / kv_heads, dim, kv_cache.size(2), kv_cache.stride(0), kv_cache.stride(1),
+  PagedStep s{kv_heads, heads / kv_heads, dim, kv_cache.size(2), kv_cache.stride(0), kv_cache.stride(1),
               kv_cache.stride(2), query.stride(0), output.stride(0), table.size(1), block_table.stride(0),
               query_start_loc.const_data_ptr<int32_t>(), seq_lens.const_data_ptr<int32_t>(),
               block_table.const_data_ptr<int32_t>(), table.const_data_ptr<float>(),
@@ -205,9 +212,9 @@ void paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at:
     scalar_t* out = output.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, static_cast<int64_t>(decoding.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
       FlushSubnormals flush;
-      std::vector<float> queries(s.group * dim), scores, acc(s.group * dim), scratch(s.block_size * dim);
+      DecodeBuffers buffers(s);
       for (int64_t task = begin; task < end; ++task)
-        decode_one(s, q, cache, out, decoding[task / kv_heads], task % kv_heads, queries, scores, acc, scratch);
+        decode_one(s, q, cache, out, decoding[task / kv_heads], task % kv_heads, buffers);
     });
   });
 }

@@ -1,8 +1,9 @@
 """BAM attention over a paged KV cache (bam_llama/serving/paged_*.py) against the suite's float64 reference
-(tests/reference.py), without vLLM: every path (plain PyTorch, the CPU path with its C++ decode and the fused kernel
-for prompts, the same with its C++ kernels switched off, the Triton kernels through Triton's interpreter) on steps that mix decoding requests, chunks of
-prompts after cached tokens (chunk boundaries, prefix-cache hits) and whole prompts, over shuffled block tables in
-runs of one to four consecutive blocks, several block sizes and both cache layouts.
+(tests/reference.py), without vLLM: every path (plain PyTorch; the CPU path with its C++ decode and the fused kernel
+for prompts; the same with its C++ kernels switched off; the Triton kernels through Triton's interpreter) on steps
+that mix decoding requests, chunks of prompts after cached tokens (chunk boundaries, prefix-cache hits) and whole
+prompts, over shuffled block tables in runs of one to four consecutive blocks, several block sizes and both cache
+layouts.
 
 Every request's keys are written into the cache here (independently of `write_cache`, tested apart) and the
 reference attends over them in order; output rows are pre-filled with NaN, so a row a path forgets fails.
