@@ -11,9 +11,12 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .fused_cpu_bam import bam_attention_fused_cpu, fused_cpu_available
-from .prior_bam import attention_compute_dtype, autocast_off, exporting, ssmax_factor, visible_key_counts
+from .prior_bam import (
+    KeptPriorTable, attention_compute_dtype, autocast_off, exporting, ssmax_factor, visible_key_counts,
+)
 
 # The score of a key a query must not see (padding, another document): a finite "minus infinity", so that a row that
 # sees no key stays finite (its output is then zeroed). Future keys get a true -inf.
@@ -115,6 +118,81 @@ def _attend_single_query(
     if key_valid is not None:  # a row that sees no key gives zeros
         output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
     return output.transpose(1, 2)
+
+
+def traced_decode_step_runs(query: torch.Tensor, dropout: float, document_ids, *tensors) -> bool:
+    """Whether a decoding step in a compiled graph on the CPU (one query, no gradients, no dropout, no packed
+    documents: a static cache's step) runs `bam_attention_traced_decode_step`. Exported programs stay plain ATen;
+    on a GPU the materialized path stays (the operator reads the position on the host, which would sync the device
+    in every layer)."""
+    return (
+        torch.compiler.is_compiling() and not exporting() and query.device.type == "cpu" and query.shape[2] == 1
+        and dropout == 0.0 and document_ids is None and not _needs_gradient(query, *tensors)
+    )
+
+
+def bam_attention_traced_decode_step(
+    query, key, value, query_positions, prior_parameters, formula: str, eps: float, scaling: float,
+    ssmax_scale=None, ssmax_prior: bool = True, key_valid=None,
+) -> torch.Tensor:
+    """A static cache's decoding step in a compiled graph: (B, 1, H, D). A traced graph knows the position only as
+    a tensor, so the materialized path computed the prior for every slot of the cache in every layer and step
+    (H x max_cache_len powers) and attended to every slot. As one operator, the step reads the position, takes the
+    prior from a table kept for these parameter values (computed once for all steps) and attends to keys 0..P
+    only, as an eager step does (`_attend_single_query`).
+
+    query: (B, H, 1, D); key, value: (B, Hkv, Lk, D), the cache's slots; prior_parameters: theta_alpha,
+    theta_beta, theta_mu (H,); key_valid: (B, Lk) bool or None."""
+    return _traced_decode_step(
+        query, key, value, query_positions, *prior_parameters, formula, eps, scaling, ssmax_scale, ssmax_prior,
+        key_valid,
+    )
+
+
+# The tables of the priors a compiled decoding step has seen, by their theta_alpha tensor (weakly: a table goes with
+# its model); each is used only while the parameters hold its values (`KeptPriorTable`).
+_TRACED_DECODE_TABLES = WeakTensorKeyDictionary()
+
+
+@torch.library.custom_op("bam_llama::traced_decode_step", mutates_args=())
+def _traced_decode_step(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_positions: torch.Tensor,
+    theta_alpha: torch.Tensor,
+    theta_beta: torch.Tensor,
+    theta_mu: torch.Tensor,
+    formula: str,
+    eps: float,
+    scaling: float,
+    ssmax_scale: Optional[torch.Tensor],
+    ssmax_prior: bool,
+    key_valid: Optional[torch.Tensor],
+) -> torch.Tensor:
+    last = int(query_positions[-1])
+    if last >= key.shape[2]:
+        raise ValueError(f"a decoding step at position {last} past the cache's {key.shape[2]} slots")
+    kept = _TRACED_DECODE_TABLES.get(theta_alpha)
+    if kept is None:
+        kept = _TRACED_DECODE_TABLES[theta_alpha] = KeptPriorTable()
+    table = kept.window(last, theta_alpha, theta_beta, theta_mu, formula, eps)
+    if key_valid is not None and bool(key_valid[:, : last + 1].all()):
+        key_valid = None
+    input_dtype, compute_dtype = query.dtype, attention_compute_dtype(query.dtype)
+    key, value = key[:, :, : last + 1], value[:, :, : last + 1]  # the slots filled so far
+    with autocast_off(query.device):
+        query, key, value = (tensor.to(compute_dtype) for tensor in (query, key, value))
+        output = _attend_single_query(
+            query, key, value, query_positions, table, scaling, ssmax_scale, ssmax_prior, key_valid
+        )
+    return output.to(input_dtype).contiguous()
+
+
+@_traced_decode_step.register_fake
+def _traced_decode_step_fake(query, *arguments) -> torch.Tensor:
+    batch, heads, q_len, head_dim = query.shape
+    return query.new_empty(batch, q_len, heads, head_dim)
 
 
 def _visible_counts(query_positions, keys: int, key_valid, document_ids) -> torch.Tensor:

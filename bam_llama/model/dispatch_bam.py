@@ -18,7 +18,7 @@ from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask, sdpa_mask
 from transformers.utils import logging
 
-from .blocked_bam import bam_attention_blocked
+from .blocked_bam import bam_attention_blocked, bam_attention_traced_decode_step, traced_decode_step_runs
 from .configuration_bam import BamLlamaConfig
 from .continuous_batching_bam import CONTINUOUS_BATCHING_ATTENTION, PAGED_PREFIX
 from .prior_bam import visibility_from_positions
@@ -94,8 +94,20 @@ def bam_sdpa_attention_forward(
     (None: its length may be dynamic, see `_last_query_position`), or with a custom 4D mask, the (Lq x Lk) prior is
     materialized from the query positions instead: one SDPA call, no Python loop over the length.
 
-    prior_table: `prior.table(last_position)` when the model computed it once for all layers (global prior)."""
-    if last_position is None or (attention_mask is not None and attention_mask.dim() == 4):
+    prior_table: `prior.table(last_position)` when the model computed it once for all layers (global prior). A
+    static cache's decoding step in a compiled CPU graph is one operator that reads the position itself and keeps
+    its prior table (`bam_attention_traced_decode_step`)."""
+    custom_mask = attention_mask is not None and attention_mask.dim() == 4
+    ssmax_scale = None if module.ssmax is None else module.ssmax()
+    if last_position is None and not custom_mask and torch.compiler.is_compiling():
+        prior_parameters = prior()
+        if traced_decode_step_runs(query, dropout, document_ids, key, value, ssmax_scale, *prior_parameters):
+            output = bam_attention_traced_decode_step(
+                query, key, value, query_positions, prior_parameters, prior.formula, prior.eps, scaling,
+                ssmax_scale=ssmax_scale, ssmax_prior=module.config.ssmax_prior, key_valid=attention_mask,
+            )
+            return output, None
+    if last_position is None or custom_mask:
         visible, bias, row_factor = _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids)
         output = bam_attention_sdpa(
             query, key, value, visible, bias, scaling, row_factor, module.config.ssmax_prior, dropout
@@ -106,7 +118,7 @@ def bam_sdpa_attention_forward(
     output = bam_attention_blocked(
         query, key, value, query_positions,
         prior.table(last_position) if prior_table is None else prior_table, scaling,
-        ssmax_scale=None if module.ssmax is None else module.ssmax(), ssmax_prior=module.config.ssmax_prior,
+        ssmax_scale=ssmax_scale, ssmax_prior=module.config.ssmax_prior,
         key_valid=attention_mask, document_ids=document_ids, dropout=dropout,
     )
     return output.transpose(1, 2).contiguous(), None

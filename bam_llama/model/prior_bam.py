@@ -72,6 +72,40 @@ def ggd_bias(
     raise ValueError(f"unknown prior formula {formula!r}; expected {' or '.join(map(repr, PRIOR_FORMULAS))}")
 
 
+def prior_table(length: int, theta_alpha, theta_beta, theta_mu, formula: str, eps: float) -> torch.Tensor:
+    """(H, length) float32 prior at distances -(length - 1), ..., 0: row i of the bias of queries at positions
+    <= length - 1 is a window of it (the prior depends on j - i only)."""
+    distance = torch.arange(1 - length, 1, device=theta_alpha.device, dtype=torch.float32)
+    return ggd_bias(distance, theta_alpha, theta_beta, theta_mu, formula, eps)
+
+
+KEPT_TABLE_MIN = 1024  # the shortest table `KeptPriorTable` keeps: 4 KiB a head
+
+
+class KeptPriorTable:
+    """One prior's table kept across calls without gradients: a table to a power of two of at least KEPT_TABLE_MIN
+    entries, whose last P + 1 entries are the (H, P + 1) table a query at position P needs (a view). It is used only
+    while the parameters hold the values it was computed from (compared, not trusted to version counters or
+    addresses, which ZeRO-3 or FSDP may reuse for new values), under the same formula, eps and inference mode (a
+    table made under inference mode is an inference tensor); it costs H x 4 bytes a position kept."""
+
+    def __init__(self):
+        self._kept: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # (setting, parameter values, table)
+
+    def window(self, last_position: int, theta_alpha, theta_beta, theta_mu, formula: str, eps: float) -> torch.Tensor:
+        """(H, P + 1) float32, P = last_position; computed again only when the kept one does not hold it."""
+        with torch.no_grad():
+            values = torch.stack((theta_alpha, theta_beta, theta_mu)).float()  # (3, H)
+            setting = (formula, eps, values.device, torch.is_inference_mode_enabled())
+            kept = self._kept
+            if kept is None or kept[0] != setting or kept[2].shape[-1] <= last_position or not torch.equal(kept[1], values):
+                length = max(KEPT_TABLE_MIN, 1 << last_position.bit_length())  # > P: the next power of two
+                table = prior_table(length, theta_alpha, theta_beta, theta_mu, formula, eps)
+                kept = self._kept = (setting, values, table)
+        table = kept[2]
+        return table[:, table.shape[-1] - 1 - last_position :]
+
+
 def relative_distance(query_positions: torch.Tensor, key_length: int) -> torch.Tensor:
     """(Lq, Lk) float32 distances j - i, from absolute query positions (Lq,) and keys at 0..Lk-1."""
     keys = torch.arange(key_length, device=query_positions.device, dtype=torch.float32)

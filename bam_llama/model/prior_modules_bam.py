@@ -7,7 +7,9 @@ import torch
 from torch import nn
 
 from .configuration_bam import BamLlamaConfig
-from .prior_bam import SSMAX_PARAMETER, alibi_slopes, ggd_bias, relative_distance, ssmax_factor
+from .prior_bam import (
+    SSMAX_PARAMETER, KeptPriorTable, alibi_slopes, ggd_bias, prior_table, relative_distance, ssmax_factor,
+)
 
 try:
     from transformers import initialization as hf_init
@@ -45,9 +47,6 @@ class KeptInFloat32(nn.Module):
         return super()._apply(keep_float32, recurse)
 
 
-KEPT_TABLE_MIN = 1024  # the shortest prior table `BamPrior.table` keeps: 4 KiB a head
-
-
 class BamPrior(KeptInFloat32):
     """The per-head GGD positional prior: three scalars per head.
 
@@ -63,7 +62,7 @@ class BamPrior(KeptInFloat32):
         self.eps = config.prior_eps
         for name, trainable in prior_trainability(config).items():
             _register_prior_tensor(self, name, torch.zeros(heads, dtype=torch.float32), trainable)
-        self._kept_table: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # see `table`
+        self._kept_table = KeptPriorTable()  # see `table`
         self.reset_parameters(config)
 
     @torch.no_grad()
@@ -80,31 +79,12 @@ class BamPrior(KeptInFloat32):
     def table(self, last_position: int) -> torch.Tensor:
         """(H, P + 1) float32 prior at distances -P, ..., 0: every row of the bias is a window of it.
 
-        On CPU without gradients (eager code) the table is kept for reuse: a longer one, to a power of two of at
-        least KEPT_TABLE_MIN entries, whose last P + 1 entries are this table (a view). A decoding step then
-        computes no prior at all, where it would compute H x (P + 1) powers a layer. The kept table is used only
-        while the parameters hold the values it was computed from (compared, not trusted to version counters or
-        addresses, which ZeRO-3 or FSDP may reuse for new values); it costs H x 4 bytes a position kept."""
+        On CPU without gradients (eager code) the table is kept for reuse (`KeptPriorTable`): a decoding step then
+        computes no prior at all, where it would compute H x (P + 1) powers a layer."""
         theta_alpha, theta_beta, theta_mu = self()
-        parameters = (theta_alpha, theta_beta, theta_mu)
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or theta_alpha.device.type != "cpu":
-            return self._computed_table(last_position + 1, *parameters)
-        values = torch.stack(parameters).float()  # (3, H)
-        setting = (self.formula, self.eps, torch.is_inference_mode_enabled())
-        kept = self._kept_table
-        if (
-            kept is None or kept[0] != setting or kept[2].shape[-1] <= last_position
-            or not torch.equal(kept[1], values)
-        ):
-            length = max(KEPT_TABLE_MIN, 1 << last_position.bit_length())  # > P: the next power of two
-            kept = self._kept_table = (setting, values, self._computed_table(length, *parameters))
-        table = kept[2]
-        return table[:, table.shape[-1] - 1 - last_position :]
-
-    def _computed_table(self, length: int, theta_alpha, theta_beta, theta_mu) -> torch.Tensor:
-        """(H, length) prior at distances -(length - 1), ..., 0."""
-        distance = torch.arange(1 - length, 1, device=theta_alpha.device, dtype=torch.float32)
-        return ggd_bias(distance, theta_alpha, theta_beta, theta_mu, self.formula, self.eps)
+            return prior_table(last_position + 1, theta_alpha, theta_beta, theta_mu, self.formula, self.eps)
+        return self._kept_table.window(last_position, theta_alpha, theta_beta, theta_mu, self.formula, self.eps)
 
     def bias(self, query_positions: torch.Tensor, key_length: int) -> torch.Tensor:
         """(1, H, Lq, Lk) float32 prior for queries at absolute positions (Lq,) and keys 0..Lk-1."""

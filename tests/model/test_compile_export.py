@@ -303,3 +303,103 @@ def test_eager_attention_plans_blocks_from_the_cache_length(monkeypatch):
         model(prompt[:, :1], past_key_values=cache, use_cache=True)  # the cache's length is a tensor now
     calls = [(7, 7, 7), (7, 7, 7), (8, 8, 8), (7, 7, 16), (8, 8, 16)]  # (table, last position + 1, keys)
     assert tables == [call for call in calls for _ in range(model.config.num_hidden_layers)]
+
+
+def compiled_static_cache_logits(model, prompt, attention_mask, steps, backend="aot_eager"):
+    """Prefill `prompt` (B, L) into a StaticCache, then `steps` forced tokens (token t is 3 + t) through
+    `torch.compile(model.forward, fullgraph=True)`, each step given the mask of every slot of the cache (the prompt's,
+    then ones: one shape for all steps): the steps' logits (B, steps, V) and the ids they were computed on."""
+    step = torch.compile(model.forward, fullgraph=True, backend=backend)
+    slots = prompt.shape[1] + steps + 3
+    cache = StaticCache(config=model.config, max_cache_len=slots)
+    slot_mask = torch.nn.functional.pad(attention_mask, (0, slots - prompt.shape[1]), value=1)
+    ids, logits = prompt, []
+    with torch.no_grad():
+        model(prompt, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        for t in range(steps):
+            token = torch.full((prompt.shape[0], 1), 3 + t)
+            ids = torch.cat([ids, token], 1)
+            logits.append(step(token, attention_mask=slot_mask, past_key_values=cache, use_cache=True).logits)
+    return torch.cat(logits, 1), ids
+
+
+@pytest.mark.parametrize("case", ["default", "no-ssmax", "layer-prior", "ssmax-unscaled-prior"])
+def test_compiled_static_cache_step_is_one_operator_a_layer_with_a_kept_table(case, monkeypatch):
+    """A static cache's step in a compiled CPU graph is one BAM operator a layer (no SDPA, no prior over every slot
+    of the cache in the graph): it reads the position, attends to the keys filled so far and keeps one prior table
+    for all steps, computed again when the parameters change. Its logits equal a full forward without a cache over
+    the same ids (another path: the blocked / fused prompt attention), left padding included."""
+    from bam_llama.model import prior_bam
+
+    model = model_of("bam", **BAM_CASES[case])
+    tables = []
+    computed = prior_bam.prior_table
+    monkeypatch.setattr(prior_bam, "prior_table", lambda *args: tables.append(args[0]) or computed(*args))
+    prompt = torch.randint(3, VOCAB, (BATCH, 9), generator=torch.Generator().manual_seed(2))
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :3] = 0
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    logits, ids = compiled_static_cache_logits(model, prompt, attention_mask, 4, recording_backend)
+    priors = 1 if case != "layer-prior" else model.config.num_hidden_layers
+    assert len(tables) == 2 * priors  # a prior's table for the eager prefill, one for all four compiled steps
+    with torch.no_grad():
+        mask = torch.nn.functional.pad(attention_mask, (0, 4), value=1)
+        expected = model(ids, attention_mask=mask, use_cache=False).logits[:, -4:]
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    calls = [node.target for graph in graphs for node in graph.graph.nodes if node.op == "call_function"]
+    assert len(graphs) == 1
+    assert calls.count(torch.ops.bam_llama.traced_decode_step.default) == model.config.num_hidden_layers
+    assert torch.nn.functional.scaled_dot_product_attention not in calls
+
+    torch._dynamo.reset()
+    with torch.no_grad():  # new prior values: the kept table must not be reused
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if name.endswith("theta_beta"):
+                tensor.mul_(-1.0)
+    tables.clear()
+    logits, ids = compiled_static_cache_logits(model, prompt, attention_mask, 2)
+    assert len(tables) == 2 * priors
+    with torch.no_grad():
+        mask = torch.nn.functional.pad(attention_mask, (0, 2), value=1)
+        expected = model(ids, attention_mask=mask, use_cache=False).logits[:, -2:]
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ssmax, ssmax_prior", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_traced_decode_step_operator_against_the_float64_reference(ssmax, ssmax_prior, dtype):
+    """The operator alone, per element against the suite's float64 reference over keys 0..P: a static cache's
+    slots past the position hold huge values (read, they would show), one row is left-padded, one head has a
+    negative beta, query head h reads key/value head h // 2."""
+    from reference import bam_attention
+
+    generator = torch.Generator().manual_seed(3)
+    batch, heads, kv_heads, slots, head_dim, position = 2, 4, 2, 24, 8, 13
+    query = torch.randn(batch, heads, 1, head_dim, generator=generator)
+    key = torch.randn(batch, kv_heads, slots, head_dim, generator=generator)
+    value = torch.randn(batch, kv_heads, slots, head_dim, generator=generator)
+    key[:, :, position + 1 :], value[:, :, position + 1 :] = 1e4, 1e4  # unfilled slots
+    key_valid = torch.ones(batch, slots, dtype=torch.bool)
+    key_valid[1, :4] = False
+    theta_alpha = torch.tensor([-1.0, -0.3, 0.2, -2.0])
+    theta_beta = torch.tensor([0.5, 1.0, -0.4, 0.0])
+    theta_mu = torch.tensor([0.0, 0.1, -0.2, 0.3])
+    scale = torch.tensor([0.9, 1.1, 1.3, 0.7]) if ssmax else None
+    positions = torch.tensor([position])
+    output = torch.ops.bam_llama.traced_decode_step(
+        query.to(dtype), key.to(dtype), value.to(dtype), positions, theta_alpha, theta_beta, theta_mu,
+        "current", 1e-5, head_dim**-0.5, scale, ssmax_prior, key_valid,
+    )
+    cut = slice(0, position + 1)
+    expected = bam_attention(
+        query.to(dtype), key[:, :, cut].to(dtype), value[:, :, cut].to(dtype), positions, theta_alpha, theta_beta,
+        theta_mu, ssmax_scale=scale, ssmax_prior=ssmax_prior, key_valid=key_valid[:, cut],
+    )
+    assert output.shape == (batch, 1, heads, head_dim) and output.dtype == dtype
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(output.double(), expected.transpose(1, 2), **tolerance)
