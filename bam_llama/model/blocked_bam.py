@@ -107,9 +107,12 @@ def _attend_single_query(
     keys = prior_table.shape[-1]
     key, value = key[:, :, :keys], value[:, :, :keys]  # a static cache holds more slots than keys so far
     mask = prior_table.to(query.dtype)[None, :, None, :]  # (1, H, 1, P + 1)
-    counts = None if ssmax_scale is None and key_valid is None else _visible_counts(query_positions, keys, key_valid, None)
+    counts = None if key_valid is None else _visible_counts(query_positions, keys, key_valid, None)
     if ssmax_scale is not None:
-        factor = ssmax_factor(counts, ssmax_scale).to(query.dtype)  # (B or 1, H, 1, 1)
+        if counts is None:  # every key up to P is seen: n = P + 1, known on the host (a few operators fewer a step)
+            factor = (ssmax_scale.float() * math.log(keys)).to(query.dtype).view(1, -1, 1, 1)
+        else:
+            factor = ssmax_factor(counts, ssmax_scale).to(query.dtype)  # (B, H, 1, 1)
         query = query * factor
         mask = mask * factor if ssmax_prior else mask
     if key_valid is not None:
@@ -120,14 +123,23 @@ def _attend_single_query(
     return output.transpose(1, 2)
 
 
-def traced_decode_step_runs(query: torch.Tensor, dropout: float, document_ids, *tensors) -> bool:
+# A static cache of at most this many slots keeps the materialized step in a compiled graph: Inductor fuses the
+# prior over every slot into a few loops, cheaper there than the operator's fixed cost (host code, about 0.1 ms a
+# layer on the Intel Xeon of benchmarks/results/cpu-speed-compiled.md: 1.12-1.23x compiled Llama's step at 577
+# slots, against 1.03-1.05x materialized; at 1,089 slots the operator is ahead).
+TRACED_DECODE_MIN_SLOTS = 1024
+
+
+def traced_decode_step_runs(query: torch.Tensor, key: torch.Tensor, dropout: float, document_ids, *tensors) -> bool:
     """Whether a decoding step in a compiled graph on the CPU (one query, no gradients, no dropout, no packed
-    documents: a static cache's step) runs `bam_attention_traced_decode_step`. Exported programs stay plain ATen;
-    on a GPU the materialized path stays (the operator reads the position on the host, which would sync the device
-    in every layer)."""
+    documents: a static cache's step, over more than TRACED_DECODE_MIN_SLOTS slots) runs
+    `bam_attention_traced_decode_step`. Exported programs stay plain ATen; on a GPU the materialized path stays
+    (the operator reads the position on the host, which would sync the device in every layer). Decided from shapes
+    only: one graph for every step."""
     return (
         torch.compiler.is_compiling() and not exporting() and query.device.type == "cpu" and query.shape[2] == 1
-        and dropout == 0.0 and document_ids is None and not _needs_gradient(query, *tensors)
+        and key.shape[2] > TRACED_DECODE_MIN_SLOTS and dropout == 0.0 and document_ids is None
+        and not _needs_gradient(query, key, *tensors)
     )
 
 

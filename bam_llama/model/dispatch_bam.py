@@ -101,7 +101,7 @@ def bam_sdpa_attention_forward(
     ssmax_scale = None if module.ssmax is None else module.ssmax()
     if last_position is None and not custom_mask and torch.compiler.is_compiling():
         prior_parameters = prior()
-        if traced_decode_step_runs(query, dropout, document_ids, key, value, ssmax_scale, *prior_parameters):
+        if traced_decode_step_runs(query, key, dropout, document_ids, value, ssmax_scale, *prior_parameters):
             output = bam_attention_traced_decode_step(
                 query, key, value, query_positions, prior_parameters, prior.formula, prior.eps, scaling,
                 ssmax_scale=ssmax_scale, ssmax_prior=module.config.ssmax_prior, key_valid=attention_mask,

@@ -2,7 +2,8 @@
 
 `bam_attention_reference` is the ground truth the faster paths (`blocked_bam.py`, the Triton kernels of
 `triton_bam.py`) are tested against, and the "eager" attention; `bam_attention_sdpa` is the same through PyTorch's
-SDPA with a float mask, for custom 4D masks, static caches in traced graphs and exported programs (a dynamic length).
+SDPA with a float mask, for custom 4D masks, static caches in traced GPU graphs and exported programs (a dynamic
+length).
 
 Shapes: B batch, H query heads, Hkv key/value heads, Lq queries, Lk keys, D head size.
 """

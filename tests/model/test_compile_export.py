@@ -323,14 +323,17 @@ def compiled_static_cache_logits(model, prompt, attention_mask, steps, backend="
     return torch.cat(logits, 1), ids
 
 
+@pytest.mark.parametrize("operator", [True, False], ids=["operator", "materialized"])
 @pytest.mark.parametrize("case", ["default", "no-ssmax", "layer-prior", "ssmax-unscaled-prior"])
-def test_compiled_static_cache_step_is_one_operator_a_layer_with_a_kept_table(case, monkeypatch):
-    """A static cache's step in a compiled CPU graph is one BAM operator a layer (no SDPA, no prior over every slot
-    of the cache in the graph): it reads the position, attends to the keys filled so far and keeps one prior table
-    for all steps, computed again when the parameters change. Its logits equal a full forward without a cache over
-    the same ids (another path: the blocked / fused prompt attention), left padding included."""
-    from bam_llama.model import prior_bam
+def test_compiled_static_cache_step_on_the_cpu(case, operator, monkeypatch):
+    """A static cache's step in a compiled CPU graph over more than TRACED_DECODE_MIN_SLOTS slots (lowered here to
+    run on a small cache) is one BAM operator a layer (no SDPA, no prior over every slot of the cache in the graph):
+    it reads the position, attends to the keys filled so far and keeps one prior table for all steps, computed
+    again when the parameters change. A smaller cache keeps the materialized step. Either way the logits equal a
+    full forward without a cache over the same ids (another path: the prompt attention), left padding included."""
+    from bam_llama.model import blocked_bam, prior_bam
 
+    monkeypatch.setattr(blocked_bam, "TRACED_DECODE_MIN_SLOTS", 8 if operator else 16)  # the cache: 16 slots
     model = model_of("bam", **BAM_CASES[case])
     tables = []
     computed = prior_bam.prior_table
@@ -346,15 +349,17 @@ def test_compiled_static_cache_step_is_one_operator_a_layer_with_a_kept_table(ca
 
     logits, ids = compiled_static_cache_logits(model, prompt, attention_mask, 4, recording_backend)
     priors = 1 if case != "layer-prior" else model.config.num_hidden_layers
-    assert len(tables) == 2 * priors  # a prior's table for the eager prefill, one for all four compiled steps
+    # a prior's table for the eager prefill, and the operator's one for all four compiled steps
+    assert len(tables) == (2 if operator else 1) * priors
     with torch.no_grad():
         mask = torch.nn.functional.pad(attention_mask, (0, 4), value=1)
         expected = model(ids, attention_mask=mask, use_cache=False).logits[:, -4:]
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
     calls = [node.target for graph in graphs for node in graph.graph.nodes if node.op == "call_function"]
     assert len(graphs) == 1
-    assert calls.count(torch.ops.bam_llama.traced_decode_step.default) == model.config.num_hidden_layers
-    assert torch.nn.functional.scaled_dot_product_attention not in calls
+    operators = calls.count(torch.ops.bam_llama.traced_decode_step.default)
+    assert operators == (model.config.num_hidden_layers if operator else 0)
+    assert (torch.nn.functional.scaled_dot_product_attention in calls) is not operator
 
     torch._dynamo.reset()
     with torch.no_grad():  # new prior values: the kept table must not be reused
@@ -363,7 +368,7 @@ def test_compiled_static_cache_step_is_one_operator_a_layer_with_a_kept_table(ca
                 tensor.mul_(-1.0)
     tables.clear()
     logits, ids = compiled_static_cache_logits(model, prompt, attention_mask, 2)
-    assert len(tables) == 2 * priors
+    assert len(tables) == (2 if operator else 1) * priors
     with torch.no_grad():
         mask = torch.nn.functional.pad(attention_mask, (0, 2), value=1)
         expected = model(ids, attention_mask=mask, use_cache=False).logits[:, -2:]
