@@ -99,12 +99,14 @@ def bam_sdpa_attention_forward(
     its prior table (`bam_attention_traced_decode_step`)."""
     custom_mask = attention_mask is not None and attention_mask.dim() == 4
     ssmax_scale = None if module.ssmax is None else module.ssmax()
-    if last_position is None and not custom_mask and torch.compiler.is_compiling():
+    step_mask = not custom_mask or _is_a_step_mask(attention_mask)
+    if last_position is None and step_mask and torch.compiler.is_compiling():
+        key_valid = attention_mask[:, 0, 0] if custom_mask else attention_mask  # (B, Lk) or None
         prior_parameters = prior()
         if traced_decode_step_runs(query, key, dropout, document_ids, value, ssmax_scale, *prior_parameters):
             output = bam_attention_traced_decode_step(
                 query, key, value, query_positions, prior_parameters, prior.formula, prior.eps, scaling,
-                ssmax_scale=ssmax_scale, ssmax_prior=module.config.ssmax_prior, key_valid=attention_mask,
+                ssmax_scale=ssmax_scale, ssmax_prior=module.config.ssmax_prior, key_valid=key_valid,
             )
             return output, None
     if last_position is None or custom_mask:
@@ -122,6 +124,13 @@ def bam_sdpa_attention_forward(
         key_valid=attention_mask, document_ids=document_ids, dropout=dropout,
     )
     return output.transpose(1, 2).contiguous(), None
+
+
+def _is_a_step_mask(attention_mask: torch.Tensor) -> bool:
+    """Whether a 4D mask is a boolean (B, 1, 1, Lk) one, which `generate` builds for a compiled static-cache step
+    (Transformers' own causal mask): the step's visible keys. A decoding step attends to the cache's filled slots
+    only: keys after its position are hidden whatever the mask says (they hold no key yet)."""
+    return attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1
 
 
 def bam_triton_attention_forward(

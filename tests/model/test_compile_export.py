@@ -305,10 +305,12 @@ def test_eager_attention_plans_blocks_from_the_cache_length(monkeypatch):
     assert tables == [call for call in calls for _ in range(model.config.num_hidden_layers)]
 
 
-def compiled_static_cache_logits(model, prompt, attention_mask, steps, backend="aot_eager"):
+def compiled_static_cache_logits(model, prompt, attention_mask, steps, backend="aot_eager", four_d=False):
     """Prefill `prompt` (B, L) into a StaticCache, then `steps` forced tokens (token t is 3 + t) through
     `torch.compile(model.forward, fullgraph=True)`, each step given the mask of every slot of the cache (the prompt's,
-    then ones: one shape for all steps): the steps' logits (B, steps, V) and the ids they were computed on."""
+    then ones: one shape for all steps), or with `four_d` the boolean (B, 1, 1, slots) mask `generate` builds for
+    such a step (padding and causality: slots after the step's position hidden): the steps' logits (B, steps, V)
+    and the ids they were computed on."""
     step = torch.compile(model.forward, fullgraph=True, backend=backend)
     slots = prompt.shape[1] + steps + 3
     cache = StaticCache(config=model.config, max_cache_len=slots)
@@ -319,18 +321,23 @@ def compiled_static_cache_logits(model, prompt, attention_mask, steps, backend="
         for t in range(steps):
             token = torch.full((prompt.shape[0], 1), 3 + t)
             ids = torch.cat([ids, token], 1)
-            logits.append(step(token, attention_mask=slot_mask, past_key_values=cache, use_cache=True).logits)
+            mask = slot_mask
+            if four_d:
+                mask = (slot_mask.bool() & (torch.arange(slots) < ids.shape[1]))[:, None, None, :]
+            logits.append(step(token, attention_mask=mask, past_key_values=cache, use_cache=True).logits)
     return torch.cat(logits, 1), ids
 
 
+@pytest.mark.parametrize("four_d", [False, True], ids=["2d-mask", "4d-mask"])
 @pytest.mark.parametrize("operator", [True, False], ids=["operator", "materialized"])
 @pytest.mark.parametrize("case", ["default", "no-ssmax", "layer-prior", "ssmax-unscaled-prior"])
-def test_compiled_static_cache_step_on_the_cpu(case, operator, monkeypatch):
+def test_compiled_static_cache_step_on_the_cpu(case, operator, four_d, monkeypatch):
     """A static cache's step in a compiled CPU graph over more than TRACED_DECODE_MIN_SLOTS slots (lowered here to
     run on a small cache) is one BAM operator a layer (no SDPA, no prior over every slot of the cache in the graph):
     it reads the position, attends to the keys filled so far and keeps one prior table for all steps, computed
     again when the parameters change. A smaller cache keeps the materialized step. Either way the logits equal a
-    full forward without a cache over the same ids (another path: the prompt attention), left padding included."""
+    full forward without a cache over the same ids (another path: the prompt attention), left padding included,
+    with a 2D mask or the 4D one `generate` builds."""
     from bam_llama.model import blocked_bam, prior_bam
 
     monkeypatch.setattr(blocked_bam, "TRACED_DECODE_MIN_SLOTS", 8 if operator else 16)  # the cache: 16 slots
@@ -347,7 +354,7 @@ def test_compiled_static_cache_step_on_the_cpu(case, operator, monkeypatch):
         graphs.append(graph_module)
         return graph_module.forward
 
-    logits, ids = compiled_static_cache_logits(model, prompt, attention_mask, 4, recording_backend)
+    logits, ids = compiled_static_cache_logits(model, prompt, attention_mask, 4, recording_backend, four_d)
     priors = 1 if case != "layer-prior" else model.config.num_hidden_layers
     # a prior's table for the eager prefill, and the operator's one for all four compiled steps
     assert len(tables) == (2 if operator else 1) * priors
@@ -367,7 +374,7 @@ def test_compiled_static_cache_step_on_the_cpu(case, operator, monkeypatch):
             if name.endswith("theta_beta"):
                 tensor.mul_(-1.0)
     tables.clear()
-    logits, ids = compiled_static_cache_logits(model, prompt, attention_mask, 2)
+    logits, ids = compiled_static_cache_logits(model, prompt, attention_mask, 2, four_d=four_d)
     assert len(tables) == (2 if operator else 1) * priors
     with torch.no_grad():
         mask = torch.nn.functional.pad(attention_mask, (0, 2), value=1)

@@ -551,10 +551,15 @@ def test_left_padding_with_generation_position_ids_equals_unpadded():
         torch.testing.assert_close(padded[b, 9 - len(row) :], no_grad_logits(model, row[None])[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
-def test_compiled_static_cache_generation_equals_eager(implementation):
+@pytest.mark.parametrize("implementation, min_slots", [("sdpa", None), ("sdpa", 4), ("eager", None)])
+def test_compiled_static_cache_generation_equals_eager(implementation, min_slots, monkeypatch):
     """Fullgraph compilation (no graph break allowed) through `generate`'s own auto-compile path on CPU. The
-    backend records the graphs and runs them unoptimized, which keeps the test fast."""
+    backend records the graphs and runs them unoptimized, which keeps the test fast. `min_slots`: the cache size
+    past which a compiled step is BAM's operator, lowered to this small cache (else it stays materialized)."""
+    from bam_llama.model import blocked_bam
+
+    if min_slots is not None:
+        monkeypatch.setattr(blocked_bam, "TRACED_DECODE_MIN_SLOTS", min_slots)
     assert BamLlamaForCausalLM._can_compile_fullgraph
     graphs = []
 
@@ -571,6 +576,9 @@ def test_compiled_static_cache_generation_equals_eager(implementation):
     compiled = model.generate(prompt, compile_config=compile_config, **kwargs)
     assert graphs, "generate did not compile the decoding step"
     assert torch.equal(compiled, reference)
+    operator = torch.ops.bam_llama.traced_decode_step.default
+    calls = [node.target for graph in graphs for node in graph.graph.nodes if node.op == "call_function"]
+    assert (operator in calls) == (min_slots is not None)
 
 
 # ---------------------------------------------------------------------------------------------- attention names
