@@ -98,7 +98,8 @@ class KeptPriorTable:
             values = torch.stack((theta_alpha, theta_beta, theta_mu)).float()  # (3, H)
             setting = (formula, eps, values.device, torch.is_inference_mode_enabled())
             kept = self._kept
-            if kept is None or kept[0] != setting or kept[2].shape[-1] <= last_position or not torch.equal(kept[1], values):
+            stale = kept is None or kept[0] != setting or kept[2].shape[-1] <= last_position
+            if stale or not torch.equal(kept[1], values):
                 length = max(KEPT_TABLE_MIN, 1 << last_position.bit_length())  # > P: the next power of two
                 table = prior_table(length, theta_alpha, theta_beta, theta_mu, formula, eps)
                 kept = self._kept = (setting, values, table)
