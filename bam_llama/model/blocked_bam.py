@@ -100,10 +100,14 @@ def bam_attention_blocked(
 def _attend_single_query(
     query, key, value, query_positions, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid
 ) -> torch.Tensor:
-    """One query at position P (the table's last entry, distance 0) against keys 0..P, without gradients, in one SDPA
-    call: its mask is the prior table itself, (H, P + 1), no future key in it, and none of the planning of query
-    blocks. The SSMax factor scales the query and, where SSMax scales the prior, the table. Returns (B, 1, H, D),
-    zeros where no key is seen."""
+    """One query at position P (the table's last entry, distance 0) against keys 0..P, without gradients: its mask is
+    the prior table itself, (H, P + 1), no future key in it, and none of the planning of query blocks. The SSMax
+    factor scales the query and, where SSMax scales the prior, the table. Returns (B, 1, H, D), zeros where no key is
+    seen.
+
+    Three BLAS calls over the query heads of each key/value head (scores = mask + q K^T, softmax, P V), not SDPA:
+    for one query SDPA's fused CPU kernel took 1.7-1.8x their time at 16K-64K keys and about theirs up to 4K
+    (8 heads, 4 key/value heads, head size 32, one thread, Intel Xeon; benchmarks/results/cpu-speed-long.md)."""
     keys = prior_table.shape[-1]
     key, value = key[:, :, :keys], value[:, :, :keys]  # a static cache holds more slots than keys so far
     mask = prior_table.to(query.dtype)[None, :, None, :]  # (1, H, 1, P + 1)
@@ -117,10 +121,27 @@ def _attend_single_query(
         mask = mask * factor if ssmax_prior else mask
     if key_valid is not None:
         mask = mask.masked_fill(~key_valid[:, None, None, :keys].bool(), HIDDEN_KEY_SCORE)
-    output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    output = _grouped_single_query_attention(query, key, value, mask, scaling)
     if key_valid is not None:  # a row that sees no key gives zeros
         output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
     return output.transpose(1, 2)
+
+
+def _grouped_single_query_attention(query, key, value, mask, scaling: float) -> torch.Tensor:
+    """softmax(mask + q K^T * scaling) V for one query a head: query (B, H, 1, D), key / value (B, Hkv, K, D), mask
+    (B or 1, H, 1, K) -> (B, H, 1, D). Query head h reads key/value head h // (H / Hkv): the G = H / Hkv query heads
+    of a key/value head are the G rows of one (G x K) matmul."""
+    batch, heads, _, head_dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    pairs, group = batch * kv_heads, heads // kv_heads
+    scores = torch.baddbmm(
+        mask.expand(batch, -1, -1, -1).reshape(pairs, group, keys),
+        query.reshape(pairs, group, head_dim),
+        key.reshape(pairs, keys, head_dim).transpose(1, 2),
+        alpha=scaling,
+    )
+    probs = torch.softmax(scores, dim=-1, out=scores)
+    return torch.bmm(probs, value.reshape(pairs, keys, head_dim)).view(batch, heads, 1, head_dim)
 
 
 # A static cache of at most this many slots keeps the materialized step in a compiled graph: Inductor fuses the

@@ -224,26 +224,28 @@ def test_blocks_that_split_a_key_value_group_are_refused():
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_a_decoding_step_is_one_sdpa_call_of_every_head(monkeypatch, padded):
-    """One query against 4096 keys with an SSMax-scaled (materialized) mask: one call, not one per key/value head
-    (each call costs a fixed overhead, which dominates a decoding step)."""
-    import bam_llama.model.blocked_bam as attention
-
+def test_a_decoding_step_is_one_grouped_matmul_pair_for_every_head(monkeypatch, padded):
+    """One query against 4096 keys with an SSMax-scaled (materialized) mask: one (scores, P V) matmul pair for all
+    heads, each key/value head's query heads as the rows of one matrix, not a call per head (each call costs a fixed
+    overhead, which dominates a decoding step), and no SDPA call."""
     shapes = []
-    sdpa = attention.F.scaled_dot_product_attention
 
-    def counting_sdpa(query, *args, **kwargs):
-        shapes.append(tuple(query.shape))
-        return sdpa(query, *args, **kwargs)
+    def counting(name, function):
+        def counted(*args, **kwargs):
+            shapes.append((name, tuple(args[1].shape)))
+            return function(*args, **kwargs)
+        return counted
 
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting_sdpa)
+    monkeypatch.setattr(torch, "baddbmm", counting("baddbmm", torch.baddbmm))
+    monkeypatch.setattr(torch, "bmm", counting("bmm", torch.bmm))
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", None)
     query, key, value = random_qkv(1, 8, 4, 1, 4096, 4, torch.float32)
     key_valid = torch.ones(1, 4096, dtype=torch.long) if padded else None
     bam_attention_blocked(
         query, key, value, torch.tensor([4095]), torch.zeros(8, 4096), 0.5, ssmax_scale=torch.ones(8),
         key_valid=key_valid,
     )
-    assert shapes == [(1, 8, 1, 4)]
+    assert shapes == [("baddbmm", (4, 2, 4)), ("bmm", (4, 4096, 4))]  # (B x Hkv, group, D), (B x Hkv, keys, D)
 
 
 @pytest.mark.parametrize("ssmax, ssmax_prior", [(False, True), (True, True), (True, False)])
