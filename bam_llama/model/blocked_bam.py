@@ -210,16 +210,13 @@ def _traced_decode_step(
     if kept is None:
         kept = _TRACED_DECODE_TABLES[theta_alpha] = KeptPriorTable()
     table = kept.window(last, theta_alpha, theta_beta, theta_mu, formula, eps)
-    if key_valid is not None and bool(key_valid[:, : last + 1].all()):
-        key_valid = None
-    input_dtype, compute_dtype = query.dtype, attention_compute_dtype(query.dtype)
-    key, value = key[:, :, : last + 1], value[:, :, : last + 1]  # the slots filled so far
-    with autocast_off(query.device):
-        query, key, value = (tensor.to(compute_dtype) for tensor in (query, key, value))
-        output = _attend_single_query(
-            query, key, value, query_positions, table, scaling, ssmax_scale, ssmax_prior, key_valid
-        )
-    return output.to(input_dtype).contiguous()
+    filled = slice(0, last + 1)  # the slots filled so far: the rest is neither converted nor read
+    key_valid = None if key_valid is None or bool(key_valid[:, filled].all()) else key_valid[:, filled]
+    output = bam_attention_blocked(  # eager code here: a decoding step (`_attend_single_query`)
+        query, key[:, :, filled], value[:, :, filled], query_positions, table, scaling,
+        ssmax_scale=ssmax_scale, ssmax_prior=ssmax_prior, key_valid=key_valid,
+    )
+    return output.transpose(1, 2).contiguous()
 
 
 @_traced_decode_step.register_fake
