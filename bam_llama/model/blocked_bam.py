@@ -73,8 +73,14 @@ def bam_attention_blocked(
         )
     input_dtype = query.dtype
     compute_dtype = attention_compute_dtype(input_dtype)
+    keys = prior_table.shape[-1]  # keys 0 .. P are read: a static cache's slots past P hold no key yet
+    if key.shape[2] > keys and key.dtype != compute_dtype:  # converted below: the keys that are read, not every slot
+        key, value = key[:, :, :keys], value[:, :, :keys]
+        key_valid = None if key_valid is None else key_valid[:, :keys]
+        document_ids = None if document_ids is None else document_ids[:, :keys]
     with autocast_off(query.device):
-        query, key, value = (tensor.to(compute_dtype) for tensor in (query, key, value))
+        if query.dtype != compute_dtype or key.dtype != compute_dtype or value.dtype != compute_dtype:
+            query, key, value = (tensor.to(compute_dtype) for tensor in (query, key, value))
         inference = dropout == 0.0 and not _needs_gradient(query, key, value, prior_table, ssmax_scale)
         compiling = torch.compiler.is_compiling()
         if inference and not compiling and query.shape[2] == 1 and document_ids is None:  # a decoding step
@@ -94,7 +100,7 @@ def bam_attention_blocked(
                 query, key, value, query_positions, prior_table, scaling, ssmax_scale, ssmax_prior, key_valid,
                 document_ids, dropout, block_rows, block_heads,
             )
-    return output.to(input_dtype).transpose(1, 2)
+    return (output if output.dtype == input_dtype else output.to(input_dtype)).transpose(1, 2)
 
 
 def _attend_single_query(
@@ -102,34 +108,69 @@ def _attend_single_query(
 ) -> torch.Tensor:
     """One query at position P (the table's last entry, distance 0) against keys 0..P, without gradients: its mask is
     the prior table itself, (H, P + 1), no future key in it, and none of the planning of query blocks. The SSMax
-    factor scales the query and, where SSMax scales the prior, the table. Returns (B, 1, H, D), zeros where no key is
-    seen.
+    factor scales the query and, where SSMax scales the prior, the prior. Returns (B, 1, H, D), zeros where no key
+    is seen.
 
-    Three BLAS calls over the query heads of each key/value head (scores = mask + q K^T, softmax, P V), not SDPA:
-    for one query SDPA's fused CPU kernel took 1.7-1.8x their time at 16K-64K keys and about theirs up to 4K
-    (8 heads, 4 key/value heads, head size 32, one thread, Intel Xeon; benchmarks/results/cpu-speed-long.md)."""
+    Eager float32 on the CPU, the fused kernel (`fused_cpu_bam`) runs the step in one call: each key/value head's
+    query heads against key tiles, the table read in place. It took 0.83x SDPA's time at 4K keys and 0.64x at 16K
+    (one query, no mask; 8 heads, 4 key/value heads, head size 32, one thread, Intel Xeon), where three PyTorch
+    calls (scores = mask + q K^T, softmax, P V; `_grouped_single_query_attention`, which other devices and dtypes
+    keep) took 1.1x and 0.8x, and the SSMax factor's operators on the scores 0.2x more."""
+    keys = prior_table.shape[-1]
+    counts = None if key_valid is None else _visible_counts(query_positions, keys, key_valid, None)
+    factor = None
+    if ssmax_scale is not None:
+        if counts is None:  # every key up to P is seen: n = P + 1, known on the host (a few operators fewer a step)
+            factor = (ssmax_scale * math.log(keys)).view(1, -1, 1, 1)
+        else:
+            factor = ssmax_factor(counts, ssmax_scale)  # (B, H, 1, 1)
+        factor = factor if factor.dtype == query.dtype else factor.to(query.dtype)
+    if _fused_kernel_runs(query, None):
+        output = _single_query_fused(query, key, value, prior_table, scaling, factor, ssmax_prior, key_valid, counts)
+    else:
+        output = _single_query_grouped(query, key, value, prior_table, scaling, factor, ssmax_prior, key_valid)
+    if key_valid is not None:  # a row that sees no key gives zeros
+        output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
+    return output
+
+
+def _single_query_fused(query, key, value, prior_table, scaling, factor, ssmax_prior, key_valid, counts):
+    """`_attend_single_query` in `fused_cpu_bam`'s kernel: (B, 1, H, D). A static cache's slots past P are passed
+    but never read; a padding mask as wide as them is the kernel's key bias."""
+    keys = prior_table.shape[-1]
+    if key_valid is not None and key_valid.shape[-1] != key.shape[2]:
+        key, value, key_valid = key[:, :, :keys], value[:, :, :keys], key_valid[:, :keys]
+    prior_factor = None
+    if factor is not None:
+        query = query * factor
+        prior_factor = factor.view(factor.shape[0], -1, 1) if ssmax_prior else None  # (1 or B, H, 1)
+    return bam_attention_fused_cpu(
+        query, key, value, keys - 1, prior_table, scaling, prior_factor, _key_bias(key_valid, query.dtype), None,
+        counts,
+    )
+
+
+def _single_query_grouped(query, key, value, prior_table, scaling, factor, ssmax_prior, key_valid):
+    """`_attend_single_query` in three PyTorch calls: (B, 1, H, D)."""
     keys = prior_table.shape[-1]
     key, value = key[:, :, :keys], value[:, :, :keys]  # a static cache holds more slots than keys so far
     mask = prior_table.to(query.dtype)[None, :, None, :]  # (1, H, 1, P + 1)
-    counts = None if key_valid is None else _visible_counts(query_positions, keys, key_valid, None)
-    if ssmax_scale is not None:
-        if counts is None:  # every key up to P is seen: n = P + 1, known on the host (a few operators fewer a step)
-            factor = (ssmax_scale.float() * math.log(keys)).to(query.dtype).view(1, -1, 1, 1)
+    score_factor = None
+    if factor is not None:
+        if ssmax_prior:
+            score_factor = factor
         else:
-            factor = ssmax_factor(counts, ssmax_scale).to(query.dtype)  # (B, H, 1, 1)
-        query = query * factor
-        mask = mask * factor if ssmax_prior else mask
-    if key_valid is not None:
-        mask = mask.masked_fill(~key_valid[:, None, None, :keys].bool(), HIDDEN_KEY_SCORE)
-    output = _grouped_single_query_attention(query, key, value, mask, scaling)
-    if key_valid is not None:  # a row that sees no key gives zeros
-        output = output.masked_fill((counts == 0)[:, :, None, None], 0.0)
-    return output.transpose(1, 2)
+            query = query * factor
+    hidden = None if key_valid is None else ~key_valid[:, :keys].bool()
+    return _grouped_single_query_attention(query, key, value, mask, scaling, score_factor, hidden).transpose(1, 2)
 
 
-def _grouped_single_query_attention(query, key, value, mask, scaling: float) -> torch.Tensor:
-    """softmax(mask + q K^T * scaling) V for one query a head: query (B, H, 1, D), key / value (B, Hkv, K, D), mask
-    (B or 1, H, 1, K) -> (B, H, 1, D). Query head h reads key/value head h // (H / Hkv): the G = H / Hkv query heads
+def _grouped_single_query_attention(
+    query, key, value, mask, scaling: float, score_factor=None, hidden_keys=None
+) -> torch.Tensor:
+    """softmax(c (q K^T * scaling + mask)) V for one query a head, hidden keys left out: query (B, H, 1, D), key /
+    value (B, Hkv, K, D), mask (B or 1, H, 1, K), score_factor c (B or 1, H, 1, 1) or None (c = 1), hidden_keys
+    (B, K) bool or None -> (B, H, 1, D). Query head h reads key/value head h // (H / Hkv): the G = H / Hkv query heads
     of a key/value head are the G rows of one (G x K) matmul."""
     batch, heads, _, head_dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
@@ -140,7 +181,15 @@ def _grouped_single_query_attention(query, key, value, mask, scaling: float) -> 
         key.reshape(pairs, keys, head_dim).transpose(1, 2),
         alpha=scaling,
     )
+    if score_factor is not None:
+        scores.view(batch, heads, 1, keys).mul_(score_factor)
+    if hidden_keys is not None:  # after the factor: a factor of 0 or below must not reveal a hidden key
+        scores.view(batch, kv_heads, group, keys).masked_fill_(hidden_keys[:, None, None, :], HIDDEN_KEY_SCORE)
     probs = torch.softmax(scores, dim=-1, out=scores)
+    # Probabilities below the dtype's normal range (far keys under a steep prior, or SSMax's sharpened rows) are set
+    # to 0, as the fused kernels flush them: as subnormal inputs they made the P V product 3x slower (a 601-key
+    # step, BAM + SSMax, one thread, Intel Xeon). Each is below 1.2e-38 in float32: the output does not move.
+    F.threshold_(probs, torch.finfo(probs.dtype).tiny, 0.0)
     return torch.bmm(probs, value.reshape(pairs, keys, head_dim)).view(batch, heads, 1, head_dim)
 
 
@@ -210,10 +259,10 @@ def _traced_decode_step(
     if kept is None:
         kept = _TRACED_DECODE_TABLES[theta_alpha] = KeptPriorTable()
     table = kept.window(last, theta_alpha, theta_beta, theta_mu, formula, eps)
-    filled = slice(0, last + 1)  # the slots filled so far: the rest is neither converted nor read
-    key_valid = None if key_valid is None or bool(key_valid[:, filled].all()) else key_valid[:, filled]
-    output = bam_attention_blocked(  # eager code here: a decoding step (`_attend_single_query`)
-        query, key[:, :, filled], value[:, :, filled], query_positions, table, scaling,
+    if key_valid is not None and bool(key_valid[:, : last + 1].all()):  # nothing padded in the filled slots
+        key_valid = None
+    output = bam_attention_blocked(  # eager code here: a decoding step (`_attend_single_query`); it converts and
+        query, key, value, query_positions, table, scaling,  # reads the filled slots only (keys 0 .. P, P the table's)
         ssmax_scale=ssmax_scale, ssmax_prior=ssmax_prior, key_valid=key_valid,
     )
     return output.transpose(1, 2).contiguous()

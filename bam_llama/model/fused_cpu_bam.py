@@ -161,12 +161,13 @@ constexpr int64_t KEY_TILE = KEY_TILE_KEYS;
 // The shapes of one call and the rows of one block: `group` query heads of key/value head `kv_head` stacked, rows
 // first_row .. first_row + rows - 1 of each (row = g * rows + r).
 struct Problem {
-  int64_t batch, heads, q_len, dim, kv_heads, k_len, group, first_position, last, table_len, blocks, factor_batch;
+  int64_t batch, heads, q_len, dim, kv_heads, k_len, group, first_position, last, table_len, table_stride, blocks,
+      factor_batch;
   Problem(const at::Tensor& query, const at::Tensor& key, const at::Tensor& table, const at::Tensor& prior_factor,
           int64_t first) {
     batch = query.size(0), heads = query.size(1), q_len = query.size(2), dim = query.size(3);
     kv_heads = key.size(1), k_len = key.size(2), group = heads / kv_heads;
-    first_position = first, last = first + q_len - 1, table_len = table.size(1);
+    first_position = first, last = first + q_len - 1, table_len = table.size(1), table_stride = table.stride(0);
     blocks = (q_len + QUERY_BLOCK - 1) / QUERY_BLOCK;
     factor_batch = prior_factor.numel() > 0 ? prior_factor.size(0) : 0;
     TORCH_CHECK(table_len == last + 1 && last < k_len && heads % kv_heads == 0,
@@ -182,7 +183,7 @@ struct Problem {
   }
   // the table entry of key first_key for the query at `position` (key j: j - position + P), in head h's row
   int64_t table_entry(int64_t h, int64_t first_key, int64_t position) const {
-    return h * table_len + first_key - position + last;
+    return h * table_stride + first_key - position + last;
   }
 };
 
@@ -208,6 +209,18 @@ void check_key_start(const at::Tensor& key_start, const at::Tensor& query) {
               "key_start: contiguous int64 (B, Lq)");
 }
 
+// The forward reads the table's rows where they lie: a window of a longer kept table (rows apart in memory) is
+// not copied. The backward, which writes a gradient laid out like the table, takes contiguous tables only.
+void check_table_rows(const at::Tensor& table) {
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.device().is_cpu() && table.dim() == 2 &&
+                  (table.stride(1) == 1 || table.size(1) <= 1),
+              "bam fused attention: the table is a float32 CPU tensor whose rows are contiguous");
+}
+
+at::Tensor or_empty(const std::optional<at::Tensor>& tensor, const at::TensorOptions& options) {
+  return tensor.has_value() ? *tensor : at::empty({0}, options);
+}
+
 void check_inputs(const std::vector<at::Tensor>& tensors) {
   for (const auto& t : tensors)
     TORCH_CHECK(t.numel() == 0 || (t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu()),
@@ -217,14 +230,20 @@ void check_inputs(const std::vector<at::Tensor>& tensors) {
 }  // namespace
 
 // query (B, H, Lq, D) (the SSMax factor already in it), key / value (B, Hkv, Lk, D), table (H, P + 1) with
-// P = first_position + Lq - 1; prior_factor (1 or B, H, Lq) or empty (the prior unscaled); key_bias (B, Lk) or empty.
+// P = first_position + Lq - 1, each row contiguous; prior_factor (1 or B, H, Lq) or None (the prior unscaled);
+// key_bias (B, Lk) or None; key_start (B, Lq) or None (0). An absent input is None: an empty tensor made for it in
+// Python would be one more operator in every decoding step.
 // logit = scaling q.k + prior_factor * table[j - position + P] + key_bias[j]. Returns the output (B, Lq, H, D) and,
 // with_lse, the log-sum-exp of every row (B, H, Lq) for the backward.
 std::tuple<at::Tensor, at::Tensor> bam_attention_forward(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& table,
-    const at::Tensor& prior_factor, const at::Tensor& key_bias, const at::Tensor& key_start, double scaling_,
-    int64_t first_position, bool with_lse) {
-  check_inputs({query, key, value, table, prior_factor, key_bias});
+    const std::optional<at::Tensor>& prior_factor_, const std::optional<at::Tensor>& key_bias_,
+    const std::optional<at::Tensor>& key_start_, double scaling_, int64_t first_position, bool with_lse) {
+  const at::Tensor prior_factor = or_empty(prior_factor_, query.options());
+  const at::Tensor key_bias = or_empty(key_bias_, query.options());
+  const at::Tensor key_start = or_empty(key_start_, query.options().dtype(at::kLong));
+  check_inputs({query, key, value, prior_factor, key_bias});
+  check_table_rows(table);
   check_key_start(key_start, query);
   const Problem p(query, key, table, prior_factor, first_position);
   const float scaling = static_cast<float>(scaling_);
@@ -237,7 +256,9 @@ std::tuple<at::Tensor, at::Tensor> bam_attention_forward(
   const int64_t* starts = key_start.numel() ? key_start.const_data_ptr<int64_t>() : nullptr;
   float* out = output.data_ptr<float>();
   float* lse_out = with_lse ? lse.data_ptr<float>() : nullptr;
-  const int64_t max_rows = p.group * QUERY_BLOCK, dim = p.dim;
+  // buffers for the rows a block has: one query's `group` rows in a decoding step, whose buffers for a whole block
+  // (0.5 MiB of scores, zeroed) cost more than its attention
+  const int64_t max_rows = p.group * std::min(QUERY_BLOCK, p.q_len), dim = p.dim;
 
   at::parallel_for(0, p.batch * p.kv_heads * p.blocks, 1, [&](int64_t begin, int64_t end) {
     FlushSubnormals flush;
@@ -332,7 +353,7 @@ std::vector<at::Tensor> bam_attention_backward(
   float *dq = grad_query.data_ptr<float>(), *dk = grad_key.data_ptr<float>(), *dv = grad_value.data_ptr<float>();
   float* dtab = table_grad ? grad_table.data_ptr<float>() : nullptr;
   float* dfac = factor_grad ? grad_factor.data_ptr<float>() : nullptr;
-  const int64_t max_rows = p.group * QUERY_BLOCK, dim = p.dim;
+  const int64_t max_rows = p.group * std::min(QUERY_BLOCK, p.q_len), dim = p.dim;
 
   at::parallel_for(0, p.batch * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
     FlushSubnormals flush;
@@ -419,8 +440,8 @@ std::vector<at::Tensor> bam_attention_backward(
 }
 
 TORCH_LIBRARY(LIBRARY_NAME, m) {
-  m.def("forward(Tensor query, Tensor key, Tensor value, Tensor table, Tensor prior_factor, Tensor key_bias, "
-        "Tensor key_start, float scaling, int first_position, bool with_lse) -> (Tensor, Tensor)");
+  m.def("forward(Tensor query, Tensor key, Tensor value, Tensor table, Tensor? prior_factor, Tensor? key_bias, "
+        "Tensor? key_start, float scaling, int first_position, bool with_lse) -> (Tensor, Tensor)");
   m.def("backward(Tensor grad_output, Tensor query, Tensor key, Tensor value, Tensor output, Tensor lse, "
         "Tensor table, Tensor prior_factor, Tensor key_bias, Tensor key_start, Tensor single_key, float scaling, "
         "int first_position, "
@@ -536,14 +557,27 @@ def _contiguous(tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor
     return like.new_empty(0) if tensor is None else tensor.detach().contiguous()
 
 
+def _dense(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return tensor if tensor is None or tensor.is_contiguous() else tensor.contiguous()
+
+
+def _table_rows(table: torch.Tensor) -> torch.Tensor:
+    """The table as the forward reads it: rows contiguous, each where it lies (a window of a kept table, rows a
+    longer table's length apart, is not copied)."""
+    return table if table.stride(-1) == 1 else table.contiguous()
+
+
 def _key_starts(key_start: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0, dtype=torch.long) if key_start is None else key_start.long().contiguous()
 
 
 def _forward(query, key, value, table, prior_factor, key_bias, key_start, scaling, first_position, with_lse):
+    """The kernel's forward. Never on tensors that record gradients: bam_attention_fused_cpu calls it without
+    gradients, or inside `_FusedAttention.forward` (autograd off), so nothing is detached here."""
     return _operators().forward(
-        *(_contiguous(t, query) for t in (query, key, value, table, prior_factor, key_bias)),
-        _key_starts(key_start, query), float(scaling), int(first_position), with_lse,
+        *(_dense(tensor) for tensor in (query, key, value)), _table_rows(table), _dense(prior_factor),
+        _dense(key_bias), None if key_start is None else key_start.long().contiguous(), float(scaling),
+        int(first_position), with_lse,
     )
 
 

@@ -42,7 +42,7 @@ from .dispatch_bam import (
     default_attn_implementation,
     register_bam_attention,
 )
-from .prior_bam import PRIOR_MODULES, exporting
+from .prior_bam import PRIOR_MODULES, KeptPriorTable, exporting
 from .prior_modules_bam import BamPrior, BamScalableSoftmax, apply_config_trainability
 from .sequence_parallel_bam import active_sequence_parallel
 from .triton_bam import TRITON_AVAILABLE
@@ -331,6 +331,7 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         self.layers = nn.ModuleList([BamDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = BamRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.prior = BamPrior(config) if config.prior_scope == "global" else None
+        self._layer_tables = KeptPriorTable()  # a prior per layer: all layers' tables, kept (see `_prior_tables`)
         self.sequence_parallel = None  # Ulysses state (sequence_parallel_bam.enable_ulysses), not saved
         self.gradient_checkpointing = False
         self.post_init()
@@ -374,13 +375,8 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         )
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        # The global prior depends on j - i only: one (H, P + 1) table, computed once for all layers.
-        prior_table = None
-        if self.prior is not None and last_position is not None:
-            prior_table = self.prior.table(last_position)
-
         hidden_states = inputs_embeds
-        for decoder_layer in self.layers:
+        for decoder_layer, prior_table in zip(self.layers, self._prior_tables(last_position)):
             hidden_states = decoder_layer(
                 hidden_states,
                 query_positions,
@@ -400,13 +396,34 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         attending at its own positions (continuous_batching_bam.py). The global prior's table is computed once, for
         the longest request; every request's is a window of it."""
         requests = PagedRequests.from_kwargs(kwargs)
-        prior_table = self.prior.table(requests.last_position) if self.prior is not None else None
         hidden_states = inputs_embeds
-        for decoder_layer in self.layers:
+        for decoder_layer, prior_table in zip(self.layers, self._prior_tables(requests.last_position)):
             hidden_states = decoder_layer(
                 hidden_states, None, prior_table, shared_prior=self.prior, paged_requests=requests, cache=cache, **kwargs
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
+
+    def _prior_tables(self, last_position: int | None) -> list[torch.Tensor | None]:
+        """The (H, P + 1) prior table of each layer, where one computation serves several layers (None: the layer's
+        attention computes its own). The global prior depends on j - i only: one table for all layers. A prior per
+        layer, without gradients in eager CPU code: every layer's table from one kept for all of them, its
+        parameters checked once a forward, not once a layer (at 512 tokens the per-layer checks were 5% of a
+        decoding step; benchmarks/results/cpu-speed.md)."""
+        no_table = [None] * len(self.layers)
+        if last_position is None:
+            return no_table
+        if self.prior is not None:
+            return [self.prior.table(last_position)] * len(self.layers)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return no_table
+        parameters = [layer.self_attn.prior() for layer in self.layers]  # module calls: offload hooks run
+        if any(theta_alpha.device.type != "cpu" for theta_alpha, _, _ in parameters):
+            return no_table
+        theta_alpha, theta_beta, theta_mu = (torch.cat(values) for values in zip(*parameters))  # (layers x H,)
+        tables = self._layer_tables.window(
+            last_position, theta_alpha, theta_beta, theta_mu, self.config.prior_formula, self.config.prior_eps
+        )
+        return list(tables.view(len(self.layers), -1, last_position + 1).unbind(0))
 
     def _positions_and_mask(self, inputs_embeds, attention_mask, position_ids, cache, sequence_parallel):
         """The absolute query positions (Lq,), read from the cache BEFORE any layer updates it; the last one as an

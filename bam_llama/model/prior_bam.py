@@ -95,7 +95,7 @@ class KeptPriorTable:
     def window(self, last_position: int, theta_alpha, theta_beta, theta_mu, formula: str, eps: float) -> torch.Tensor:
         """(H, P + 1) float32, P = last_position; computed again only when the kept one does not hold it."""
         with torch.no_grad():
-            values = torch.stack((theta_alpha, theta_beta, theta_mu)).float()  # (3, H)
+            values = torch.stack((theta_alpha, theta_beta, theta_mu))  # (3, H)
             setting = (formula, eps, values.device, torch.is_inference_mode_enabled())
             kept = self._kept
             stale = kept is None or kept[0] != setting or kept[2].shape[-1] <= last_position

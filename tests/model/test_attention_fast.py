@@ -5,10 +5,11 @@
 import pytest
 import reference
 import torch
-from helpers import tiny_config, tiny_model
+from helpers import fused_kernel_calls, tiny_config, tiny_model
 
 from bam_llama.model.blocked_bam import bam_attention_blocked
 from bam_llama.model.dispatch_bam import bam_sdpa_attention_forward
+from bam_llama.model.fused_cpu_bam import fused_cpu_available
 from bam_llama.model.modeling_bam import BamAttention
 from bam_llama.model.prior_bam import ggd_bias
 from bam_llama.model.prior_modules_bam import BamPrior
@@ -224,10 +225,16 @@ def test_blocks_that_split_a_key_value_group_are_refused():
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_a_decoding_step_is_one_grouped_matmul_pair_for_every_head(monkeypatch, padded):
-    """One query against 4096 keys with an SSMax-scaled (materialized) mask: one (scores, P V) matmul pair for all
-    heads, each key/value head's query heads as the rows of one matrix, not a call per head (each call costs a fixed
-    overhead, which dominates a decoding step), and no SDPA call."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_decoding_step_is_one_call_for_every_head(monkeypatch, padded, fused):
+    """One query against 4096 keys with SSMax scaling the prior: one fused-kernel call for all heads where the CPU
+    kernel runs (eager float32), else one (scores, P V) matmul pair, each key/value head's query heads as the rows
+    of one matrix; never a call per head (each call costs a fixed overhead, which dominates a decoding step), and no
+    SDPA call."""
+    if fused and not fused_cpu_available():
+        pytest.skip("no C++ compiler to build the fused kernel")
+    if not fused:
+        monkeypatch.setenv("BAM_FUSED_CPU", "0")
     shapes = []
 
     def counting(name, function):
@@ -239,28 +246,43 @@ def test_a_decoding_step_is_one_grouped_matmul_pair_for_every_head(monkeypatch, 
     monkeypatch.setattr(torch, "baddbmm", counting("baddbmm", torch.baddbmm))
     monkeypatch.setattr(torch, "bmm", counting("bmm", torch.bmm))
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", None)
+    kernel_calls = fused_kernel_calls(monkeypatch)
     query, key, value = random_qkv(1, 8, 4, 1, 4096, 4, torch.float32)
     key_valid = torch.ones(1, 4096, dtype=torch.long) if padded else None
     bam_attention_blocked(
         query, key, value, torch.tensor([4095]), torch.zeros(8, 4096), 0.5, ssmax_scale=torch.ones(8),
         key_valid=key_valid,
     )
-    assert shapes == [("baddbmm", (4, 2, 4)), ("bmm", (4, 4096, 4))]  # (B x Hkv, group, D), (B x Hkv, keys, D)
+    if fused:
+        assert kernel_calls == [(1, 8, 1, 4)] and shapes == []
+    else:  # (B x Hkv, group, D), (B x Hkv, keys, D)
+        assert kernel_calls == [] and shapes == [("baddbmm", (4, 2, 4)), ("bmm", (4, 4096, 4))]
 
 
 @pytest.mark.parametrize("ssmax, ssmax_prior", [(False, True), (True, True), (True, False)])
 @pytest.mark.parametrize("theta_beta", [-0.9, 0.6])
-def test_a_decoding_step_matches_float64_reference_with_padding_and_static_cache_slots(ssmax, ssmax_prior, theta_beta):
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_decoding_step_matches_float64_reference_with_padding_and_static_cache_slots(
+    monkeypatch, ssmax, ssmax_prior, theta_beta, fused
+):
     """One query at position 40 without gradients (the single-query path): its mask is the prior table itself.
     Row 0 sees every key, row 1 only the keys after its left padding (SSMax counts 29 keys), row 2 none at all
-    (zeros); keys 41..47 are a static cache's unfilled slots, holding values a correct step never reads."""
+    (zeros), row 3 only its own (an SSMax factor of 0: ln 1; the hidden keys stay hidden); keys 41..47 are a static
+    cache's unfilled slots, holding values a correct step never reads. Both engines: the fused CPU kernel, and the
+    three PyTorch calls that run where it does not (BAM_FUSED_CPU=0)."""
+    if fused and not fused_cpu_available():
+        pytest.skip("no C++ compiler to build the fused kernel")
+    if not fused:
+        monkeypatch.setenv("BAM_FUSED_CPU", "0")
+    kernel_calls = fused_kernel_calls(monkeypatch)
     module, prior = attention_module(theta_beta, ssmax=ssmax, ssmax_prior=ssmax_prior)
-    query, key, value = random_qkv(3, 4, 2, 1, 48, 8, torch.float32, seed=5)
+    query, key, value = random_qkv(4, 4, 2, 1, 48, 8, torch.float32, seed=5)
     key[:, :, 41:], value[:, :, 41:] = 1e4, 1e4
     positions = torch.tensor([40])
-    key_valid = torch.ones(3, 48, dtype=torch.long)
+    key_valid = torch.ones(4, 48, dtype=torch.long)
     key_valid[1, :12] = 0
     key_valid[2, :41] = 0
+    key_valid[3, :40] = 0
     with torch.no_grad():
         for valid in (None, key_valid):
             output = run_sdpa_path(module, prior, query, key, value, positions, key_valid=valid)
@@ -268,6 +290,7 @@ def test_a_decoding_step_matches_float64_reference_with_padding_and_static_cache
                 None if valid is None else valid[:, :41]))
             torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
     assert output[2].abs().max() == 0
+    assert len(kernel_calls) == (2 if fused else 0)
 
 
 def test_the_kept_prior_table_follows_its_parameters():
@@ -294,6 +317,39 @@ def test_the_kept_prior_table_follows_its_parameters():
         torch.testing.assert_close(prior.table(1501).double(), expected(1501), atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(prior.table(5000).double(), expected(5000), atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(prior.table(0).double(), expected(0), atol=1e-6, rtol=1e-6)
+
+
+def test_priors_per_layer_come_from_one_kept_table_each_layer_its_own_rows(monkeypatch):
+    """Without gradients the layers' own priors come from one table kept for all of them (`_prior_tables`): each
+    layer attends with its own prior (a prefill and every decoding step equal the eager model's logits, whose layers
+    compute their own bias from their own parameters: every layer's differ), the parameters are checked once a
+    forward, not once a layer, and a value written through `.data` into the last layer's prior (which leaves its
+    version counter as it was; the cache holds nothing that layer computed) moves the next step as it moves the eager
+    model's."""
+    from bam_llama.model import prior_bam
+    from bam_llama.model.modeling_bam import CACHE_NAME
+
+    overrides = dict(prior_scope="layer", ssmax=True, num_hidden_layers=3)
+    model, eager = tiny_model("sdpa", **overrides), tiny_model("eager", **overrides)
+    windows = []
+    window = prior_bam.KeptPriorTable.window
+    monkeypatch.setattr(prior_bam.KeptPriorTable, "window", lambda self, *args: windows.append((self, args[0])) or
+                        window(self, *args))
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        output = model(input_ids[:, :18], use_cache=True)
+        torch.testing.assert_close(output.logits, eager(input_ids[:, :18]).logits, atol=1e-5, rtol=1e-5)
+        cache = getattr(output, CACHE_NAME)
+        for step in range(18, 24):
+            if step == 21:
+                for changed in (model, eager):
+                    changed.model.layers[-1].self_attn.prior.theta_beta.data.mul_(-0.5)  # not in the cache
+            logits = model(input_ids[:, step : step + 1], **{CACHE_NAME: cache}, use_cache=True).logits[:, -1]
+            expected = eager(input_ids[:, : step + 1]).logits[:, -1]
+            torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step}: {m}")
+    kept = model.model._layer_tables
+    assert [last for table, last in windows if table is kept] == list(range(17, 24))  # a table a forward, all layers
+    assert all(table in (kept, eager.model._layer_tables) for table, _ in windows)  # no layer keeps one of its own
 
 
 @pytest.mark.parametrize("queries", [40, 200])

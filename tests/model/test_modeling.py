@@ -228,6 +228,29 @@ def test_left_padded_ssmax_prefill_then_cached_steps_equal_the_uncached_model(im
         torch.testing.assert_close(uncached[b, width - len(row) :], alone, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_static_cache_gives_what_a_dynamic_one_gives_with_left_padding(dtype):
+    """16-bit weights, attention computed in float32 on the keys filled so far (a static cache's slots past them
+    are neither converted nor read, nor its padding mask's columns for them): a left-padded batch's prefill and
+    decoding steps over a StaticCache give the logits they give over a DynamicCache."""
+    model = tiny_model("sdpa", ssmax=True).to(dtype)
+    prompt = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(4))
+    prompt_mask = torch.ones_like(prompt)
+    prompt_mask[1, :7] = 0
+    steps = torch.randint(3, 97, (2, 4), generator=torch.Generator().manual_seed(5))
+    outputs = []
+    for cache in (DynamicCache(config=model.config), StaticCache(config=model.config, max_cache_len=40)):
+        with torch.no_grad():
+            logits = [model(prompt, attention_mask=prompt_mask, past_key_values=cache, use_cache=True).logits]
+            for t in range(steps.shape[1]):
+                mask = torch.cat([prompt_mask, torch.ones_like(steps[:, : t + 1])], dim=1)
+                step = model(steps[:, t : t + 1], attention_mask=mask, past_key_values=cache, use_cache=True)
+                logits.append(step.logits)
+        outputs.append(torch.cat(logits, dim=1).float())
+    real = torch.cat([prompt_mask, torch.ones_like(steps)], dim=1).bool()
+    torch.testing.assert_close(outputs[1][real], outputs[0][real], atol=1e-3, rtol=1e-3)
+
+
 def test_chunked_prefill_equals_full_forward():
     model = tiny_model("sdpa", ssmax=True, prior_scope="layer")
     input_ids = torch.randint(0, 97, (1, 23))
