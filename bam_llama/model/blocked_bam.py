@@ -47,8 +47,9 @@ def bam_attention_blocked(
     mask of one block is materialized. A block is `block_rows` queries of `block_heads` query heads (a multiple of
     the heads sharing a key/value head); both default to `default_block_shape`. The blocks are planned from
     shapes only (P is the table's length - 1), never from tensor values, so a traced graph has no data-dependent
-    branch. Without gradients or dropout, a decoding step (one query) is one SDPA call whose mask is the table
-    itself (`_attend_single_query`), and a compiled graph calls the blocks as one operator (`_blocked_inference`).
+    branch. Without gradients or dropout, a decoding step (one query) reads the table itself as its mask, in one
+    call of the fused kernel or three PyTorch calls (`_attend_single_query`), and a compiled graph calls the
+    blocks as one operator (`_blocked_inference`).
     Without dropout or explicit block shapes, eager float32 CPU queries run the fused kernel of `fused_cpu_bam` (the
     table read in cache, no mask written; its own backward; packed documents as runs of ids), where it was built.
 

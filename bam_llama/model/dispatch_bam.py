@@ -94,7 +94,8 @@ def bam_sdpa_attention_forward(
     (None: its length may be dynamic, see `_last_query_position`), or with a custom 4D mask, the (Lq x Lk) prior is
     materialized from the query positions instead: one SDPA call, no Python loop over the length.
 
-    prior_table: `prior.table(last_position)` when the model computed it once for all layers (global prior). A
+    prior_table: the layer's (H, P + 1) table where the model computed it (`BamLlamaModel._prior_tables`: the
+    global prior's, once for all layers, or, without gradients on the CPU, each layer's own prior's). A
     static cache's decoding step in a compiled CPU graph is one operator that reads the position itself and keeps
     its prior table (`bam_attention_traced_decode_step`)."""
     custom_mask = attention_mask is not None and attention_mask.dim() == 4

@@ -211,7 +211,7 @@ class BamDecoderLayer(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        """prior_table: the global prior's `table(P)`, computed once by the model for all layers. It comes
+        """prior_table: this layer's `table(P)` where the model computed it (`BamLlamaModel._prior_tables`). It comes
         positionally, like hidden_states: gradient checkpointing hands positional arguments to `checkpoint` as the
         layer's inputs, so a reentrant replay returns the table's gradient instead of backpropagating through the
         graph all layers share (which fails on the second layer). The cache comes as `cache` or, before
@@ -393,8 +393,8 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
 
     def _paged_forward(self, inputs_embeds: torch.Tensor, cache, **kwargs) -> BaseModelOutputWithPast:
         """Continuous batching: every request of the step packed in one row over Transformers' paged cache, each
-        attending at its own positions (continuous_batching_bam.py). The global prior's table is computed once, for
-        the longest request; every request's is a window of it."""
+        attending at its own positions (continuous_batching_bam.py). A layer's table is computed once, for the longest
+        request (`_prior_tables`); every request's is a window of it."""
         requests = PagedRequests.from_kwargs(kwargs)
         hidden_states = inputs_embeds
         for decoder_layer, prior_table in zip(self.layers, self._prior_tables(requests.last_position)):
