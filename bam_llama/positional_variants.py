@@ -58,6 +58,11 @@ class PositionalVariant(NamedTuple):
         return self.transformers_model is None
 
     @property
+    def prior_trains(self) -> bool:
+        """A BamLlama prior whose shape is learned (`bam-pretrain --frozen-prior-from` can give it another's)."""
+        return self.is_bam_llama and self.config["train_theta_beta"]
+
+    @property
     def prior_carries_position(self) -> bool:
         """A BamLlama prior that can tell distances apart: learned, or fixed with a slope (not flat)."""
         if not self.is_bam_llama:

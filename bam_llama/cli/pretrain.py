@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--frozen-prior-from", metavar="MODEL", type=bam_llama_folder, default=None,
                         help="the second stage of two: the fresh model takes the prior of MODEL (a saved BamLlama "
                         "folder, e.g. a first run's model/ or checkpoint-N/ with the same layers, heads and "
-                        "--prior-scope) and trains with it frozen; --positional bam only. See docs/pretraining.md")
+                        "--prior-scope) and trains with it frozen; a variant whose prior trains (bam). See docs/pretraining.md")
+    parser.add_argument("--frozen-ssmax", action="store_true",
+                        help="with --frozen-prior-from and --ssmax: take MODEL's Scalable-Softmax scales too, frozen")
     parser.add_argument("--rope-theta", type=positive_float, default=None,
                         help=f"RoPE base with --positional rope / rope-local (default {REFERENCE_ROPE_THETA:g}: the reference's RoPE "
                         "baselines; Transformers' Llama default is 10000)")

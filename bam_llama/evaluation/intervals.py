@@ -68,3 +68,19 @@ def interval_text(successes: int, trials: int) -> str:
 def rate_with_interval(successes: int, trials: int) -> str:
     """"45% (23-69)": the rate in whole percent and its 95% interval (`interval_text`)."""
     return f"{100 * successes / trials:.0f}% ({interval_text(successes, trials)})"
+
+
+# Student's t quantile at 0.975 by degrees of freedom: the two-sided 95% interval of a mean of a few seeds' rates.
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def interval_over_seeds(rates: list[float]) -> tuple[float, float] | None:
+    """The 95% t-interval of the mean of per-seed rates, clipped to [0, 1]: the seed-to-seed spread, which a pooled
+    count's interval leaves out. None with fewer than two seeds (or more than T_975 knows)."""
+    count = len(rates)
+    if count < 2 or count - 1 not in T_975:
+        return None
+    mean = sum(rates) / count
+    spread = math.sqrt(sum((rate - mean) ** 2 for rate in rates) / (count - 1))
+    half = T_975[count - 1] * spread / math.sqrt(count)
+    return max(0.0, mean - half), min(1.0, mean + half)

@@ -111,7 +111,8 @@ class PretrainArguments(TrainingRunArguments):
     ssmax_scale_init: float | None = None  # --ssmax only; None: the config's default (1.0)
     ssmax_learning_rate: float | None = None  # --ssmax only; None: the prior's learning rate
     prior_scope: str = "global"
-    frozen_prior_from: str | None = None  # bam only: a saved BamLlama whose prior the fresh model takes, frozen
+    frozen_prior_from: str | None = None  # a learned prior's variant: a saved BamLlama whose prior the fresh model takes, frozen
+    frozen_ssmax: bool = False  # with frozen_prior_from and ssmax: its SSMax scales too
     rope_theta: float | None = None  # RoPE only; None: REFERENCE_ROPE_THETA
     preset: str | None = None
     hidden_size: int | None = None

@@ -1,10 +1,10 @@
 """`bam-pretrain --frozen-prior-from MODEL`, the second stage of two: a fresh BamLlama takes the prior a saved one
 learned (every prior module's theta_alpha, theta_beta and theta_mu, read from MODEL's safetensors files) and trains
-with it frozen. The config saved with the model says so (`FROZEN_PRIOR`), and the prior tensors are buffers, which no
-optimizer sees.
+with it frozen; with `--frozen-ssmax` it takes MODEL's Scalable-Softmax scales too, frozen. The config saved with the
+model says so (`FROZEN_PRIOR`, `FROZEN_SSMAX`), and the frozen tensors are buffers, which no optimizer sees.
 
-MODEL must have the fresh model's layers, heads, prior scope (global or per layer) and prior formula: its prior
-then means the same thing in the new model.
+MODEL must have the fresh model's layers, heads, prior scope (global or per layer), prior formula and eps (and, for
+its scales, Scalable Softmax in the same order): what it learned then means the same thing in the new model.
 """
 
 from __future__ import annotations
@@ -19,48 +19,55 @@ from ..model.configuration_bam import BamLlamaConfig
 from .arguments import saved_bam_llama_config
 
 FROZEN_PRIOR = {"train_theta_alpha": False, "train_theta_beta": False, "train_theta_mu": False}
+FROZEN_SSMAX = {"train_ssmax_scale": False}
 PRIOR_TENSOR = re.compile(r"(^|\.)prior\.theta_(alpha|beta|mu)$")  # a global prior's and each layer's
+SSMAX_TENSOR = re.compile(r"(^|\.)ssmax\.scale$")
 
 
-def check_prior_source(folder: str, layers: int, heads: int, prior_scope: str) -> None:
-    """A ValueError naming the first way `folder` cannot give its prior to a fresh model of `layers` x `heads` with
-    `prior_scope` and the config's default formula. Reads config.json and the prior's tensors (a few numbers a head),
-    no other weight."""
+def check_prior_source(folder: str, fresh: BamLlamaConfig, with_ssmax: bool = False) -> None:
+    """A ValueError naming the first way `folder` cannot give its prior (and with `with_ssmax` its SSMax scales) to
+    a fresh model of config `fresh`. Reads config.json and those tensors (a few numbers a head), no other weight."""
     config = saved_bam_llama_config(folder)
-    fresh = BamLlamaConfig()
-    expected = {"num_hidden_layers": (layers, "layers"), "num_attention_heads": (heads, "heads"),
-                "prior_scope": (prior_scope, "prior scope"), "prior_formula": (fresh.prior_formula, "prior formula"),
-                "prior_eps": (fresh.prior_eps, "prior eps")}
-    for field, (value, what) in expected.items():
-        saved = config.get(field, getattr(fresh, field))
+    default = BamLlamaConfig()
+    expected = {"num_hidden_layers": "layers", "num_attention_heads": "heads", "prior_scope": "prior scope",
+                "prior_formula": "prior formula", "prior_eps": "prior eps"}
+    if with_ssmax:
+        expected.update(ssmax="Scalable Softmax", ssmax_prior="Scalable Softmax order (ssmax_prior)")
+    for field, what in expected.items():
+        saved, value = config.get(field, getattr(default, field)), getattr(fresh, field)
         if saved != value:
-            raise ValueError(f"{folder}: {what} {saved!r}, the model to train has {value!r}; its prior would not fit")
-    names = {PRIOR_TENSOR.search(name).group(2) for name in saved_prior(folder)}
+            raise ValueError(f"{folder}: {what} {saved!r}, the model to train has {value!r}; what it learned would not fit")
+    names = {PRIOR_TENSOR.search(name).group(2) for name in saved_tensors(folder, PRIOR_TENSOR)}
     if names != {"alpha", "beta", "mu"}:
         raise ValueError(f"{folder}: its weights hold no prior (prior.theta_alpha, theta_beta and theta_mu)")
+    if with_ssmax and not saved_tensors(folder, SSMAX_TENSOR):
+        raise ValueError(f"{folder}: its weights hold no Scalable-Softmax scales (ssmax.scale)")
 
 
-def saved_prior(folder: str) -> dict[str, torch.Tensor]:
-    """Every prior tensor of `folder`'s safetensors files, by its name in the model (`model.` prefix dropped)."""
-    prior = {}
+def saved_tensors(folder: str, pattern: re.Pattern) -> dict[str, torch.Tensor]:
+    """Every tensor of `folder`'s safetensors files whose name matches `pattern`, by its name in the model (`model.`
+    prefix dropped)."""
+    found = {}
     for path in sorted(Path(folder).expanduser().glob("*.safetensors")):
         with safe_open(path, framework="pt") as handle:
             for name in handle.keys():
-                if PRIOR_TENSOR.search(name):
-                    prior[name.removeprefix("model.")] = handle.get_tensor(name)
-    return prior
+                if pattern.search(name):
+                    found[name.removeprefix("model.")] = handle.get_tensor(name)
+    return found
 
 
-def set_frozen_prior(model: torch.nn.Module, folder: str) -> None:
-    """Copy `folder`'s prior into `model`, a fresh BamLlama whose config freezes its prior (`FROZEN_PRIOR`): every
-    prior tensor of the model takes the saved one of the same name."""
-    prior = saved_prior(folder)
-    for name, tensor in model.named_buffers():
-        if not PRIOR_TENSOR.search(name):
-            continue
-        saved = prior.get(name.removeprefix("model."))
-        if saved is None or saved.shape != tensor.shape:
-            found = "none" if saved is None else f"shape {tuple(saved.shape)}"
-            raise ValueError(f"{folder}: the model's {name} of shape {tuple(tensor.shape)} has {found} among its weights")
-        with torch.no_grad():
-            tensor.copy_(saved)
+def set_frozen_prior(model: torch.nn.Module, folder: str, with_ssmax: bool = False) -> None:
+    """Copy `folder`'s prior (and with `with_ssmax` its SSMax scales) into `model`, a fresh BamLlama whose config
+    freezes them (`FROZEN_PRIOR`, `FROZEN_SSMAX`): every such buffer of the model takes the saved tensor of its name."""
+    patterns = (PRIOR_TENSOR, SSMAX_TENSOR) if with_ssmax else (PRIOR_TENSOR,)
+    for pattern in patterns:
+        saved = saved_tensors(folder, pattern)
+        for name, tensor in model.named_buffers():
+            if not pattern.search(name):
+                continue
+            value = saved.get(name.removeprefix("model."))
+            if value is None or value.shape != tensor.shape:
+                found = "none" if value is None else f"shape {tuple(value.shape)}"
+                raise ValueError(f"{folder}: the model's {name} of shape {tuple(tensor.shape)} has {found} among its weights")
+            with torch.no_grad():
+                tensor.copy_(value)

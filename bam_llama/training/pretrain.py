@@ -42,7 +42,7 @@ from ..outputs import staged_output_dir
 from ..positional_models import variant_config, variant_model
 from ..positional_variants import POSITIONAL_VARIANTS
 from .arguments import PRESETS, REFERENCE_ROPE_THETA, PretrainArguments
-from .frozen_prior import FROZEN_PRIOR, check_prior_source, set_frozen_prior
+from .frozen_prior import FROZEN_PRIOR, FROZEN_SSMAX, check_prior_source, set_frozen_prior
 from .lock import OutputDirHold
 from .run import TrainingCommand, TrainingData, packed_training_data, run_training
 from .summary import TrainingSummary, format_rows, training_rows
@@ -92,13 +92,24 @@ def check_arguments(args: PretrainArguments) -> None:
     if args.tokenizer == "bpe" and args.vocab_size < SMALLEST_BPE_VOCABULARY:
         raise ValueError(f"--vocab-size {args.vocab_size}: a BPE needs at least {SMALLEST_BPE_VOCABULARY} tokens (3 special + 256 bytes)")
     check_report_to(args.report_to)
-    if args.frozen_prior_from is not None:
-        if args.positional != "bam":
-            raise ValueError(f"--frozen-prior-from gives a BAM model its prior: --positional must be bam, got {args.positional}")
-        try:
-            check_prior_source(args.frozen_prior_from, sizes["num_hidden_layers"], heads, args.prior_scope)
-        except ValueError as error:
-            raise ValueError(f"--frozen-prior-from {error}") from None
+    check_frozen_prior_arguments(args)
+
+
+def check_frozen_prior_arguments(args: PretrainArguments) -> None:
+    """--frozen-prior-from needs a variant whose prior trains (bam, kerple) and a folder whose prior fits the fresh
+    model; --frozen-ssmax needs both --frozen-prior-from and --ssmax."""
+    if args.frozen_ssmax and (args.frozen_prior_from is None or not args.ssmax):
+        raise ValueError("--frozen-ssmax takes the SSMax scales of --frozen-prior-from's model: give --frozen-prior-from and --ssmax")
+    if args.frozen_prior_from is None:
+        return
+    learned = [name for name, variant in POSITIONAL_VARIANTS.items() if variant.prior_trains]
+    if args.positional not in learned:
+        raise ValueError(f"--frozen-prior-from gives a model the prior another one learned: --positional must be one "
+                         f"of {', '.join(learned)}, got {args.positional}")
+    try:
+        check_prior_source(args.frozen_prior_from, build_config(args, 1, {}), with_ssmax=args.frozen_ssmax)
+    except ValueError as error:
+        raise ValueError(f"--frozen-prior-from {error}") from None
 
 
 def check_tokenizer_choice(choice: str) -> None:
@@ -139,12 +150,14 @@ class PretrainSummary(TrainingSummary):
     tokenizer: str
     vocab_size: int
     frozen_prior_from: str | None  # the saved model whose prior this one took, frozen
+    frozen_ssmax: bool = False  # its SSMax scales too
 
     def format_table(self) -> str:
         rows = [
             ("model", f"{self.positional}{' + SSMax' if self.ssmax else ''}, {self.parameters:,} parameters, "
              + ", ".join(f"{name} {value}" for name, value in self.sizes.items())),
-            *([("prior", f"frozen, from {self.frozen_prior_from}")] if self.frozen_prior_from else []),
+            *([("prior", f"frozen{' with the SSMax scales' if self.frozen_ssmax else ''}, from {self.frozen_prior_from}")]
+              if self.frozen_prior_from else []),
             ("tokenizer", f"{self.tokenizer} ({self.vocab_size} tokens)"),
             ("context length", str(self.context_length)),
             *training_rows(self),
@@ -196,7 +209,7 @@ def build_config(args: PretrainArguments, vocab_size: int, token_ids: dict[str, 
                  if value is not None}
         fields.update(ssmax=args.ssmax, prior_scope=args.prior_scope, **ssmax)
         if args.frozen_prior_from is not None:
-            fields.update(FROZEN_PRIOR)
+            fields.update(FROZEN_PRIOR, **(FROZEN_SSMAX if args.frozen_ssmax else {}))
     else:
         rope = {"rope_type": "default", "rope_theta": args.rope_theta or REFERENCE_ROPE_THETA}
         fields.update(max_position_embeddings=args.context_length, rope_parameters=rope)
@@ -208,7 +221,7 @@ def build_model(args: PretrainArguments, config: PretrainedConfig) -> PreTrained
     default_attention = None if POSITIONAL_VARIANTS[args.positional].is_bam_llama else "sdpa"
     model = variant_model(config, attn_implementation=args.attn_implementation or default_attention, dtype=torch.float32)
     if args.frozen_prior_from is not None:
-        set_frozen_prior(model, args.frozen_prior_from)
+        set_frozen_prior(model, args.frozen_prior_from, with_ssmax=args.frozen_ssmax)
     model.config.use_cache = False  # no cache while training; restored before saving
     return model
 
@@ -288,7 +301,8 @@ class Pretraining(TrainingCommand):
                        reads_weights: bool) -> dict:
         args = self.args
         return dict(positional=args.positional, ssmax=args.ssmax, sizes=args.model_sizes(), parameters=self.parameters,
-                    tokenizer=args.tokenizer, vocab_size=len(data.tokenizer), frozen_prior_from=args.frozen_prior_from)
+                    tokenizer=args.tokenizer, vocab_size=len(data.tokenizer), frozen_prior_from=args.frozen_prior_from,
+                    frozen_ssmax=args.frozen_ssmax)
 
 
 def pretrain(args: PretrainArguments) -> PretrainSummary:

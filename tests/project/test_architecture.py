@@ -32,6 +32,8 @@ ALLOWED = {
     "conversion": {"model", "data", "hub", "outputs", "model_folders", "positional_variants"},
     "demo": {"model", "data", "evaluation", "outputs", "model_folders", "positional_variants", "positional_models",
              "demo_settings", "first_screen", "cpu_threads", "progress", "machine"},
+    "extrapolation": {"model", "data", "evaluation", "training", "outputs", "positional_variants", "positional_models",
+                      "machine"},
     "serving": {"model", "registration"},
     "cli": {"model", "data", "evaluation", "hub", "training", "conversion", "demo", "outputs", "model_folders",
             "positional_variants", "demo_settings", "first_screen", "cpu_threads", "progress"},

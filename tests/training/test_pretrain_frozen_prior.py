@@ -87,6 +87,29 @@ def test_the_second_stage_trains_the_weights_around_the_first_stage_s_prior(data
     assert json.loads((tmp_path / "stage-2" / "summary.json").read_text())["frozen_prior_from"] == str(source)
 
 
+@pytest.mark.parametrize("frozen_ssmax", [True, False], ids=["scales_frozen", "scales_trained"])
+def test_the_second_stage_takes_the_ssmax_scales_frozen_only_when_asked(data, tmp_path, frozen_ssmax):
+    source = stage_one_folder(tmp_path / "stage-1", prior_scope="layer", ssmax=True)
+    scales = {name: tensor for name, tensor in load_file(source / "model.safetensors").items() if name.endswith("ssmax.scale")}
+    with torch.no_grad():  # stage one's scales, each head its own and none the fresh model's 1.0
+        scales = {name: torch.tensor([0.5, 0.75, 1.25, 1.5]) + layer for layer, name in enumerate(sorted(scales))}
+    weights = {**load_file(source / "model.safetensors"), **scales}
+    save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
+    args = PretrainArguments(data=str(data), output_dir=str(tmp_path / "stage-2"), context_length=64, max_steps=3,
+                             save_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, eval_rows=4, ssmax=True,
+                             disable_progress_bars=True, prior_scope="layer", frozen_prior_from=str(source),
+                             frozen_ssmax=frozen_ssmax, **SIZES)
+    _, model, _ = run_pretraining(args)
+    trained = load_file(tmp_path / "stage-2" / "model" / "model.safetensors")
+    assert len(scales) == SIZES["num_hidden_layers"]
+    for name, tensor in scales.items():
+        assert torch.equal(trained[name], tensor) == frozen_ssmax, name  # kept exactly, or trained from 1.0
+    trainable = [name for name, _ in model.named_parameters()]
+    assert any(name.endswith("ssmax.scale") for name in trainable) != frozen_ssmax
+    config = json.loads((tmp_path / "stage-2" / "model" / "config.json").read_text())
+    assert config["train_ssmax_scale"] != frozen_ssmax
+
+
 def llama_folder(folder: Path) -> Path:
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -110,7 +133,11 @@ def folder_without_prior(folder: Path) -> Path:
         (stage_one_folder, ["--prior-scope", "layer"], "prior scope 'global', the model to train has 'layer'"),
         (lambda folder: stage_one_folder(folder, prior_formula="legacy"), [], "prior formula 'legacy'"),
         (folder_without_prior, [], "its weights hold no prior"),
-        (stage_one_folder, ["--positional", "alibi"], "--positional must be bam"),
+        (stage_one_folder, ["--positional", "alibi"], "--positional must be one of bam"),
+        (stage_one_folder, ["--frozen-ssmax"], "--frozen-ssmax takes the SSMax scales"),  # without --ssmax
+        (stage_one_folder, ["--ssmax", "--frozen-ssmax"], "Scalable Softmax False, the model to train has True"),
+        (lambda folder: stage_one_folder(folder, ssmax=True, ssmax_prior=False), ["--ssmax", "--frozen-ssmax"],
+         "Scalable Softmax order (ssmax_prior) False, the model to train has True"),
     ],
 )
 def test_a_prior_that_would_not_fit_is_refused_in_one_line_before_any_data_loads(tmp_path, capsys, make_source, argv, said):

@@ -1,0 +1,314 @@
+"""The jobs of a phase, run one at a time or a few at once in spawned processes, each published to results.json as
+it ends, so a run stopped at any point keeps every finished job and `--resume` runs only the others.
+
+A job is one trial of one trained model (`Encoding.training`) and seed:
+* validation: the trial trained, then every candidate of every encoding of that model evaluated to 64x;
+* test: a trial some encoding chose, trained on a test seed, then each such encoding's chosen candidate evaluated to
+  64x, and past it where `selection.goes_long` says.
+A two-stage trial freezes the shape its stage-one trial learned on the same seed: from that job's results where it
+ran (a validation job waits for it), else trained first inside the job.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import multiprocessing
+import platform
+import queue
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoTokenizer
+
+from ..data.corpus import python_documents, split_documents
+from ..machine import cpu_model
+from ..outputs import staged_files
+from .data import SeedData, python_test_suites, seed_data
+from .encodings import ENCODINGS, EXTENDED, TRAINED, trainings
+from .evaluation import evaluate, seed_keys
+from .selection import choices, goes_long, job_key
+from .settings import TEST, VALIDATION, Study
+from .stages import extend, pretrain_arguments, pretrain_stage, stage_one_folder
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+
+
+class RunError(ValueError):
+    """A run that cannot start as asked: one line naming why."""
+
+
+@dataclass
+class Job:
+    phase: str
+    training: str
+    trial: str
+    seed: int
+    data: SeedData
+    study: Study
+    candidates: dict[str, str] = field(default_factory=dict)  # test: encoding -> its chosen candidate
+    chosen: dict[str, dict] = field(default_factory=dict)  # test: encoding -> its choice (goes_long)
+    stage_one_learned: dict | None = None  # a two-stage trial's stage-one shape, once known
+
+    @property
+    def key(self) -> str:
+        return job_key(self.phase, self.training, self.trial, self.seed)
+
+    @property
+    def trial_spec(self):
+        return ENCODINGS[trainings_encodings(self.training)[0]].trials[self.trial]
+
+    @property
+    def stage_one_key(self) -> str | None:
+        stage_one = self.trial_spec.stage_one
+        return None if stage_one is None else job_key(self.phase, self.training, stage_one, self.seed)
+
+
+def trainings_encodings(training: str) -> list[str]:
+    return [name for name, encoding in ENCODINGS.items() if encoding.training == training]
+
+
+def run_job(job: Job) -> tuple[str, dict]:
+    """One job, start to end: (its key, its entry in results.json)."""
+    started = time.perf_counter()
+    encoding = ENCODINGS[trainings_encodings(job.training)[0]]
+    trial = job.trial_spec
+    tokenizer = AutoTokenizer.from_pretrained(job.data.tokenizer)
+    with tempfile.TemporaryDirectory(prefix=f"{job.training}-{job.trial}-", dir=job.data.work) as scratch:
+        work, stages = Path(scratch), {}
+        stage_one = None
+        if trial.stage_one is not None:
+            learned = job.stage_one_learned
+            if learned is None:  # no stage-one job in this phase: trained here
+                one = ENCODINGS[trainings_encodings(job.training)[0]].trials[trial.stage_one]
+                args = pretrain_arguments(encoding, one, job.study, job.seed, job.data.texts, job.data.tokenizer,
+                                          work / "stage-one", None)
+                _, stages["stage_one"] = pretrain_stage(args)
+                learned = stages["stage_one"]["learned"]
+            stage_one = stage_one_folder(learned, encoding, job.study, work / "stage-one-shape")
+        args = pretrain_arguments(encoding, trial, job.study, job.seed, job.data.texts, job.data.tokenizer,
+                                  work / "trained", stage_one)
+        folders = {}
+        folders[TRAINED], stages[TRAINED] = pretrain_stage(args)
+        results = {}
+        for name, candidate in evaluations(job):
+            if candidate not in folders:
+                folders[EXTENDED], stages[EXTENDED] = extend(folders[TRAINED], trial, job.study, job.seed,
+                                                             job.data.texts, work / "extended")
+            results.setdefault(name, {})[candidate] = evaluate_candidate(job, name, folders[candidate], tokenizer)
+    for summary in stages.values():
+        summary.pop("final_dir", None), summary.pop("output_dir", None), summary.pop("data", None)
+    return job.key, {"phase": job.phase, "training": job.training, "trial": job.trial, "seed": job.seed,
+                     "commit": code_commit(), "minutes": (time.perf_counter() - started) / 60, "stages": stages,
+                     "results": results}
+
+
+def evaluations(job: Job) -> list[tuple[str, str]]:
+    """(encoding, candidate) pairs the job evaluates: every one of its model on validation, the chosen on test."""
+    if job.phase == TEST:
+        return list(job.candidates.items())
+    return [(name, candidate) for name in trainings_encodings(job.training)
+            for candidate in ENCODINGS[name].candidates]
+
+
+def evaluate_candidate(job: Job, name: str, folder: Path, tokenizer) -> dict:
+    """To 64x; on test past it where `goes_long` says (then the long lengths' results join the same entry)."""
+    study, encoding = job.study, ENCODINGS[name]
+    keys = seed_keys(job.seed, job.data)
+    lengths = {study.train_length * scale: study.prompts(job.phase, scale) for scale in study.scales}
+    result = evaluate(folder, encoding.rope_scaling, job.data, tokenizer, keys, study.train_length, lengths)
+    if job.phase == TEST and goes_long(job.chosen[name], result, study):
+        longer = {study.train_length * scale: study.prompts(TEST, scale) for scale in study.long_scales}
+        more = evaluate(folder, encoding.rope_scaling, job.data, tokenizer, keys, study.train_length, longer)
+        for part in ("perplexity", "passkey", "seconds", "peak_rss_mib"):
+            result[part].update(more[part])
+        for count, value in more["evaluation_keys"].items():
+            result["evaluation_keys"][count] += value
+    return result
+
+
+def code_commit() -> str:
+    """The commit of the code that ran, with `+dirty` where the work tree differed from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPOSITORY), *args], capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+# ----------------------------------------------------------------------------------------------- a run of jobs
+
+
+def plan(phase: str, names: list[str], study: Study, done: dict) -> list[tuple[str, str, int, dict]]:
+    """(training, trial, seed, chosen) of every job of `phase` the encodings `names` need and `done` lacks; chosen:
+    {encoding: its choice} on test. A RunError where a test job's encoding has no choice yet."""
+    planned, made = [], choices(done, study)
+    for training, served in trainings(names).items():
+        if phase == VALIDATION:
+            by_trial = {trial: {} for trial in ENCODINGS[served[0]].trials}
+        else:
+            missing = [name for name in served if name not in made]
+            if missing:
+                raise RunError(f"{', '.join(missing)}: no recipe chosen yet; run --phase validation for "
+                               f"{'it' if len(missing) == 1 else 'them'} to the end first")
+            by_trial = {}
+            for name in served:
+                by_trial.setdefault(made[name]["trial"], {})[name] = made[name]
+        for trial, chosen in by_trial.items():
+            for seed in study.seeds(phase):
+                if job_key(phase, training, trial, seed) not in done:
+                    planned.append((training, trial, seed, chosen))
+    return sorted(planned, key=lambda job: ENCODINGS[trainings_encodings(job[0])[0]].trials[job[1]].stage_one is not None)
+
+
+def make_job(phase: str, planned: tuple[str, str, int, dict], study: Study, data: dict[int, SeedData], done: dict) -> Job:
+    training, trial, seed, chosen = planned
+    job = Job(phase, training, trial, seed, data[seed], study, chosen={name: made for name, made in chosen.items()},
+              candidates={name: made["candidate"] for name, made in chosen.items()})
+    if job.stage_one_key in done:
+        job.stage_one_learned = done[job.stage_one_key]["stages"][TRAINED]["learned"]
+    return job
+
+
+def ready(job: Job, waiting_for: set[str], done: dict) -> bool:
+    """A two-stage job waits for its stage-one job where this run has one to do."""
+    return job.stage_one_key not in waiting_for or job.stage_one_key in done
+
+
+def finished_jobs(jobs: list[Job], processes: int, threads: int, done: dict):
+    """Each job run, one at a time here or `processes` at once in spawned processes of `threads` threads; yielded as
+    each ends. A two-stage job starts once its stage-one job is done (its learned shape handed over)."""
+    waiting, pending = list(jobs), {job.key for job in jobs}
+
+    def startable() -> list[Job]:
+        now = [job for job in waiting if ready(job, pending, done)]
+        for job in now:
+            waiting.remove(job)
+            if job.stage_one_key in done and job.stage_one_learned is None:
+                job.stage_one_learned = done[job.stage_one_key]["stages"][TRAINED]["learned"]
+        return now
+
+    if processes <= 1:
+        queued = startable()
+        while queued:
+            key, entry = run_job(queued.pop(0))
+            yield key, entry
+            queued += startable()
+        return
+    finished = queue.SimpleQueue()
+    pool = multiprocessing.get_context("spawn").Pool(processes, initializer=_start_worker, initargs=(threads,))
+    try:
+        running = 0
+        while True:
+            for job in startable():
+                pool.apply_async(run_job, (job,), callback=finished.put, error_callback=finished.put)
+                running += 1
+            if not running:
+                break
+            outcome = finished.get()
+            running -= 1
+            if isinstance(outcome, BaseException):
+                raise outcome
+            yield outcome
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def _start_worker(threads: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+
+
+def machine(threads: int) -> dict:
+    return {"processor": cpu_model(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "threads": threads}
+
+
+def earlier_results(output_dir: Path, study: Study, resume: bool) -> dict:
+    """The jobs an earlier run left in `output_dir` (with --resume; the same study settings), else {}."""
+    path = output_dir / "results.json"
+    if not path.is_file():
+        return {}
+    if not resume:
+        raise RunError(f"{output_dir} holds an earlier run: --resume continues it (the same settings), or give "
+                       "another --output-dir")
+    earlier = json.loads(path.read_text())
+    now = json.loads(json.dumps(asdict(study)))
+    changed = sorted(key for key, value in earlier["study"].items() if now.get(key) != value)  # a setting added later: its default
+    if changed:
+        raise RunError(f"--resume: the run in {output_dir} has other settings ({', '.join(changed)}); its results "
+                       "would not compare with this run's")
+    return with_int_keys(earlier["jobs"])
+
+
+def with_int_keys(value):
+    """JSON's string keys of lengths made integers again."""
+    if isinstance(value, dict):
+        return {int(key) if key.isdigit() else key: with_int_keys(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [with_int_keys(item) for item in value]
+    return value
+
+
+class OutputHold:
+    """One live run per output folder: an OS lock on `.run.lock` there, which the kernel drops with its holder, so a
+    killed run never blocks the next."""
+
+    def __init__(self, output_dir: Path):
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(output_dir / ".run.lock", "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.close()
+            raise RunError(f"another run is writing {output_dir}: wait for it, or give another --output-dir") from None
+
+    def release(self) -> None:
+        self.file.close()
+
+
+def phase_data(phase: str, study: Study, scratch: Path) -> dict[int, SeedData]:
+    """Every seed's data of `phase`, built in `scratch`."""
+    train, heldout = split_documents(python_documents(), study.heldout_fraction)
+    never_trained = [*heldout, *python_test_suites()]
+    return {seed: seed_data(train, never_trained, study, seed, study.documents(phase), scratch / f"seed-{seed}")
+            for seed in study.seeds(phase)}
+
+
+def run(phase: str, names: list[str], study: Study, output_dir: Path, jobs: int = 1, threads: int = 1,
+        resume: bool = False, publish=None) -> dict:
+    """Run every job of `phase` that `names` need and `output_dir` lacks, publishing (`publish(output_dir, report)`)
+    after each; returns the final report."""
+    hold = OutputHold(output_dir)
+    try:
+        done = earlier_results(output_dir, study, resume)
+        planned = plan(phase, names, study, done)
+        report = report_of(study, done, machine(threads))
+        with tempfile.TemporaryDirectory(prefix="text-extrapolation-") as scratch:
+            data = phase_data(phase, study, Path(scratch)) if planned else {}
+            queued = [make_job(phase, job, study, data, done) for job in planned]
+            for key, entry in finished_jobs(queued, jobs, threads, done):
+                entry["machine"] = machine(threads)
+                done[key] = entry
+                report = report_of(study, done, machine(threads))
+                print(f"[{key}] {entry['minutes']:.1f} min", flush=True)
+                if publish is not None:
+                    publish(output_dir, report)
+        if publish is not None:
+            publish(output_dir, report)
+        return report
+    finally:
+        hold.release()
+
+
+def report_of(study: Study, done: dict, machine_now: dict) -> dict:
+    return {"study": asdict(study), "machine": machine_now, "jobs": dict(sorted(done.items())),
+            "choices": choices(done, study)}

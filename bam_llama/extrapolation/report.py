@@ -1,0 +1,182 @@
+"""The comparison's results page (results.md) from results.json: what ran, the validation trials and each encoding's
+choice, the test phase's passkey by length (the paper's Figure 3: the mean of the test seeds with the pooled count
+and its exact 95% interval), per-seed rows, the interval over seeds, perplexity by length, and the targets."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from ..evaluation.intervals import interval_over_seeds, interval_text
+from ..outputs import staged_files
+from .encodings import ENCODINGS
+from .figures import plot_passkey, plot_perplexity
+from .selection import candidate_scores, found, last_window, test_results
+from .settings import TEST, VALIDATION, Study
+
+TARGETS = {64: 0.95, 512: 0.80}  # strict passkey, the mean of the test seeds, for BAM's recipes
+PERPLEXITY_TARGET = 1.10  # last-window perplexity at 512x within 10% of 2x
+
+
+def pooled_cell(results: list[dict], length: int) -> str:
+    """"91% 137/150 (86-95)": the mean of the seeds' strict rates, the pooled count and its exact interval."""
+    counts = [found(result["passkey"][length]) for result in results if length in result["passkey"]]
+    if not counts:
+        return "—"
+    hits, prompts = sum(hit for hit, _ in counts), sum(total for _, total in counts)
+    mean = sum(hit / total for hit, total in counts) / len(counts)
+    seeds = "" if len(counts) == len(results) else f" [{len(counts)} seeds]"
+    return f"{mean:.0%} {hits}/{prompts} ({interval_text(hits, prompts)}){seeds}"
+
+
+def seeds_interval_cell(results: list[dict], length: int) -> str:
+    rates = [found(result["passkey"][length])[0] / found(result["passkey"][length])[1]
+             for result in results if length in result["passkey"]]
+    interval = interval_over_seeds(rates)
+    return "—" if interval is None else f"{interval[0]:.0%}-{interval[1]:.0%}"
+
+
+def lengths_header(study: Study, scales) -> tuple[str, str]:
+    cells = [f"{scale}x" for scale in scales]
+    return "| encoding | " + " | ".join(cells) + " |", "|---|" + "---:|" * len(cells)
+
+
+def passkey_table(jobs: dict, study: Study, names: list[str], cell) -> list[str]:
+    scales = study.scales + study.long_scales
+    lines = list(lengths_header(study, scales))
+    for name in names:
+        results = [result for _, result in test_results(jobs, study, name)]
+        if results:
+            lines.append(f"| {ENCODINGS[name].label} ({len(results)} seeds) | "
+                         + " | ".join(cell(results, study.train_length * scale) for scale in scales) + " |")
+    return lines
+
+
+def per_seed_table(jobs: dict, study: Study, names: list[str]) -> list[str]:
+    scales = study.scales + study.long_scales
+    lines = ["| encoding | seed | " + " | ".join(f"{scale}x" for scale in scales) + " |",
+             "|---|---:|" + "---:|" * len(scales)]
+    for name in names:
+        for seed, result in test_results(jobs, study, name):
+            cells = []
+            for scale in scales:
+                length = study.train_length * scale
+                if length not in result["passkey"]:
+                    cells.append("—")
+                    continue
+                hits, prompts = found(result["passkey"][length])
+                forced, _ = found(result["passkey"][length], "teacher_forced")
+                cells.append(f"{hits}/{prompts} ({forced})")
+            lines.append(f"| {ENCODINGS[name].label} | {seed} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def perplexity_table(jobs: dict, study: Study, names: list[str]) -> list[str]:
+    scales = study.scales + study.long_scales
+    lines = list(lengths_header(study, scales))
+    for name in names:
+        results = [result for _, result in test_results(jobs, study, name)]
+        if not results:
+            continue
+        cells = []
+        for scale in scales:
+            length = study.train_length * scale
+            values = [last_window(result, length) for result in results if length in result["perplexity"]]
+            cells.append("—" if len(values) != len(results) else f"{sum(values) / len(values):.2f}")
+        lines.append(f"| {ENCODINGS[name].label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def validation_table(jobs: dict, study: Study, chosen: dict, names: list[str]) -> list[str]:
+    lines = ["| encoding | trial | candidate | score: strict " + ", ".join(f"{s}x" for s in study.selection_scales)
+             + f" pooled (by seed) | {max(study.scales)}x | last-window perplexity {max(study.scales)}x | chosen |", "|---|---|---|---:|---:|---:|---|"]
+    for name in names:
+        scores = candidate_scores(jobs, study, name)
+        if scores is None:
+            done = sum(key.startswith(f"{VALIDATION}/{ENCODINGS[name].training}/") for key in jobs)
+            lines.append(f"| {ENCODINGS[name].label} | {done} of {len(ENCODINGS[name].trials) * len(study.validation_seeds)} "
+                         "validation jobs done | | | | | |")
+            continue
+        for (trial, candidate), score in scores.items():
+            by_seed = " / ".join(f"{rate:.0%}" for rate in score["by_seed"])
+            mark = "**chosen**" if chosen.get(name, {}).get("trial") == trial and chosen[name]["candidate"] == candidate else ""
+            lines.append(f"| {ENCODINGS[name].label} | {trial} | {candidate} | {score['rate']:.0%} ({by_seed}) | "
+                         f"{score['rate_at_longest']:.0%} | {score['perplexity_at_longest']:.2f} | {mark} |")
+    return lines
+
+
+def target_lines(jobs: dict, study: Study) -> list[str]:
+    lines = ["| encoding | target | mean of the test seeds | met |", "|---|---|---|---|"]
+    for name in ("bam", "bam-ssmax"):
+        results = [result for _, result in test_results(jobs, study, name)]
+        for scale, target in TARGETS.items():
+            length = study.train_length * scale
+            rates = [found(r["passkey"][length])[0] / found(r["passkey"][length])[1] for r in results if length in r["passkey"]]
+            if rates:
+                mean = sum(rates) / len(rates)
+                lines.append(f"| {ENCODINGS[name].label} | strict passkey >= {target:.0%} at {scale}x | {mean:.0%} "
+                             f"({len(rates)} seeds) | {'yes' if mean >= target else f'no, by {100 * (target - mean):.0f} points'} |")
+        ratios = [last_window(r, study.train_length * 512) / last_window(r, study.train_length * 2)
+                  for r in results if study.train_length * 512 in r["perplexity"]]
+        if ratios:
+            mean = sum(ratios) / len(ratios)
+            lines.append(f"| {ENCODINGS[name].label} | last-window perplexity at 512x within 10% of 2x | {mean:.3f}x | "
+                         f"{'yes' if abs(math.log(mean)) <= math.log(PERPLEXITY_TARGET) else 'no'} |")
+    return lines
+
+
+def write_report(report: dict, study: Study, names: list[str]) -> str:
+    jobs, chosen = report["jobs"], report["choices"]
+    commits = sorted({job["commit"] for job in jobs.values()})
+    machines = sorted({f"{job['machine']['processor']}, torch {job['machine']['torch']}, transformers "
+                       f"{job['machine']['transformers']}, {job['machine']['threads']} thread(s) a job"
+                       for job in jobs.values() if "machine" in job})
+    minutes = sum(job["minutes"] for job in jobs.values())
+    done = {phase: sum(job["phase"] == phase for job in jobs.values()) for phase in (VALIDATION, TEST)}
+    lines = [
+        "# Train short, test long on real text: every positional encoding, chosen on validation, reported on test seeds",
+        "",
+        f"Trained at {study.train_length} tokens ({study.layers} layers, hidden {study.hidden_size}, {study.heads} heads, "
+        f"{study.steps} steps of {study.batch_size} rows a stage). Validation seeds {', '.join(map(str, study.validation_seeds))} "
+        f"choose each encoding's recipe; test seeds {', '.join(map(str, study.test_seeds))} report it. Jobs done: "
+        f"{done[VALIDATION]} validation, {done[TEST]} test; {minutes / 60:.1f} hours of one-thread jobs. Commits: "
+        f"{', '.join(commits) or 'none yet'}. Machines: {'; '.join(machines) or 'none yet'}.",
+        "",
+        "## Test seeds: passkey retrieval by length (strict; mean of the seeds, pooled count, exact 95% interval)",
+        "",
+        *passkey_table(jobs, study, names, pooled_cell),
+        "",
+        "Interval over seeds (the 95% t-interval of the seeds' rates, which the pooled interval leaves out):",
+        "",
+        *passkey_table(jobs, study, names, seeds_interval_cell),
+        "",
+        "Per seed, strict found of asked (teacher-forced in brackets):",
+        "",
+        *per_seed_table(jobs, study, names),
+        "",
+        "## Test seeds: last-window perplexity by length (mean of the seeds)",
+        "",
+        *perplexity_table(jobs, study, names),
+        "",
+        "## Targets (BAM's recipes)",
+        "",
+        *target_lines(jobs, study),
+        "",
+        "## Validation: every trial and candidate, and the choice",
+        "",
+        *validation_table(jobs, study, chosen, names),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def publish(output_dir: Path, report: dict, study: Study, names: list[str]) -> str:
+    """results.json, results.md, passkey.png and perplexity.png of `report`, replacing the earlier ones together."""
+    text = write_report(report, study, names)
+    with staged_files(output_dir, "results") as staging:
+        (staging / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+        (staging / "results.md").write_text(text)
+        plot_passkey(report["jobs"], study, names, staging / "passkey.png")
+        plot_perplexity(report["jobs"], study, names, staging / "perplexity.png")
+    return text

@@ -1,0 +1,85 @@
+"""The comparison's settings: model sizes, training, the lengths and prompts of each phase, and the seeds that choose
+(validation) apart from the seeds that report (test).
+
+Light on purpose: standard library only, so the command's --help loads no PyTorch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+VALIDATION = "validation"  # seeds and keys the trials are judged on: every choice is made here
+TEST = "test"  # seeds no choice used: the reported results
+PHASES = (VALIDATION, TEST)
+
+
+@dataclass(frozen=True)
+class Study:
+    train_length: int = 128
+    scales: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # every encoding, both phases
+    long_scales: tuple[int, ...] = (128, 256, 512)  # test phase, the encodings past `long_threshold` at 64x
+    hidden_size: int = 128
+    layers: int = 4
+    heads: int = 4
+    steps: int = 2000  # a stage's; a trial may take twice (`Trial.steps_factor`)
+    batch_size: int = 16
+    warmup_steps: int = 100
+    vocab_size: int = 4096
+    shape_learning_rate: float = 5e-2  # a learned prior's (BAM's, KERPLE's) and the SSMax scales'
+    passkey_share: float = 0.5  # passkey documents' share of the training characters; the Python corpus has the rest
+    heldout_fraction: float = 0.05
+    max_train_characters: int | None = None  # None: the whole training split
+    extension_factor: int = 2  # the context extension trains at this times the training length ...
+    extension_steps: int = 256  # ... for this many steps ...
+    extension_batch_size: int = 8  # ... of this many rows (the tokens of a pretraining step) ...
+    extension_rate_factor: float = 0.1  # ... at this times the stage's learning rates (where its cosine ended)
+    validation_seeds: tuple[int, ...] = (100, 101)
+    test_seeds: tuple[int, ...] = (3, 4, 5)
+    validation_prompts: int = 20  # passkey prompts a length, 1x-64x
+    test_prompts: int = 50  # 1x-64x
+    long_prompts: int = 20  # 128x-512x
+    validation_documents: int = 4  # never-trained documents for perplexity
+    test_documents: int = 8
+    selection_scales: tuple[int, ...] = (16, 32, 64)  # a trial's score: its strict passkey rate pooled over these
+    long_threshold: float = 0.5  # past 64x: the encodings above this strict rate at 64x
+    quick: bool = False
+
+    def seeds(self, phase: str) -> tuple[int, ...]:
+        return self.validation_seeds if phase == VALIDATION else self.test_seeds
+
+    def prompts(self, phase: str, scale: int) -> int:
+        if scale > max(self.scales):
+            return self.long_prompts
+        return self.validation_prompts if phase == VALIDATION else self.test_prompts
+
+    def documents(self, phase: str) -> int:
+        return self.validation_documents if phase == VALIDATION else self.test_documents
+
+    def longest_scale(self, phase: str) -> int:
+        return max(self.scales + (self.long_scales if phase == TEST else ()))
+
+    @property
+    def extension_length(self) -> int:
+        return self.train_length * self.extension_factor
+
+
+QUICK = Study(
+    train_length=64, scales=(1, 2), long_scales=(4,), hidden_size=32, layers=2, heads=4, steps=12, batch_size=4,
+    warmup_steps=0, vocab_size=600, max_train_characters=30_000, extension_steps=4, extension_batch_size=2,
+    validation_seeds=(100, 101), test_seeds=(3,), validation_prompts=2, test_prompts=2, long_prompts=1,
+    validation_documents=1, test_documents=1, selection_scales=(2,), quick=True,
+)
+
+
+def check_seeds(study: Study) -> None:
+    """A ValueError where a seed is both a validation and a test seed: a test result must come from seeds no choice
+    used."""
+    shared = set(study.validation_seeds) & set(study.test_seeds)
+    if shared:
+        raise ValueError(f"seeds {sorted(shared)} are both validation and test seeds")
+
+
+def with_seeds(study: Study, validation: tuple[int, ...] | None, test: tuple[int, ...] | None) -> Study:
+    study = replace(study, **({"validation_seeds": validation} if validation else {}), **({"test_seeds": test} if test else {}))
+    check_seeds(study)
+    return study

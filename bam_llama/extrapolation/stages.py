@@ -1,0 +1,98 @@
+"""One trial of one encoding and seed, trained: its stages through `bam-pretrain`'s Python API (a two-stage trial's
+first stage is the one-stage trial it names, whose learned shape the second freezes), then the paper's context
+extension through `bam-finetune --full` at twice the training length. What each stage learned (the prior, the SSMax
+scales) is read back for results.json, from which a later run can rebuild a stage-one prior without its weights.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..model.configuration_bam import BamLlamaConfig
+from ..model.prior_modules_bam import BamPrior, BamScalableSoftmax
+from ..positional_models import variant_config
+from ..training.arguments import FinetuneArguments, PretrainArguments
+from ..training.finetune import Finetuning
+from ..training.pretrain import run_pretraining
+from ..training.run import run_training
+from .encodings import Encoding, Trial
+from .settings import Study
+
+LEARNED = {"theta_alpha": "prior", "theta_beta": "prior", "theta_mu": "prior", "scale": "ssmax"}
+
+
+def pretrain_arguments(encoding: Encoding, trial: Trial, study: Study, seed: int, data: Path, tokenizer: Path,
+                       output_dir: Path, stage_one: Path | None) -> PretrainArguments:
+    """bam-pretrain's settings of one stage: the study's sizes and data, the trial's learning rate and steps; with
+    `stage_one` (a saved model), its learned prior (and with `trial.frozen_scales` its SSMax scales) frozen."""
+    steps = study.steps * trial.steps_factor
+    bam_llama = encoding.extends
+    return PretrainArguments(
+        data=str(data), output_dir=str(output_dir), context_length=study.train_length, positional=encoding.positional,
+        ssmax=encoding.ssmax, hidden_size=study.hidden_size, num_hidden_layers=study.layers,
+        num_attention_heads=study.heads, tokenizer=str(tokenizer), learning_rate=trial.learning_rate,
+        prior_learning_rate=study.shape_learning_rate if bam_llama else None, warmup_steps=study.warmup_steps,
+        per_device_train_batch_size=study.batch_size, max_steps=steps, save_steps=steps, save_total_limit=1,
+        logging_steps=max(steps // 10, 1), seed=seed, disable_progress_bars=True, eval_rows=8,
+        prior_scope="layer" if bam_llama else "global", threads=torch.get_num_threads(),
+        frozen_prior_from=None if stage_one is None else str(stage_one), frozen_ssmax=trial.frozen_scales,
+    )
+
+
+def pretrain_stage(args: PretrainArguments) -> tuple[Path, dict]:
+    """(saved model folder, its summary with the seconds and what it learned)."""
+    started = time.perf_counter()
+    summary, model, _ = run_pretraining(args)
+    return Path(summary.final_dir), {**asdict(summary), "train_seconds": time.perf_counter() - started,
+                                     "learned": learned_values(model)}
+
+
+def extend(folder: Path, trial: Trial, study: Study, seed: int, data: Path, output_dir: Path) -> tuple[Path, dict]:
+    """The context extension of a trained BamLlama: every weight (and whatever of the prior and scales its config
+    trains) fine-tuned at `study.extension_length` for `study.extension_steps` steps, at `extension_rate_factor`
+    times the stage's learning rates."""
+    args = FinetuneArguments(
+        model=str(folder), data=str(data), output_dir=str(output_dir), context_length=study.extension_length,
+        lora=False, learning_rate=trial.learning_rate * study.extension_rate_factor,
+        prior_learning_rate=study.shape_learning_rate * study.extension_rate_factor, max_steps=study.extension_steps,
+        per_device_train_batch_size=study.extension_batch_size, save_steps=study.extension_steps, save_total_limit=1,
+        logging_steps=max(study.extension_steps // 8, 1), seed=seed, disable_progress_bars=True, eval_rows=8,
+        weight_decay=0.1, threads=torch.get_num_threads(),
+    )
+    started = time.perf_counter()
+    summary, model, _ = run_training(Finetuning(args))
+    return Path(summary.final_dir), {**asdict(summary), "train_seconds": time.perf_counter() - started,
+                                     "learned": learned_values(model)}
+
+
+def learned_values(model) -> dict[str, list[list[float]]]:
+    """Each BamLlama layer's prior and SSMax scales [layer][head] (a global prior: its one row); {} for other models."""
+    learned: dict[str, list[list[float]]] = {}
+    for module in model.modules():
+        if isinstance(module, (BamPrior, BamScalableSoftmax)):
+            for name, kind in LEARNED.items():
+                if (kind == "prior") == isinstance(module, BamPrior):
+                    learned.setdefault(name, []).append(getattr(module, name).detach().float().tolist())
+    return learned
+
+
+def stage_one_folder(learned: dict[str, list[list[float]]], encoding: Encoding, study: Study, folder: Path) -> Path:
+    """A folder `bam-pretrain --frozen-prior-from` reads a stage-one model's prior (and SSMax scales) from, rebuilt
+    from its learned values: the config of the study's sizes and encoding, and those tensors alone."""
+    config = variant_config(encoding.positional, study.train_length, hidden_size=study.hidden_size,
+                            num_hidden_layers=study.layers, num_attention_heads=study.heads, prior_scope="layer",
+                            ssmax=encoding.ssmax)
+    assert isinstance(config, BamLlamaConfig)
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    tensors = {}
+    for name, kind in LEARNED.items():
+        for layer, values in enumerate(learned.get(name, [])):
+            tensors[f"model.layers.{layer}.self_attn.{kind}.{name}"] = torch.tensor(values, dtype=torch.float32)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
