@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import re
 import shutil
@@ -318,3 +319,25 @@ def apply_umask_permissions(folder: Path) -> None:
     folder.chmod(0o777 & ~umask)
     for path in folder.rglob("*"):
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+class FolderInUse(OSError):
+    """Another live process holds the folder (`FolderLock`)."""
+
+
+class FolderLock:
+    """One live holder of `folder` at a time: an OS lock (flock) on `folder/.lock`, which the kernel drops when its
+    holder ends however it ends, so a killed holder never blocks the next. `FolderInUse` where another holds it."""
+
+    def __init__(self, folder: Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.file = open(folder / ".lock", "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.close()
+            raise FolderInUse(f"another live process is writing {folder}") from None
+
+    def release(self) -> None:
+        self.file.close()
+

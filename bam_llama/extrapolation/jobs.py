@@ -11,7 +11,6 @@ ran (a validation job waits for it), else trained first inside the job.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import multiprocessing
 import platform
@@ -29,7 +28,7 @@ from transformers import AutoTokenizer
 
 from ..data.corpus import python_documents, split_documents
 from ..machine import cpu_model
-from ..outputs import staged_files
+from ..outputs import FolderInUse, FolderLock
 from .data import SeedData, python_test_suites, seed_data
 from .encodings import ENCODINGS, EXTENDED, TRAINED, trainings
 from .evaluation import evaluate, seed_keys
@@ -258,23 +257,6 @@ def with_int_keys(value):
     return value
 
 
-class OutputHold:
-    """One live run per output folder: an OS lock on `.run.lock` there, which the kernel drops with its holder, so a
-    killed run never blocks the next."""
-
-    def __init__(self, output_dir: Path):
-        output_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(output_dir / ".run.lock", "a+")
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.file.close()
-            raise RunError(f"another run is writing {output_dir}: wait for it, or give another --output-dir") from None
-
-    def release(self) -> None:
-        self.file.close()
-
-
 def phase_data(phase: str, study: Study, scratch: Path) -> dict[int, SeedData]:
     """Every seed's data of `phase`, built in `scratch`."""
     train, heldout = split_documents(python_documents(), study.heldout_fraction)
@@ -287,7 +269,10 @@ def run(phase: str, names: list[str], study: Study, output_dir: Path, jobs: int 
         resume: bool = False, publish=None) -> dict:
     """Run every job of `phase` that `names` need and `output_dir` lacks, publishing (`publish(output_dir, report)`)
     after each; returns the final report."""
-    hold = OutputHold(output_dir)
+    try:
+        hold = FolderLock(output_dir)
+    except FolderInUse as error:
+        raise RunError(f"{error}: wait for that run, or give another --output-dir") from None
     try:
         done = earlier_results(output_dir, study, resume)
         planned = plan(phase, names, study, done)

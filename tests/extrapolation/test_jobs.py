@@ -1,0 +1,100 @@
+"""A phase's jobs: what is planned (validation: every trial of every seed; test: only chosen recipes, on the test
+seeds), a two-stage job waiting for its stage one, --resume refusing other settings, one live run per output folder
+(a killed one never blocks the next), and the whole pipeline on tiny models, resumed without running anything twice."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+from helpers import checkout_environment
+
+from bam_llama.extrapolation.jobs import Job, RunError, earlier_results, plan, ready, run
+from bam_llama.extrapolation.selection import job_key
+from bam_llama.extrapolation.settings import QUICK, TEST, VALIDATION
+from bam_llama.outputs import FolderInUse, FolderLock
+
+STUDY = QUICK
+
+
+def test_validation_plans_every_trial_of_every_validation_seed_and_stage_ones_first():
+    planned = plan(VALIDATION, ["bam-ssmax", "rope", "rope-ntk"], STUDY, {})
+    pairs = [(training, trial, seed) for training, trial, seed, _ in planned]
+    assert len(pairs) == len(set(pairs)) == 2 * 4 * len(STUDY.validation_seeds)  # rope-ntk shares rope's models
+    assert {training for training, _, _ in pairs} == {"bam-ssmax", "rope"}
+    two_stage = [index for index, (_, trial, _) in enumerate(pairs) if trial.startswith("two-stage")]
+    assert min(two_stage) > max(index for index in range(len(pairs)) if index not in two_stage)
+
+
+def test_validation_skips_jobs_done_and_test_needs_a_choice():
+    done_key = job_key(VALIDATION, "alibi", "long", STUDY.validation_seeds[0])
+    planned = plan(VALIDATION, ["alibi"], STUDY, {done_key: {}})
+    assert ("alibi", "long", STUDY.validation_seeds[0]) not in [job[:3] for job in planned] and len(planned) == 7
+    with pytest.raises(RunError, match="alibi: no recipe chosen yet"):
+        plan(TEST, ["alibi"], STUDY, {})
+
+
+def test_a_two_stage_job_waits_for_its_stage_one_only_where_the_run_has_it():
+    job = Job(VALIDATION, "bam", "two-stage", 100, data=None, study=STUDY)
+    stage_one = job_key(VALIDATION, "bam", "lr-1e-3", 100)
+    assert job.stage_one_key == stage_one
+    assert not ready(job, {stage_one}, {})
+    assert ready(job, {stage_one}, {stage_one: {}})
+    assert ready(job, set(), {})  # no stage-one job to wait for: the job trains it itself (a test job)
+    assert Job(TEST, "bam", "lr-2e-3", 3, data=None, study=STUDY).stage_one_key is None
+
+
+def test_resume_refuses_other_settings_and_a_run_without_resume(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps({"study": {**json.loads(json.dumps(STUDY.__dict__)), "steps": 99},
+                                                       "jobs": {}}))
+    with pytest.raises(RunError, match=r"other settings \(steps\)"):
+        earlier_results(tmp_path, STUDY, resume=True)
+    with pytest.raises(RunError, match="--resume continues it"):
+        earlier_results(tmp_path, replace(STUDY, steps=99), resume=False)
+    assert earlier_results(tmp_path, replace(STUDY, steps=99), resume=True) == {}
+
+
+def test_one_live_run_per_folder_and_a_killed_holder_blocks_nobody(tmp_path):
+    hold = FolderLock(tmp_path)
+    with pytest.raises(RunError, match="another live process is writing"):
+        run(VALIDATION, ["alibi"], STUDY, tmp_path)
+    hold.release()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from bam_llama.outputs import FolderLock; import pathlib, time; "
+         f"held = FolderLock(pathlib.Path({str(tmp_path)!r})); print('held', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True, env=checkout_environment())
+    try:
+        assert holder.stdout.readline().strip() == "held"  # a light import: no PyTorch in the holder
+        with pytest.raises(FolderInUse):
+            FolderLock(tmp_path)
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+        FolderLock(tmp_path).release()  # at once: the kernel dropped the dead holder's lock
+    finally:
+        holder.kill()
+
+
+def test_the_pipeline_on_tiny_models_resumes_without_running_a_job_twice(tmp_path):
+    published = []
+    report = run(VALIDATION, ["alibi"], STUDY, tmp_path, publish=lambda folder, report: published.append(len(report["jobs"])))
+    assert len(report["jobs"]) == 4 * len(STUDY.validation_seeds) and published[-1] == len(report["jobs"])
+    assert published[:len(report["jobs"])] == list(range(1, len(report["jobs"]) + 1))  # each job published as it ends
+    chosen = report["choices"]["alibi"]
+    for job in report["jobs"].values():
+        for candidate in ("trained", "extended"):
+            result = job["results"]["alibi"][candidate]
+            assert sorted(result["passkey"]) == [STUDY.train_length * scale for scale in STUDY.scales]
+            assert result["evaluation_keys"]["in_training"] == 0
+        assert job["stages"]["extended"]["context_length"] == STUDY.extension_length
+        assert job["stages"]["trained"]["steps"] == STUDY.steps * (2 if job["trial"].startswith("long") else 1)
+    (tmp_path / "results.json").write_text(json.dumps(report))
+    again = run(VALIDATION, ["alibi"], STUDY, tmp_path, resume=True)
+    assert again["jobs"].keys() == report["jobs"].keys()
+    test = run(TEST, ["alibi"], STUDY, tmp_path, resume=True)
+    test_jobs = {key: job for key, job in test["jobs"].items() if job["phase"] == TEST}
+    assert sorted(test_jobs) == [job_key(TEST, "alibi", chosen["trial"], seed) for seed in STUDY.test_seeds]
+    for job in test_jobs.values():
+        assert list(job["results"]["alibi"]) == [chosen["candidate"]]

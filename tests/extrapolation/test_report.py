@@ -1,0 +1,63 @@
+"""The results page's numbers: the mean of the seeds' strict rates with the pooled count and its exact interval, the
+t-interval over seeds, per-seed rows with the teacher-forced count, and the targets met or missed by how much."""
+
+import math
+
+from bam_llama.extrapolation.report import pooled_cell, seeds_interval_cell, target_lines
+from bam_llama.extrapolation.selection import job_key
+from bam_llama.extrapolation.settings import TEST, Study
+
+STUDY = Study()
+
+
+def passkey(hits: int, prompts: int) -> dict:
+    return {"correct": [[index < hits for index in range(prompts)]], "teacher_forced": [[True] * prompts]}
+
+
+def exact_interval(hits: int, prompts: int) -> tuple[float, float]:
+    """Clopper-Pearson by bisection on the binomial tails summed term by term (fractions of math.comb)."""
+    def at_least(p):
+        return sum(math.comb(prompts, k) * p**k * (1 - p) ** (prompts - k) for k in range(hits, prompts + 1))
+
+    def bisect(rising, target):
+        low, high = 0.0, 1.0
+        for _ in range(60):
+            middle = (low + high) / 2
+            low, high = (low, middle) if rising(middle) > target else (middle, high)
+        return low
+
+    low = 0.0 if hits == 0 else bisect(at_least, 0.025)
+    # P(X > hits) rises with p; the upper end is where P(X <= hits) falls to 0.025
+    high = 1.0 if hits == prompts else bisect(lambda p: at_least(p) - math.comb(prompts, hits) * p**hits
+                                              * (1 - p) ** (prompts - hits), 0.975)
+    return low, high
+
+
+def test_the_pooled_cell_is_the_mean_of_the_seeds_with_the_pooled_count_and_its_exact_interval():
+    results = [{"passkey": {8192: passkey(hits, 50)}} for hits in (49, 40, 45)]
+    low, high = exact_interval(134, 150)  # mean of 98%, 80%, 90% = 89.3%; 134 of 150
+    assert pooled_cell(results, 8192) == f"89% 134/150 ({math.floor(100 * low)}-{math.ceil(100 * high)})"
+    assert pooled_cell(results, 16384) == "—"
+
+
+def test_the_interval_over_seeds_is_student_s_t_with_two_degrees_of_freedom():
+    rates = [0.98, 0.80, 0.90]
+    results = [{"passkey": {8192: passkey(round(rate * 50), 50)}} for rate in rates]
+    mean = sum(rates) / 3
+    half = 4.303 * math.sqrt(sum((rate - mean) ** 2 for rate in rates) / 2) / math.sqrt(3)
+    assert seeds_interval_cell(results, 8192) == f"{mean - half:.0%}-{min(1, mean + half):.0%}"
+    assert seeds_interval_cell(results[:1], 8192) == "—"
+
+
+def test_targets_say_by_how_much_they_are_missed():
+    jobs = {}
+    for seed, (at_64, at_512) in zip(STUDY.test_seeds, ((50, 18), (48, 14), (49, 16))):
+        result = {"passkey": {8192: passkey(at_64, 50), 65536: passkey(at_512, 20)},
+                  "perplexity": {256: {"last_window": {"perplexity": 50.0}}, 65536: {"last_window": {"perplexity": 54.0}}}}
+        jobs[job_key(TEST, "bam", "two-stage", seed)] = {"phase": TEST, "seed": seed, "results": {"bam": {"trained": result}}}
+    lines = "\n".join(target_lines(jobs, STUDY))
+    assert "| BAM | strict passkey >= 95% at 64x | 98% (3 seeds) | yes |" in lines
+    assert "| BAM | strict passkey >= 80% at 512x | 80% (3 seeds) | yes |" in lines  # 90%, 70%, 80%
+    assert "| BAM | last-window perplexity at 512x within 10% of 2x | 1.080x | yes |" in lines
+    jobs[job_key(TEST, "bam", "two-stage", 5)]["results"]["bam"]["trained"]["passkey"][65536] = passkey(10, 20)
+    assert "| 70% (3 seeds) | no, by 10 points |" in "\n".join(target_lines(jobs, STUDY))  # 90%, 70%, 50%
