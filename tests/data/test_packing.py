@@ -152,6 +152,21 @@ def test_packing_fill_counts_split_documents_and_padding():
     assert packing_fill([], 0, 8) == (0, 0.0)
 
 
+@pytest.mark.parametrize("context_length", [2, 3, 8, 16])
+def test_packing_fill_reads_what_the_rows_hold_at_the_row_length(context_length):
+    """Documents around the row length (empty, one token, a row less one, exactly a row, a row and one, two rows
+    less one, exactly two, two and one): the split documents and the padding share `packing_fill` reports are those
+    of the packed rows read back here, a split document being one whose tokens lie in more than one segment (a
+    document of exactly one row is whole)."""
+    row = context_length
+    documents = known_documents([0, 1, row - 1, row, row + 1, 2 * row - 1, 2 * row, 2 * row + 1, row])
+    rows = pack_documents(documents, context_length, pad_token_id=PAD)
+    check_rows(documents, rows, context_length)
+    split = sum(len(pieces) > 1 for pieces in pieces_by_document(rows).values())
+    padding = sum(token == PAD for packed in rows for token in packed["input_ids"])
+    assert packing_fill(documents, len(rows), context_length) == (split, pytest.approx(padding / (len(rows) * row)))
+
+
 def test_a_row_must_hold_a_token_and_its_target():
     with pytest.raises(ValueError, match="at least 2"):
         pack_documents([[1, 2, 3]], context_length=1, pad_token_id=0)

@@ -4,6 +4,7 @@ position-matched perplexity per document. Fake models with logits written here m
 
 import math
 import random
+from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
@@ -35,6 +36,49 @@ def tokenizer():
 )
 def test_clopper_pearson_matches_the_exact_binomial_interval(successes, trials, low, high):
     assert clopper_pearson(successes, trials) == pytest.approx((low, high), abs=2e-6)
+
+
+def binomial_sum(trials: int, probability: float, first: int, last: int) -> Fraction:
+    """P(first <= X <= last) for X ~ Binomial(trials, probability), exactly: the float is a / d, d a power of two,
+    and the sum of C(n, k) a^k (d - a)^(n - k) over d^n is summed in integers (Horner's rule in a)."""
+    if first > last:
+        return Fraction(0)
+    a, d = probability.as_integer_ratio()
+    total, power = 0, 1
+    for k in range(last, first - 1, -1):  # sum of C(n, k) a^(k - first) (d - a)^(last - k)
+        total = total * a + math.comb(trials, k) * power
+        power *= d - a
+    return Fraction(total * a**first * (d - a) ** (trials - last), d**trials)
+
+
+def at_most(successes: int, trials: int, probability: float) -> Fraction:
+    """P(X <= successes), exactly, from the shorter of its two sums."""
+    if successes < trials / 2:
+        return binomial_sum(trials, probability, 0, successes)
+    return 1 - binomial_sum(trials, probability, successes + 1, trials)
+
+
+# Each end of a 95% interval pinned to 1e-9 by the exact binomial tails on either side of it (2.5% each): thousands
+# of trials (1,000 of 2,000 sums a thousand terms, each far outside a double's range) and the edges 0 of n, n of n.
+INTERVAL_EDGES = [(0, 1), (1, 1), (0, 2), (1, 2), (2, 2), (0, 2000), (1, 2000), (1000, 2000), (1999, 2000),
+                  (2000, 2000), (999, 2000), (3, 5000)]
+
+
+@pytest.mark.parametrize(("successes", "trials"), INTERVAL_EDGES)
+def test_clopper_pearson_ends_hold_the_exact_binomial_tails(successes, trials):
+    """The lower end p solves P(X >= k | p) = 2.5%, the upper P(X <= k | p) = 2.5%: each tail, computed here in
+    exact arithmetic just below and just above the end, lies on either side of 2.5%. 0 successes give the lower
+    end 0 and the upper 1 - 0.025^(1/n); n of n the upper end 1 and the lower 0.025^(1/n)."""
+    low, high = clopper_pearson(successes, trials)
+    tail, step = Fraction(1, 40), 1e-9
+    if successes == 0:
+        assert low == 0.0 and high == pytest.approx(1 - 0.025 ** (1 / trials), abs=1e-12)
+    else:
+        assert 1 - at_most(successes - 1, trials, low - step) < tail < 1 - at_most(successes - 1, trials, low + step)
+    if successes == trials:
+        assert high == 1.0 and low == pytest.approx(0.025 ** (1 / trials), abs=1e-12)
+    else:
+        assert at_most(successes, trials, high - step) > tail > at_most(successes, trials, high + step)
 
 
 def test_interval_text_rounds_outwards_and_bad_counts_are_refused():
@@ -90,6 +134,65 @@ def test_a_shared_drawer_keeps_keys_new_across_calls(tokenizer, fake_model):
     rows = [evaluate_passkey(fake_model, tokenizer, [length], num_depths=30, progress=False, keys=keys).passkeys[0]
             for length in (200, 300)]
     assert len(set(rows[0] + rows[1])) == 60
+
+
+def test_each_seed_draws_its_own_keys_and_the_same_seed_the_same(tokenizer, fake_model):
+    """Twenty seeds draw twenty different sequences of keys, a fresh drawer of the same seed the same one again, and
+    none is the training stream of its seed (`random.Random(seed)`); `evaluate_passkey`'s own drawer follows its
+    `seed` as well."""
+    def sequence(seed):
+        keys = PasskeyKeys(seed=seed, num_digits=5)
+        return [keys.draw() for _ in range(8)]
+
+    sequences = {seed: sequence(seed) for seed in range(20)}
+    assert len({tuple(keys) for keys in sequences.values()}) == 20
+    assert all(sequence(seed) == keys for seed, keys in sequences.items())
+    for seed, keys in sequences.items():
+        training = random.Random(seed)
+        assert keys != [random_passkey(training, 5) for _ in range(8)], f"seed {seed}: the training stream"
+    evaluated = {seed: evaluate_passkey(fake_model, tokenizer, [200], num_depths=4, seed=seed, progress=False).passkeys
+                 for seed in (0, 1, 2)}
+    assert evaluated[0] != evaluated[1] != evaluated[2] != evaluated[0]
+    assert evaluated[1] == evaluate_passkey(fake_model, tokenizer, [200], num_depths=4, seed=1, progress=False).passkeys
+
+
+def redraws_per_call(stream: list[str], excluded: set[str], draws: list[int]) -> list[int]:
+    """How many excluded keys each call meets before its own keys, for calls drawing `draws` keys in turn from a
+    stream whose keys are all different: a call's redraws are the excluded keys between the previous call's last
+    key and its own last one."""
+    counts, position = [], 0
+    for wanted in draws:
+        redrawn = 0
+        while wanted:
+            if stream[position] in excluded:
+                redrawn += 1
+            else:
+                wanted -= 1
+            position += 1
+        counts.append(redrawn)
+    return counts
+
+
+def test_a_shared_drawer_reports_each_call_s_own_redraws(tokenizer, fake_model):
+    """One drawer across four calls of `evaluate_passkey` (a length each, as bam-eval and the demo share one): each
+    result counts the keys of the training data drawn again during its own call, not those of the calls before
+    it, and its keys are the stream's next ones that the training data does not hold. A key drawn again for being
+    drawn before is no key of the training data."""
+    stream_drawer = PasskeyKeys(seed=3, num_digits=5, excluded=set())
+    stream = [stream_drawer.draw() for _ in range(24)]
+    excluded = {stream[index] for index in (0, 1, 5, 9, 10, 11, 17)}
+    depths = [3, 3, 2, 4]
+    keys = PasskeyKeys(seed=3, num_digits=5, excluded=excluded)
+    results = [evaluate_passkey(fake_model, tokenizer, [200], num_depths=count, progress=False, keys=keys)
+               for count in depths]
+    assert [result.keys_redrawn for result in results] == redraws_per_call(stream, excluded, depths) == [2, 1, 3, 1]
+    assert [result.keys_in_training for result in results] == [0, 0, 0, 0]
+    assert sum((result.passkeys[0] for result in results), []) == [key for key in stream if key not in excluded][:12]
+    assert "(1 drawn again" in results[3].describe_keys()
+    # 60 of the 90 two-digit keys: the stream repeats keys, drawn again as well, but none of the training data
+    keys = PasskeyKeys(seed=3, num_digits=2, excluded=set())
+    results = [evaluate_passkey(fake_model, tokenizer, [200], num_depths=30, progress=False, keys=keys) for _ in "ab"]
+    assert [result.keys_redrawn for result in results] == [0, 0]
 
 
 # ---------------------------------------------------------------------------------------------- teacher forcing

@@ -319,6 +319,45 @@ def test_the_kept_prior_table_follows_its_parameters():
         torch.testing.assert_close(prior.table(0).double(), expected(0), atol=1e-6, rtol=1e-6)
 
 
+TABLE_SIZES = [2**power for power in range(1, 16)]  # every power of two a kept table may hold, to 32K distances
+
+
+@pytest.mark.parametrize("size", TABLE_SIZES)
+def test_a_kept_table_serves_the_positions_at_and_around_its_length(size):
+    """Decoding steps at positions size - 2, size - 1, size, size + 1, then size - 1 and size again (a shorter
+    request after a longer one), on one prior without gradients: a table kept at a power of two of distances holds
+    positions up to size - 1, so the step at `size` is the first it cannot serve (one column, not P + 1, where
+    it is reused there). Each step's table is the float64 prior at distances -P, ..., 0, computed here."""
+    _, prior = attention_module(-0.7)
+    with torch.no_grad():
+        for last in (size - 2, size - 1, size, size + 1, size - 1, size):
+            table = prior.table(last)
+            expected = reference.prior(torch.arange(-last, 1), prior.theta_alpha, prior.theta_beta, prior.theta_mu)
+            assert table.shape == expected.shape, f"position {last}: {tuple(table.shape)}"
+            torch.testing.assert_close(table.double(), expected, atol=1e-6, rtol=1e-6, msg=lambda m: f"{last}: {m}")
+
+
+@pytest.mark.parametrize("size", [1024, 2048])
+@pytest.mark.parametrize("overrides", [dict(), dict(prior_scope="layer", ssmax=True)], ids=["global", "layer"])
+def test_decoding_steps_at_and_around_a_kept_table_s_length_equal_the_eager_model(size, overrides):
+    """A prompt of size - 1 tokens through the cache, then decoding steps at positions size - 1, size and size + 1:
+    the tables the model keeps (a global prior's; the per-layer priors' one for all layers) are first kept for
+    the prompt's last position, size - 2, at a power of two of distances, so the steps cross the kept length.
+    Each step's logits equal those of the eager model, which computes its bias from the positions (no table), at
+    the same positions of one forward over the whole sequence."""
+    from bam_llama.model.modeling_bam import CACHE_NAME
+
+    model, eager = tiny_model("sdpa", **overrides), tiny_model("eager", **overrides)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, size + 2), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = eager(input_ids).logits
+        cache = getattr(model(input_ids[:, : size - 1], use_cache=True), CACHE_NAME)
+        for position in (size - 1, size, size + 1):
+            step = model(input_ids[:, position : position + 1], **{CACHE_NAME: cache}, use_cache=True)
+            torch.testing.assert_close(step.logits[:, -1], expected[:, position], atol=2e-5, rtol=2e-5,
+                                       msg=lambda m: f"position {position}: {m}")
+
+
 def test_priors_per_layer_come_from_one_kept_table_each_layer_its_own_rows(monkeypatch):
     """Without gradients the layers' own priors come from one table kept for all of them (`_prior_tables`): each
     layer attends with its own prior (a prefill and every decoding step equal the eager model's logits, whose layers

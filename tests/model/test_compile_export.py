@@ -416,3 +416,33 @@ def test_traced_decode_step_operator_against_the_float64_reference(ssmax, ssmax_
     assert output.shape == (batch, 1, heads, head_dim) and output.dtype == dtype
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(output.double(), expected.transpose(1, 2), **tolerance)
+
+
+@pytest.mark.parametrize("size", [1024, 2048, 4096])
+def test_traced_decode_steps_at_and_around_a_kept_table_s_length(size):
+    """The operator keeps its prior's table between steps (by the parameters' tensor): steps at positions size - 2,
+    size - 1, size and size + 1 in order, then size - 1 again, cross the length a table kept for the first step
+    holds (a power of two of distances). Each step against the suite's float64 reference over keys 0..P; the
+    static cache's unfilled slots hold huge values."""
+    from reference import bam_attention
+
+    generator = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, slots = 4, 2, 8, size + 8
+    query = torch.randn(1, heads, 1, head_dim, generator=generator)
+    key = torch.randn(1, kv_heads, slots, head_dim, generator=generator)
+    value = torch.randn(1, kv_heads, slots, head_dim, generator=generator)
+    theta_alpha = torch.tensor([-1.0, -0.3, 0.2, -2.0])
+    theta_beta = torch.tensor([0.5, 1.0, -0.4, 0.0])
+    theta_mu = torch.tensor([0.0, 0.1, -0.2, 0.3])
+    for position in (size - 2, size - 1, size, size + 1, size - 1):
+        filled_key, filled_value = key.clone(), value.clone()
+        filled_key[:, :, position + 1 :], filled_value[:, :, position + 1 :] = 1e4, 1e4
+        positions = torch.tensor([position])
+        output = torch.ops.bam_llama.traced_decode_step(
+            query, filled_key, filled_value, positions, theta_alpha, theta_beta, theta_mu, "current", 1e-5,
+            head_dim**-0.5, None, True, None,
+        )
+        cut = slice(0, position + 1)
+        expected = bam_attention(query, key[:, :, cut], value[:, :, cut], positions, theta_alpha, theta_beta, theta_mu)
+        torch.testing.assert_close(output.double(), expected.transpose(1, 2), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"position {position}: {m}")

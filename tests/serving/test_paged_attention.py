@@ -9,16 +9,19 @@ Every request's keys are written into the cache here (independently of `write_ca
 reference attends over them in order; output rows are pre-filled with NaN, so a row a path forgets fails.
 """
 
+import json
 import os
+import sys
 from unittest import mock
 
 import pytest
 import reference
 import torch
-from helpers import fused_kernel_calls
+from helpers import checkout_environment, fused_kernel_calls, run_within
 
 from bam_llama.serving import paged_attention, paged_kernels, paged_torch, paged_triton
 from bam_llama.serving.paged_batch import BamTerms, PagedBatch, prior_table
+from bam_llama.serving.paged_cpu import paged_cpu_available
 
 HEADS, HEAD_DIM, MAX_LEN = 4, 32, 1024
 
@@ -311,6 +314,87 @@ def test_cpu_kernels_refuse_block_ids_outside_the_cache(rows):
     step.block_table[0, 1] = step.kv_cache.shape[0]
     with pytest.raises(RuntimeError, match="block id .* outside the cache"):
         run_path("cpu", step, terms)
+
+
+# A child that runs each case of `block_table_cases` through the CPU path and prints, as JSON lines, the case before
+# the call and its error (or None) after it: a kernel that reads a block it did not check may crash the child, never
+# pytest, and the last case started names the one that crashed it.
+BLOCK_TABLE_CHILD = """
+import json, sys, torch
+from bam_llama.serving.paged_batch import BamTerms, PagedBatch, prior_table
+from bam_llama.serving.paged_cpu import paged_cpu_available
+from bam_llama.serving.paged_torch import paged_attention_cpu
+
+heads, kv_heads, dim, block_size, blocks = 4, 2, 32, 16, 8
+assert paged_cpu_available(), "the C++ kernels did not load in the child"
+terms = BamTerms(prior_table(torch.zeros(heads), torch.ones(heads), torch.zeros(heads), "current", 1e-5, 256), None,
+                 True, dim**-0.5)
+cache = torch.randn(blocks, kv_heads, block_size, 2 * dim)
+for case in json.loads(sys.argv[1]):
+    rows, keys, columns, entry, block_id = case["rows"], case["keys"], case["columns"], case["entry"], case["id"]
+    table = torch.arange(1, columns + 1, dtype=torch.int32)[None]  # blocks 1, 2, ... (all inside the cache)
+    if entry is not None:
+        table[0, entry] = block_id
+    starts = torch.tensor([0, rows], dtype=torch.int32)
+    batch = PagedBatch(starts, torch.tensor([keys], dtype=torch.int32), table, torch.zeros(rows, dtype=torch.long),
+                       rows, rows, block_size, starts)
+    print(json.dumps({"started": case["name"]}), flush=True)
+    try:
+        paged_attention_cpu(torch.randn(rows, heads * dim), cache, batch, terms, torch.zeros(rows, heads * dim))
+        error = None
+    except RuntimeError as raised:
+        error = str(raised)
+    print(json.dumps({"name": case["name"], "error": error}), flush=True)
+"""
+
+
+def block_table_cases(blocks: int, block_size: int) -> list[dict]:
+    """Requests of 1, 16, 17, 40 and 48 keys in blocks of 16 (a partly filled last block, a full one), decoding (one
+    query) and prompts (five queries: the gathering path), with a bad entry in the block table: the last block a
+    request reads (the partly filled one where there is one) just past the cache, at -1 or far past it (2^30),
+    each refused naming the id; the first entry past the request's blocks bad (never read: no error); a row of
+    exactly the request's blocks (no error) and one entry shorter (refused). `expected`: the error's text (None:
+    no error)."""
+    cases = []
+    for keys in (1, 16, 17, 40, 48):
+        needed = -(-keys // block_size)  # the blocks holding `keys` keys: a partly filled last one counts
+        for rows in (1, 5) if keys >= 5 else (1,):
+            path = "decoding" if rows == 1 else "prompt"
+            bad = [(block_id, f"block id {block_id} outside the cache's {blocks} blocks")
+                   for block_id in (blocks, -1, 2**30)]
+            variants = [(f"last block id {block_id}", needed + 2, needed - 1, block_id, said) for block_id, said in bad]
+            variants += [("unused entry past the cache", needed + 2, needed, blocks, None),
+                         ("row exactly its blocks", needed, None, 0, None),
+                         ("row one block short", needed - 1, None, 0, "more blocks than its block table row")]
+            cases += [dict(name=f"{path}, {keys} keys: {what}", rows=rows, keys=keys, columns=columns, entry=entry,
+                           id=block_id, expected=said) for what, columns, entry, block_id, said in variants]
+    return cases
+
+
+def answered_as_expected(error: str | None, expected: str | None) -> bool:
+    """No error where none is expected, else one whose first line says `expected`."""
+    return error is None if expected is None else error is not None and expected in error.splitlines()[0]
+
+
+def test_cpu_kernels_check_every_block_a_request_reads_before_reading_any():
+    """Each block the C++ decode reads in place, or gathers for a prompt, is checked against the block table row and
+    the cache before anything is read, the partly filled last block included: a bad id is one line of error, not
+    a read of memory the cache does not own (a crash, or another block's keys); an entry past the request's blocks
+    is never read, so never refused. Run in a child process (see BLOCK_TABLE_CHILD)."""
+    if not paged_cpu_available():  # built here first, so that the child loads the build
+        pytest.skip("no C++ compiler to build the paged decode")
+    cases = block_table_cases(blocks=8, block_size=16)
+    child = run_within([sys.executable, "-c", BLOCK_TABLE_CHILD, json.dumps(cases)], 300, env=checkout_environment())
+    lines = [json.loads(line) for line in child.stdout.splitlines()]
+    errors = {line["name"]: line["error"] for line in lines if "name" in line}
+    wrong = [f"{case['name']}: {errors[case['name']]!r}" for case in cases
+             if case["name"] in errors and not answered_as_expected(errors[case["name"]], case["expected"])]
+    started = [line["started"] for line in lines if "started" in line]
+    crash = [] if child.returncode == 0 else [
+        f"the child ended with status {child.returncode} in the case {started[-1] if started else None!r}: "
+        f"{child.stderr[-2000:]}"]
+    assert not wrong + crash, "\n".join(wrong + crash)
+    assert list(errors) == [case["name"] for case in cases]
 
 
 def test_cpu_cache_write_refuses_a_slot_outside_the_cache():

@@ -27,7 +27,7 @@ def write_documents(path: Path) -> Path:
 
 def stage_one_folder(folder: Path, **config) -> Path:
     """A saved BamLlama of SIZES whose prior is non-trivial: every layer's alpha and mu its own, mu non-zero."""
-    model = tiny_model("sdpa", num_key_value_heads=4, **{**SIZES, **config})
+    model = tiny_model("sdpa", **{**SIZES, "num_key_value_heads": 4, **config})
     model.save_pretrained(folder)
     return folder
 
@@ -41,9 +41,12 @@ def data(tmp_path_factory):
     return write_documents(tmp_path_factory.mktemp("frozen-prior-data") / "documents.txt")
 
 
-@pytest.mark.parametrize("prior_scope", ["layer", "global"])
-def test_the_second_stage_trains_the_weights_around_the_first_stage_s_prior(data, tmp_path, monkeypatch, prior_scope):
-    source = stage_one_folder(tmp_path / "stage-1", prior_scope=prior_scope)
+@pytest.mark.parametrize("prior_scope, kv_heads", [("layer", 4), ("global", 4), ("layer", 2)],
+                         ids=["layer", "global", "layer-gqa"])
+def test_the_second_stage_trains_the_weights_around_the_first_stage_s_prior(data, tmp_path, monkeypatch, prior_scope,
+                                                                            kv_heads):
+    """Both stages of 4 heads; with GQA both have 2 key/value heads (the prior is a query head's)."""
+    source = stage_one_folder(tmp_path / "stage-1", prior_scope=prior_scope, num_key_value_heads=kv_heads)
     reference = saved_prior(source)
     assert len(reference) == (3 * SIZES["num_hidden_layers"] if prior_scope == "layer" else 3)
     assert all(tensor.abs().min() > 0 for name, tensor in reference.items() if "theta_mu" in name)
@@ -58,7 +61,8 @@ def test_the_second_stage_trains_the_weights_around_the_first_stage_s_prior(data
     monkeypatch.setattr(BamTrainer, "create_optimizer", record)
     args = PretrainArguments(data=str(data), output_dir=str(tmp_path / "stage-2"), context_length=64, max_steps=3,
                              save_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, eval_rows=4,
-                             disable_progress_bars=True, prior_scope=prior_scope, frozen_prior_from=str(source), **SIZES)
+                             disable_progress_bars=True, prior_scope=prior_scope, frozen_prior_from=str(source),
+                             num_key_value_heads=kv_heads, **SIZES)
     summary, model, _ = run_pretraining(args)
 
     folder = tmp_path / "stage-2" / "model"
@@ -148,4 +152,34 @@ def test_a_prior_that_would_not_fit_is_refused_in_one_line_before_any_data_loads
                                "32", "--layers", "2", "--heads", "4", *argv, "--frozen-prior-from", str(source)]))
     line = one_error_line(capsys.readouterr().err, "bam-pretrain")
     assert exit_info.value.code == 2 and "--frozen-prior-from" in line and said in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "saved, asked, said",
+    [
+        ((4, 2), (4, 2), None),
+        ((4, 2), (4, 4), None),  # key/value heads do not shape the prior: a query head's
+        ((4, 4), (4, 1), None),
+        ((8, 4), (4, 4), "heads 8, the model to train has 4"),  # the same key/value heads, not the same heads
+        ((4, 4), (8, 4), "heads 4, the model to train has 8"),
+        ((4, 2), (2, 2), "heads 4, the model to train has 2"),
+    ],
+    ids=["gqa", "gqa-to-mha", "mha-to-mqa", "fewer-heads", "more-heads", "heads-as-kv-heads"],
+)
+def test_a_prior_fits_by_its_heads_whatever_the_key_value_heads(tmp_path, capsys, saved, asked, said):
+    """Stage 1 of (heads, key/value heads) `saved`, stage 2 asking `asked`: the prior fits where the query heads
+    agree (the run goes on: it then stops at its missing data, naming that file), and is refused in one line naming
+    both head counts where they do not, before the data."""
+    source = stage_one_folder(tmp_path / "stage-1", num_attention_heads=saved[0], num_key_value_heads=saved[1])
+    missing_data = tmp_path / "no-such-data.txt"
+    code = main(["--data", str(missing_data), "--output-dir", str(tmp_path / "out"), "--hidden-size", "32",
+                 "--layers", "2", "--heads", str(asked[0]), "--kv-heads", str(asked[1]), "--frozen-prior-from",
+                 str(source)])
+    line = one_error_line(capsys.readouterr().err, "bam-pretrain")
+    assert code == 2, line
+    if said is None:
+        assert "--frozen-prior-from" not in line and "no-such-data.txt" in line, line
+    else:
+        assert "--frozen-prior-from" in line and said in line, line
     assert not (tmp_path / "out").exists()
