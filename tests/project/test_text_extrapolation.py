@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import checkout_environment
+from waiting import HangGuard, communicate_within, run_within, wait_until
 
 from bam_llama.evaluation.needle_tasks import NEEDLE_KINDS
 
@@ -21,9 +22,8 @@ PRIOR_MODELS = ("bam", "bam-ssmax", "alibi")  # evaluated to the long lengths an
 
 def test_quick_run_writes_every_model_at_every_length(tmp_path):
     output = tmp_path / "results"
-    completed = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--output-dir", str(output)],
-        capture_output=True, text=True, timeout=900, env=checkout_environment(),
+    completed = run_within(
+        [sys.executable, str(SCRIPT), "--quick", "--output-dir", str(output)], 900, env=checkout_environment(),
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads((output / "results.json").read_text())
@@ -191,17 +191,17 @@ def test_bad_settings_are_refused_in_one_line(argv, named, capsys):
 
 def test_models_flag_runs_a_subset_and_refuses_unknown_names(tmp_path):
     for bad in ("bam,llama", "bam,bam", ""):
-        completed = subprocess.run(
-            [sys.executable, str(SCRIPT), "--quick", "--models", bad, "--output-dir", str(tmp_path / "refused")],
-            capture_output=True, text=True, timeout=120, env=checkout_environment(),
+        completed = run_within(
+            [sys.executable, str(SCRIPT), "--quick", "--models", bad, "--output-dir", str(tmp_path / "refused")], 120,
+            env=checkout_environment(),
         )
         assert completed.returncode == 2 and "--models" in completed.stderr.strip().splitlines()[-1], completed.stderr
         assert not (tmp_path / "refused").exists()
     output = tmp_path / "subset"
-    completed = subprocess.run(
+    completed = run_within(
         [sys.executable, str(SCRIPT), "--quick", "--models", "nope,bam,alibi", "--long-models", "alibi",
          "--output-dir", str(output)],
-        capture_output=True, text=True, timeout=600, env=checkout_environment(),
+        600, env=checkout_environment(),
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads((output / "results.json").read_text())
@@ -222,10 +222,10 @@ def test_models_trained_at_once_give_the_results_of_one_at_a_time(tmp_path):
     reports = {}
     for jobs in ("1", "2"):
         output = tmp_path / f"jobs-{jobs}"
-        completed = subprocess.run(
+        completed = run_within(
             [sys.executable, str(SCRIPT), "--quick", "--models", "nope,alibi,rope", "--jobs", jobs, "--threads", "1",
              "--output-dir", str(output)],
-            capture_output=True, text=True, timeout=600, env=checkout_environment(),
+            600, env=checkout_environment(),
         )
         assert completed.returncode == 0, completed.stderr[-3000:]
         reports[jobs] = json.loads((output / "results.json").read_text())
@@ -496,21 +496,16 @@ def test_sigterm_stops_the_model_processes(tmp_path):
                     workers.append(pid)
         return workers
 
-    workers, deadline = [], time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None and len(workers) < 2:
+    workers, guard = [], HangGuard(300, "the benchmark's two model processes")
+    while guard.left() > 0 and process.poll() is None and len(workers) < 2:
         time.sleep(0.5)
         workers = model_processes()
     time.sleep(5)  # into their training
     process.send_signal(signal.SIGTERM)
-    try:
-        _, stderr = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        pytest.fail("the benchmark did not stop after SIGTERM")
+    _, stderr = communicate_within(process, 120, "the benchmark's exit after SIGTERM")
     assert len(workers) == 2, stderr[-3000:]
     assert process.returncode == 143, stderr[-3000:]
-    time.sleep(1)
-    assert not still_running(workers)
+    wait_until(lambda: not still_running(workers), 30, f"the model processes {workers} to end")
     assert sorted(path.name for path in tmp_path.iterdir()) == []
 
 
@@ -609,10 +604,10 @@ def test_seeds_give_an_entry_per_model_and_seed_and_their_mean(tmp_path):
     """--seeds 0,1 with two models at once: bam-frozen-prior (asked first) waits for bam-prior-lr of its seed; each
     seed has its own data and keys; the means are the seeds' means; the targets judge the means."""
     output = tmp_path / "seeds"
-    completed = subprocess.run(
+    completed = run_within(
         [sys.executable, str(SCRIPT), "--quick", "--models", "bam-frozen-prior,bam-prior-lr,nope", "--seeds", "0,1",
          "--prior-lr", "0.02", "--jobs", "2", "--threads", "1", "--output-dir", str(output)],
-        capture_output=True, text=True, timeout=900, env=checkout_environment(),
+        900, env=checkout_environment(),
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads((output / "results.json").read_text())
