@@ -1,15 +1,15 @@
-"""Start a worker script under torchrun (gloo on CPU, a free loopback port, bounded in time), and end one
+"""Start a worker script under torchrun (gloo on CPU, a free loopback port) and wait for its workers, and end one
 (`finish_worker`, called by the workers)."""
 
 import importlib.util
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from helpers import checkout_environment
+from waiting import run_within
 
 
 def require_deepspeed() -> None:
@@ -27,18 +27,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def torchrun(script: str, *arguments: str, processes: int = 2, timeout: float = 300, **environment: str):
-    """Run `script` (a path under tests/, e.g. model/sequence_parallel_worker.py) on `processes` ranks; fails the
-    test with the workers' output if any rank fails."""
+def torchrun(script: str, *arguments: str, processes: int = 2, limit_s: float = 600, **environment: str):
+    """Run `script` (a path under tests/, e.g. model/sequence_parallel_worker.py) on `processes` ranks and wait for
+    them (torchrun ends when a rank fails); fails the test with the workers' output if any rank fails. `limit_s`
+    idle seconds only guard against a hang (`waiting.run_within`)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}", "--nnodes=1",
         "--master_addr=127.0.0.1", f"--master_port={free_port()}",
         str(Path(__file__).parent / script), *arguments,
     ]
     variables = dict(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **environment)
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env=checkout_environment(**variables)
-    )
+    result = run_within(command, limit_s, env=checkout_environment(**variables))
     if result.returncode != 0:
         raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
     return result

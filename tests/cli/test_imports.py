@@ -6,12 +6,13 @@ import sys
 
 import pytest
 from helpers import checkout_environment, tiny_model
+from waiting import run_within
 
 HEAVY = ("torch", "transformers", "tokenizers", "safetensors", "matplotlib")
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=checkout_environment())
+    return run_within([sys.executable, "-c", code], 300, env=checkout_environment())
 
 
 @pytest.mark.parametrize(

@@ -13,20 +13,21 @@ from types import SimpleNamespace
 
 import pytest
 from helpers import SAFETENSORS_DISK_FULL_MESSAGES, checkout_environment, fill, small_tmpfs
+from waiting import communicate_within, scaled
 
 from bam_llama import outputs as io_bam
 from bam_llama.outputs import OutputError, check_output_dir, staged_files, staged_output_dir
 
 # Writes OUT/content.txt through staged_output_dir. ACTION "wait" stops inside the staging block (prints
 # "staged"); "kill-after-rename-N" / "term-after-rename-N" send SIGKILL / SIGTERM to itself right after the N-th
-# os.replace of the move into place.
+# os.replace of the move into place. WAIT_S: how long "wait" waits for the test's signal.
 WRITER = textwrap.dedent(
     """
     import os, signal, sys, time
     from pathlib import Path
     from bam_llama import outputs as io_bam
 
-    out, content, action = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    out, content, action, wait_s = Path(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
     io_bam.exit_on_sigterm()
     real_replace, renames = os.replace, []
 
@@ -43,7 +44,7 @@ WRITER = textwrap.dedent(
         (staging / "content.txt").write_text(content)
         if action == "wait":
             print("staged", flush=True)
-            time.sleep(60)
+            time.sleep(wait_s)
     print("done", flush=True)
     """
 )
@@ -53,14 +54,14 @@ def start_writer(out: Path, content: str, action: str) -> subprocess.Popen:
     script = out.parent.parent / "writer.py"
     script.write_text(WRITER)
     return subprocess.Popen(
-        [sys.executable, str(script), str(out), content, action],
+        [sys.executable, str(script), str(out), content, action, str(scaled(600))],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=checkout_environment(),
     )
 
 
 def run_writer(out: Path, content: str, action: str) -> subprocess.CompletedProcess:
     process = start_writer(out, content, action)
-    stdout, stderr = process.communicate(timeout=120)
+    stdout, stderr = communicate_within(process, 120, f"the writer ({action})")
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
@@ -87,7 +88,7 @@ def test_sigterm_while_staging_removes_the_partial_output_and_keeps_the_old(old_
     wait_until_staged(process)
     assert len(hidden_leftovers(old_output.parent)) == 1  # the staging folder exists while the run writes
     process.send_signal(signal.SIGTERM)
-    process.communicate(timeout=60)
+    communicate_within(process, 60, "the writer's exit after SIGTERM")
     assert process.returncode == 128 + signal.SIGTERM
     assert hidden_leftovers(old_output.parent) == []
     assert (old_output / "content.txt").read_text() == "old"
@@ -97,7 +98,7 @@ def test_the_staging_folder_of_a_killed_run_is_removed_by_the_next_run(old_outpu
     process = start_writer(old_output, "new", "wait")
     wait_until_staged(process)
     process.send_signal(signal.SIGKILL)
-    process.communicate(timeout=60)
+    communicate_within(process, 60, "the killed writer's exit")
     [leftover] = hidden_leftovers(old_output.parent)
     assert leftover.startswith(f".out.{process.pid}.") and leftover.endswith(".partial")
 
@@ -145,7 +146,7 @@ def test_sigterm_between_the_two_renames_waits_for_the_second(old_output):
 
 
 def test_the_leftovers_of_a_running_process_are_left_alone(tmp_path, capsys):
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])  # killed below
     try:
         busy = tmp_path / f".out.{sleeper.pid}.abc123.partial"
         busy.mkdir()

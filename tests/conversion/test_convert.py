@@ -21,6 +21,7 @@ from helpers import (
 )
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
+from waiting import WatchedProcess, scaled
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
 from bam_llama.cli.convert import main
@@ -612,32 +613,29 @@ finish = writing.SafetensorsShardWriter.finish
 def finish_then_wait(self):
     files = finish(self)
     print("staged", flush=True)
-    time.sleep(60)
+    time.sleep(float(sys.argv[1]))  # until the test's signal
     return files
 
 writing.SafetensorsShardWriter.finish = finish_then_wait
-sys.exit(convert_cli.main(sys.argv[1:]))
+sys.exit(convert_cli.main(sys.argv[2:]))
 """
 
 
 def test_sigterm_during_bam_convert_leaves_no_partial_folder(tmp_path):
     import signal
-    import subprocess
     import sys
 
     write_reference_run(tmp_path / "run")
     (tmp_path / "convert.py").write_text(CONVERT_THEN_WAIT)
-    process = subprocess.Popen(
-        [sys.executable, str(tmp_path / "convert.py"), "reference", str(tmp_path / "run"), str(tmp_path / "out" / "bam")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=checkout_environment(),
+    process = WatchedProcess(
+        [sys.executable, str(tmp_path / "convert.py"), str(scaled(600)), "reference", str(tmp_path / "run"),
+         str(tmp_path / "out" / "bam")],
+        env=checkout_environment(),
     )
-    for line in process.stdout:
-        if line.strip() == "staged":
-            break
+    process.wait_for_line("staged", 300)
     assert any(path.name.endswith(".partial") for path in (tmp_path / "out").iterdir())
-    process.send_signal(signal.SIGTERM)
-    process.communicate(timeout=60)
-    assert process.returncode == 128 + signal.SIGTERM
+    process.process.send_signal(signal.SIGTERM)
+    assert process.wait(60, "bam-convert's exit after SIGTERM") == 128 + signal.SIGTERM
     assert sorted(path.name for path in tmp_path.iterdir()) == ["convert.py", "run"]  # nor the parent it created
 
 
@@ -815,7 +813,6 @@ def test_a_bad_shard_size_is_refused_before_anything_is_printed(tiny_llama, tmp_
 
 def test_ctrl_c_during_bam_convert_is_one_line_and_keeps_the_earlier_output(tmp_path):
     import signal
-    import subprocess
     import sys
 
     write_reference_run(tmp_path / "run")
@@ -823,16 +820,15 @@ def test_ctrl_c_during_bam_convert_is_one_line_and_keeps_the_earlier_output(tmp_
     assert main(["reference", str(tmp_path / "run"), str(out)]) == 0
     before = snapshot(tmp_path / "out")
     (tmp_path / "convert.py").write_text(CONVERT_THEN_WAIT)
-    process = subprocess.Popen(
-        [sys.executable, str(tmp_path / "convert.py"), "reference", str(tmp_path / "run"), str(out), "--force",
-         "--dtype", "bfloat16"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=checkout_environment(), preexec_fn=default_sigint,
+    process = WatchedProcess(
+        [sys.executable, str(tmp_path / "convert.py"), str(scaled(600)), "reference", str(tmp_path / "run"), str(out),
+         "--force", "--dtype", "bfloat16"],
+        env=checkout_environment(), preexec_fn=default_sigint,
     )
-    for line in process.stdout:
-        if line.strip() == "staged":
-            break
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130, stderr
+    process.wait_for_line("staged", 300)
+    process.process.send_signal(signal.SIGINT)
+    status = process.wait(60, "bam-convert's exit after SIGINT")
+    stderr = process.error_output(last=None)
+    assert status == 130, stderr
     assert stderr.strip().splitlines()[-1].startswith("bam-convert: interrupted") and "Traceback" not in stderr
     assert snapshot(tmp_path / "out") == before

@@ -2,7 +2,6 @@ import json
 import os
 from contextlib import contextmanager
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,7 @@ import reference
 import torch
 from helpers import one_error_line, randomize_prior, torch_threads_in_training
 from transformers import LlamaConfig, LlamaForCausalLM
+from waiting import run_within
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
 from bam_llama.cli.eval import build_parser, main
@@ -360,7 +360,7 @@ def test_subcommand_help(command, capsys):
 
 
 def test_console_script_help():
-    completed = subprocess.run(["bam-eval", "--help"], capture_output=True, text=True, timeout=60)
+    completed = run_within(["bam-eval", "--help"], 60)
     assert completed.returncode == 0 and "passkey" in completed.stdout
 
 

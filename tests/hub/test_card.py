@@ -1,6 +1,5 @@
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -8,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import tiny_model
 from huggingface_hub import HfApi, ModelCard
+from waiting import run_within
 
 from bam_llama.cli.card import main
 from bam_llama.data.tokenizers import build_byte_tokenizer
@@ -259,7 +259,7 @@ def test_model_push_to_hub_without_bam_llama_falls_back_to_transformers(byte_mod
 
 
 def test_cli_help():
-    result = subprocess.run(["bam-card", "--help"], capture_output=True, text=True, timeout=120)
+    result = run_within(["bam-card", "--help"], 120)
     assert result.returncode == 0
     assert "--push" in result.stdout and "--results" in result.stdout and "--plot" in result.stdout
 

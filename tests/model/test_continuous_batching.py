@@ -12,6 +12,7 @@ import torch
 from helpers import tiny_model
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import initialization
+from waiting import scaled
 
 from bam_llama.model import continuous_batching_bam
 
@@ -120,9 +121,9 @@ def test_requests_of_a_started_manager_equal_greedy_full_forwards():
     manager.start()
     try:
         request_ids = [manager.add_request(prompt, max_new_tokens=STEPS) for prompt in PROMPTS]
-        outputs = [manager.get_result(request_id, timeout=60) for request_id in request_ids]
+        outputs = [manager.get_result(request_id, timeout=scaled(120)) for request_id in request_ids]
     finally:
-        manager.stop(block=True, timeout=30)
+        manager.stop(block=True, timeout=scaled(60))
     assert all(output is not None and output.is_finished() for output in outputs)
     assert_matches_full_forwards(model, PROMPTS, outputs)
 

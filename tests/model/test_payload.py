@@ -8,13 +8,13 @@ anything else of bam_llama would break every machine without the package.
 import ast
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import torch
 from helpers import REPO_ROOT, tiny_model
+from waiting import run_within
 
 
 MODEL_PACKAGE = REPO_ROOT / "bam_llama" / "model"
@@ -110,7 +110,6 @@ def remote_code_environment(tmp_path) -> dict[str, str]:
 
 def run_without_bam_llama(script: str, tmp_path) -> str:
     """Run `script` (which starts with HIDE_BAM_LLAMA) in a fresh Python; its stdout, once it succeeded."""
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            env=remote_code_environment(tmp_path), cwd=tmp_path, timeout=300)
+    result = run_within([sys.executable, "-c", script], 300, env=remote_code_environment(tmp_path), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

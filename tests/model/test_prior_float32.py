@@ -4,12 +4,17 @@ and `model.to(dtype)` / `.half()` / `.bfloat16()` casts, exactly the saved value
 16-bit. Over a long context, a bf16 BamLlama's logits are no further from its float32 logits than a same-size
 Llama's bf16 logits are from its own."""
 
+import re
+
 import pytest
 import torch
-from helpers import tiny_llama, tiny_model
+from helpers import tiny_config, tiny_llama, tiny_model
 from transformers import AutoModelForCausalLM
 
-from bam_llama import BamLlamaForCausalLM
+from bam_llama import (
+    BamLlamaForCausalLM, BamLlamaForQuestionAnswering, BamLlamaForSequenceClassification,
+    BamLlamaForTokenClassification, BamLlamaModel,
+)
 
 LONG = 2048  # tokens: the tiny Llama's max_position_embeddings
 # A bf16 BamLlama's logit error (mean over positions of the per-position max abs error against float32) may exceed
@@ -17,16 +22,44 @@ LONG = 2048  # tokens: the tiny Llama's max_position_embeddings
 ERROR_MARGIN = 1.5
 
 
+MODEL_CLASSES = [BamLlamaModel, BamLlamaForCausalLM, BamLlamaForSequenceClassification,
+                 BamLlamaForTokenClassification, BamLlamaForQuestionAnswering]
+
+
 def prior_tensors(model) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in model.state_dict().items() if ".prior." in name or ".ssmax." in name}
 
 
+def names_a_module(module_name: str, state_dict_names) -> bool:
+    """Transformers' own check (test_keep_in_fp32_modules_exist): the name is a whole dotted part of some key."""
+    return any(re.search(rf"(?:^|\.){module_name}(?:\.|$)", name) for name in state_dict_names)
+
+
+@pytest.mark.parametrize("model_class", MODEL_CLASSES, ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("prior_scope", ["global", "layer"])
+@pytest.mark.parametrize("ssmax", [False, True], ids=["plain", "ssmax"])
+def test_keep_in_float32_names_exactly_the_modules_the_model_has(model_class, prior_scope, ssmax):
+    model = model_class(tiny_config(ssmax=ssmax, prior_scope=prior_scope))
+    keys = model.state_dict().keys()
+    listed = set(model._keep_in_fp32_modules_strict) | set(model._keep_in_fp32_modules or ())
+    assert [name for name in listed if not names_a_module(name, keys)] == []
+    expected = {"prior", "ssmax"} if ssmax else {"prior"}
+    assert set(model._keep_in_fp32_modules_strict) == expected
+    # and every prior or SSMax tensor is covered by one of the names
+    kept = [key for key in keys if {"prior", "ssmax"} & set(key.split(".")[:-1])]
+    layers = model.config.num_hidden_layers  # theta_alpha, _beta, _mu once or per layer; an SSMax scale per layer
+    assert len(kept) == (3 if prior_scope == "global" else 3 * layers) + (layers if ssmax else 0)
+    assert all(any(names_a_module(name, [key]) for name in listed) for key in kept)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("prior_scope", ["global", "layer"])
-def test_a_16_bit_load_keeps_the_prior_and_ssmax_in_float32(dtype, prior_scope, tmp_path):
-    model = tiny_model("sdpa", ssmax=True, prior_scope=prior_scope)
+@pytest.mark.parametrize("ssmax", [False, True], ids=["plain", "ssmax"])
+def test_a_16_bit_load_keeps_the_prior_and_ssmax_in_float32(dtype, prior_scope, ssmax, tmp_path):
+    model = tiny_model("sdpa", ssmax=ssmax, prior_scope=prior_scope)
     saved = prior_tensors(model)
     assert any(name.endswith("theta_mu") for name in saved)  # a frozen one (a buffer) too
+    assert any(".ssmax." in name for name in saved) == ssmax
     model.save_pretrained(tmp_path)
     for loader in (BamLlamaForCausalLM, AutoModelForCausalLM):
         loaded = loader.from_pretrained(tmp_path, dtype=dtype)

@@ -3,7 +3,6 @@ gradients of one process holding all of it, in training and in eval mode; 4 proc
 8 query heads alike; and every setup that would see wrong positions or drop the prior is refused with one error.
 The workers run in tests/model/sequence_parallel_worker.py (one torchrun per number of ranks)."""
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from distributed_launch import require_deepspeed, torchrun
 from helpers import checkout_environment, tiny_model
 from sequence_parallel_worker import CASES, DEEPSPEED_CASE, build_batch, build_model
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from waiting import run_within
 
 # float32 throughout; the sharded run adds in another order (attention per head group, gradients summed over 2 ranks)
 LOSS_TOLERANCE = 1e-6
@@ -23,7 +23,7 @@ GRADIENT_TOLERANCE = dict(rtol=1e-5, atol=1e-7)  # per element (measured: at mos
 
 def run_workers(tmp_path_factory, processes: int) -> dict:
     output = tmp_path_factory.mktemp(f"ulysses-{processes}") / "results.pt"
-    torchrun("model/sequence_parallel_worker.py", str(output), processes=processes, timeout=300)
+    torchrun("model/sequence_parallel_worker.py", str(output), processes=processes)
     return torch.load(output)
 
 
@@ -136,7 +136,6 @@ def test_the_model_imports_no_deepspeed():
         "tiny_model('sdpa')(input_ids=torch.ones(1, 4, dtype=torch.long))\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))\n"
     )
-    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                               env=checkout_environment(), cwd=Path(__file__).parents[2])
+    completed = run_within([sys.executable, "-c", code], 300, env=checkout_environment(), cwd=Path(__file__).parents[2])
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert completed.stdout.strip().endswith("[]"), completed.stdout[-500:]

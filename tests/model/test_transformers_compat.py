@@ -39,6 +39,7 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.processing_utils import Unpack
+from waiting import run_within
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM, BamLlamaModel
 from bam_llama.data.tokenizers import BYTE_VOCAB_SIZE, build_byte_tokenizer
@@ -732,9 +733,6 @@ def test_pipelines_through_remote_code_without_the_package(tmp_path):
         """
     )
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
-        timeout=300,
-    )
+    result = run_within([sys.executable, "-c", script], 300, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "remote pipelines OK" in result.stdout

@@ -19,8 +19,9 @@ import urllib.request
 
 import pytest
 import torch
-from helpers import checkout_environment, require_modules, run_within, tiny_model
+from helpers import checkout_environment, require_modules, tiny_model
 from test_payload import HIDE_BAM_LLAMA, remote_code_environment
+from waiting import HangGuard, run_within, scaled
 
 from bam_llama.data.tokenizers import build_byte_tokenizer
 
@@ -71,7 +72,9 @@ def saved_model_with_tokenizer(folder):
     return model, tokenizer
 
 
-def request(url: str, body: dict | None = None, timeout: float = 60) -> dict:
+def request(url: str, body: dict | None = None, timeout: float | None = None) -> dict:
+    """The JSON reply of a GET (or a POST of `body`); without `timeout`, a hang guard of 120 idle seconds."""
+    timeout = scaled(120) if timeout is None else timeout
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
     with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=timeout) as reply:
@@ -79,17 +82,17 @@ def request(url: str, body: dict | None = None, timeout: float = 60) -> dict:
 
 
 def wait_until_serving(server: subprocess.Popen, url: str, log) -> None:
-    deadline = time.monotonic() + START_SECONDS
-    while time.monotonic() < deadline:
+    """Until the server answers /health (or exits: the test fails with its log), up to a hang guard."""
+    guard = HangGuard(START_SECONDS, f"transformers serve to answer {url}/health")
+    while guard.left() > 0:
         if server.poll() is not None:
             raise AssertionError(f"transformers serve exited with {server.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            request(f"{url}/health", timeout=5)
+            request(f"{url}/health", timeout=scaled(5))
             return
         except OSError:
             time.sleep(1)
-    pytest.fail(f"transformers serve did not answer {url}/health within its limit of {START_SECONDS} s (a time "
-                f"limit, not a wrong result); its log ends:\n{log.read_text()[-3000:]}", pytrace=False)
+    guard.fail(f"; its log ends:\n{log.read_text()[-3000:]}")
 
 
 @contextlib.contextmanager
@@ -115,8 +118,8 @@ def transformers_serve(folder, tmp_path, user: str, options=()):
     finally:
         server.terminate()
         try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+            server.wait(timeout=scaled(30))
+        except subprocess.TimeoutExpired:  # a server that ignores SIGTERM still ends: its test has its answer
             server.kill()
             server.wait()
 

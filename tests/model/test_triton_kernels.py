@@ -17,6 +17,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import reference  # noqa: E402
 import torch  # noqa: E402
+from waiting import run_within  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -389,10 +390,8 @@ def test_benchmark_smoke():
 
     Run as the command users run, in its own process (the compiled FlexAttention provider needs its module
     importable by name, which a file loaded from a path is not)."""
-    result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "attention.py"), "--smoke"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"},
-    )
+    result = run_within([sys.executable, str(REPO_ROOT / "benchmarks" / "attention.py"), "--smoke"], 600,
+                        env={**os.environ, "TRITON_INTERPRET": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
     assert "triton (bias on + SSMax)" in result.stdout
 

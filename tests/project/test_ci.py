@@ -43,6 +43,43 @@ def test_ci_tests_the_oldest_transformers_the_package_claims():
     assert '"transformers==$oldest"' in script
 
 
+PIP_INDEX_LISTING = """transformers (6.0.0)
+Available versions: 6.0.0, 5.26.1, 5.26.0, 5.25.0, 5.9.0, 4.57.6
+"""
+
+
+def test_ci_runs_the_suite_on_the_newest_transformers_5_and_fails_on_another(tmp_path):
+    """.ci/run reads the newest 5.x from the registry's listing (`pip index versions transformers`, newest first) and
+    fails unless the README's venv holds it: run here on a listing written in the test (a fake `python`)."""
+    root = Path(__file__).resolve().parents[2]
+    run = (root / ".ci" / "run").read_text()
+    extract = re.search(r'^newest_transformers="\$\((.*?)\)"$', run, re.MULTILINE | re.DOTALL).group(1)
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\n[ \"$*\" = \"-m pip index versions transformers\" ] && cat <<'EOF'\n"
+                    f"{PIP_INDEX_LISTING}EOF\n")
+    fake.chmod(0o755)
+    environment = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    newest = subprocess.run(["bash", "-c", extract.replace("\\\n", "")], env=environment, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    assert newest == "5.26.1"  # not 6.0.0 (outside the claimed range), not 5.9.0 (sorted as text)
+    check = run[run.index('if [ -z "$newest_transformers" ]'):run.index('part_done "newest-transformers"')]
+    for installed, status in (("5.26.1", 0), ("5.25.0", 1)):
+        script = f"installed_transformers={installed}; newest_transformers=5.26.1\n{check}"
+        assert subprocess.run(["bash", "-c", script], capture_output=True).returncode == status
+
+
+def test_ci_reports_every_parts_seconds():
+    """Each part of .ci/run (the venv, the version check, the suite, and each step script it calls) ends with
+    `part_done`, which prints the part's seconds; the summary lists them all when CI ends."""
+    root = Path(__file__).resolve().parents[2]
+    run = (root / ".ci" / "run").read_text()
+    steps = re.findall(r"bash \.ci/([\w-]+)", run)
+    assert set(steps) == {"readme-venv", "gpu-readiness", "oldest-transformers", "vllm"}
+    for step in steps:
+        assert re.search(rf"bash \.ci/{step}.*\n?.*part_done \"?{step}", run), step
+    assert 'part_done "suite"' in run and "trap 'rm -rf \"$work\"; summary' EXIT" in run
+
+
 def readme_first_block(root: Path) -> list[str]:
     """The README's first bash block, comments stripped: what a newcomer types."""
     block = (root / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0]

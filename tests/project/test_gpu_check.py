@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO_ROOT, checkout_environment
+from waiting import run_within
 
 SCRIPT = REPO_ROOT / "benchmarks" / "gpu_check.py"
 OPTIONAL_PACKAGES = ("deepspeed", "vllm", "gguf")
@@ -43,8 +44,9 @@ def without_optional_packages(tmp_path) -> dict[str, str]:
 
 
 def run(*arguments, env=None):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, arguments)], capture_output=True, text=True,
-                          timeout=300, cwd=REPO_ROOT, env=env or checkout_environment())
+    return run_within(
+        [sys.executable, str(SCRIPT), *map(str, arguments)], 300, cwd=REPO_ROOT, env=env or checkout_environment(),
+    )
 
 
 def test_the_steps_fit_in_ten_minutes_and_help_lists_them(gpu_check):
@@ -121,15 +123,15 @@ def test_the_report_tables_every_step_and_keeps_its_figures(gpu_check, tmp_path)
 
 def test_the_suite_and_the_check_import_without_the_optional_packages(without_optional_packages):
     modules = "bam_llama.model.modeling_bam bam_llama.model.triton_bam bam_llama.cli.pretrain bam_llama.training.pretrain"
-    imported = subprocess.run(
+    imported = run_within(
         [sys.executable, "-c", f"import importlib; [importlib.import_module(m) for m in {modules.split()!r}]; "
          f"import runpy; runpy.run_path({str(SCRIPT)!r}, run_name='gpu_check')"],
-        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=without_optional_packages,
+        300, cwd=REPO_ROOT, env=without_optional_packages,
     )
     assert imported.returncode == 0, imported.stderr[-3000:]
-    collected = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
-        capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=without_optional_packages,
+    collected = run_within(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"], 600,
+        cwd=REPO_ROOT, env=without_optional_packages,
     )
     assert collected.returncode == 0, collected.stdout[-3000:]
     assert "error" not in collected.stdout.splitlines()[-1].lower()

@@ -19,13 +19,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import run_within
+from waiting import run_within
 
 pytest.importorskip("triton")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARK = REPO_ROOT / "benchmarks" / "gpu_readiness.py"
-LIMIT_S = 3600  # far above a busy machine's time: a verdict, not a race
+LIMIT_S = 3600  # idle seconds, stretched by the machine's load (waiting.py): a verdict, not a race
 KERNELS = {"forward", "dkdv", "dq", "decode_split", "decode_combine", "paged_prefill", "paged_decode", "paged_write"}
 ONE_LAUNCH = {"paged_decode", "paged_write"}  # the serving plugin's fixed launches (no autotuning)
 KEYS = {"kernel", "arch", "dtype", "head_dim", "config", "compiled", "n_regs", "n_spills", "shared_bytes",
@@ -81,16 +81,6 @@ def test_check_fails_on_a_variant_that_does_not_compile_spills_or_exceeds_shared
     result = run_within([sys.executable, "-c", script], LIMIT_S, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     assert json.loads(result.stdout.splitlines()[-1]) == ["uncompiled", "spilling", "too-much-shared"]
-
-
-def test_a_subprocess_past_its_limit_says_it_was_a_time_limit_and_what_it_waited_for():
-    script = ("import sys, time; print('[1/2] compiling dq for sm_80', file=sys.stderr, flush=True); "
-              "print('[2/2] compiling forward for sm_90', file=sys.stderr, flush=True); time.sleep(60)")
-    with pytest.raises(pytest.fail.Exception) as failed:
-        run_within([sys.executable, "-c", script], 3)
-    message = str(failed.value)
-    assert "ran past its limit of 3 s (a time limit, not a wrong result)" in message
-    assert message.endswith("after its last line on stderr: [2/2] compiling forward for sm_90")
 
 
 def test_bad_arguments_exit_with_status_2():

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import tiny_model
+from waiting import run_within
 
 from bam_llama.cli.demo import run_demo
 from bam_llama.cli.eval import main
@@ -176,10 +177,7 @@ def readme_block(heading: str, language: str) -> str:
 def test_the_readme_usage_snippet_runs_on_the_demo_model(demo_output):
     snippet = readme_block("## Using a model", "python")
     assert 'from_pretrained("bam-demo-output/bam-model")' in snippet
-    completed = subprocess.run(
-        [sys.executable, "-c", snippet], cwd=demo_output.parent, capture_output=True, text=True, timeout=300,
-        env=subprocess_env(),
-    )
+    completed = run_within([sys.executable, "-c", snippet], 300, cwd=demo_output.parent, env=subprocess_env())
     assert completed.returncode == 0, completed.stderr
     assert len(completed.stdout.strip().splitlines()) == 1  # the model's answer (meaningless after a quick run)
 
@@ -202,8 +200,8 @@ sys.meta_path = [PathFinderWithoutTriton if finder is PathFinder else finder for
 
 def run_without_triton(script: str, tmp_path) -> subprocess.CompletedProcess:
     """`script` in a fresh interpreter in which `triton` cannot be found, as when it is not installed."""
-    completed = subprocess.run(
-        [sys.executable, "-c", HIDE_TRITON + textwrap.dedent(script)], capture_output=True, text=True, timeout=300,
+    completed = run_within(
+        [sys.executable, "-c", HIDE_TRITON + textwrap.dedent(script)], 300,
         env=subprocess_env(HF_MODULES_CACHE=str(tmp_path / "modules")), cwd=tmp_path,
     )
     assert completed.returncode == 0, completed.stderr
@@ -273,9 +271,9 @@ def test_a_saved_folder_loads_with_the_card_lines_without_the_package(demo_outpu
     assert sys.modules["bam_llama"] is None and type(model).__module__.startswith("transformers_modules")
     """
     hide_package = 'import sys\nsys.modules["bam_llama"] = None  # import bam_llama fails, as if not installed\n'
-    completed = subprocess.run(
-        [sys.executable, "-c", hide_package + lines + textwrap.dedent(check)], capture_output=True, text=True,
-        timeout=300, stdin=subprocess.DEVNULL, cwd=tmp_path, env=subprocess_env(HF_MODULES_CACHE=str(tmp_path / "modules")),
+    completed = run_within(
+        [sys.executable, "-c", hide_package + lines + textwrap.dedent(check)], 300, stdin=subprocess.DEVNULL,
+        cwd=tmp_path, env=subprocess_env(HF_MODULES_CACHE=str(tmp_path / "modules")),
     )
     assert completed.returncode == 0, completed.stderr
     assert "Do you wish to run the custom code" not in completed.stdout + completed.stderr

@@ -3,15 +3,11 @@ adapter reload and merge, resume, the CLI and a 2-process DDP run on CPU (gloo).
 
 import json
 import os
-import queue
 import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +22,7 @@ from helpers import (
 )
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from waiting import WatchedProcess, run_within, scaled
 
 from bam_llama.cli.finetune import main
 from bam_llama.data.documents import load_documents
@@ -481,7 +478,7 @@ def test_ddp_on_two_cpu_processes(workspace, tmp_path):
         "--learning-rate", "1e-2", "--lora-rank", "4", "--merge", "--disable-progress-bars",
     ]
     environment = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=environment)
+    result = run_within(command, 600, env=environment)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "bam-finetune: rank 0 of 2 finished" in result.stdout
     assert "bam-finetune: rank 1 of 2 finished" in result.stdout
@@ -496,7 +493,7 @@ def test_ddp_on_two_cpu_processes(workspace, tmp_path):
         assert torch.isfinite(merged(torch.tensor([[1, 40, 41, 42]])).logits).all()
 
     # The same command again: every rank refuses the finished run's folder (none waits for a rank that quit)
-    again = subprocess.run(command, capture_output=True, text=True, timeout=240, env=environment)
+    again = run_within(command, 600, env=environment)
     assert again.returncode != 0
     assert f"bam-finetune: error: {output_dir} holds the results of an earlier run" in again.stderr, again.stderr[-3000:]
     assert json.loads((output_dir / "summary.json").read_text()) == summary
@@ -530,7 +527,7 @@ def test_resume_latest_skips_incomplete_checkpoints_and_says_so(tmp_path, caplog
 
 # Runs bam-finetune with the second checkpoint save stopped half-way (weights written into its staging folder, no
 # trainer_state.json): it prints "saving" and waits there for the test's SIGINT (KeyboardInterrupt from the sleep),
-# at most WAIT_SECONDS.
+# at most the seconds it is given (WAIT_SECONDS twice, at the machine's load: only if the test never signals).
 FINETUNE_INTERRUPTED_WHILE_SAVING = """
 import sys, time
 from transformers import Trainer
@@ -554,48 +551,6 @@ sys.exit(finetune_cli.main(sys.argv[2:]))
 WAIT_SECONDS = 300
 
 
-class ChildProcess:
-    """A subprocess whose stdout and stderr are drained by threads (a full pipe cannot block it): its stdout lines
-    come with a deadline, and its stderr is kept for failure messages."""
-
-    def __init__(self, command, environment):
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, preexec_fn=default_sigint,
-        )
-        self.lines, self.stderr = queue.Queue(), []
-        threading.Thread(target=self._read, args=(self.process.stdout, self.lines.put), daemon=True).start()
-        threading.Thread(target=self._read, args=(self.process.stderr, self.stderr.append), daemon=True).start()
-
-    @staticmethod
-    def _read(stream, keep):
-        for line in stream:
-            keep(line)
-
-    def error_output(self) -> str:
-        return "".join(self.stderr)[-4000:]
-
-    def wait_for_line(self, expected: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                if self.lines.get(timeout=min(left, 1.0)).strip() == expected:
-                    return
-            except queue.Empty:
-                if self.process.poll() is not None and self.lines.empty():
-                    break
-        self.process.kill()
-        self.process.wait(timeout=60)
-        pytest.fail(f"no {expected!r} line within {timeout} s (exit {self.process.returncode}):\n{self.error_output()}")
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=60)
-            pytest.fail(f"did not exit within {timeout} s:\n{self.error_output()}")
-
-
 def test_ctrl_c_while_saving_a_checkpoint_then_resume_latest(workspace, tmp_path, capsys):
     """The child stops inside its second checkpoint save and waits for SIGINT. Meanwhile a second bam-finetune
     into the same folder is refused, naming the running one. The interrupt is one line and status 130, and leaves
@@ -608,9 +563,10 @@ def test_ctrl_c_while_saving_a_checkpoint_then_resume_latest(workspace, tmp_path
         "--lora-rank", "4", "--eval-rows", "4", "--disable-progress-bars",
     ]
     environment = checkout_environment(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    child = ChildProcess([sys.executable, str(tmp_path / "finetune.py"), str(WAIT_SECONDS), *options], environment)
+    command = [sys.executable, str(tmp_path / "finetune.py"), str(scaled(2 * WAIT_SECONDS)), *options]
+    child = WatchedProcess(command, env=environment, preexec_fn=default_sigint)
     try:
-        child.wait_for_line("saving", timeout=WAIT_SECONDS)
+        child.wait_for_line("saving", WAIT_SECONDS)
         capsys.readouterr()
         assert main(options) == 2
         error = capsys.readouterr().err.strip()
@@ -619,7 +575,7 @@ def test_ctrl_c_while_saving_a_checkpoint_then_resume_latest(workspace, tmp_path
         assert "\n" not in error
     finally:
         child.process.send_signal(signal.SIGINT)
-    assert child.wait(timeout=120) == 130, child.error_output()  # the signal, not its own deadline (exit 1)
+    assert child.wait(120, "its exit after SIGINT") == 130, child.error_output()  # the signal, not its own deadline (exit 1)
     last_line = child.error_output().strip().splitlines()[-1]
     assert last_line.startswith("bam-finetune: interrupted") and "Traceback" not in child.error_output()
     assert sorted(path.name for path in output_dir.iterdir()) == ["checkpoint-2"]

@@ -2,14 +2,12 @@
 run continues them or the user asks to replace them."""
 
 import os
-import queue
 import signal
-import subprocess
 import sys
-import threading
 
 import pytest
 from helpers import checkout_environment
+from waiting import WatchedProcess, scaled
 
 from bam_llama.training.lock import (
     LOCK_NAME,
@@ -25,27 +23,18 @@ from bam_llama.training.lock import hold_output_dir
 
 with hold_output_dir(sys.argv[1], "bam-holder"):
     print("held", flush=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + float(sys.argv[2])
     while time.monotonic() < deadline:  # until the test kills it
         time.sleep(0.05)
 sys.exit("the test never killed the holder")
 """
 
 
-def start_holder(folder):
-    """A process holding `folder`, once it printed 'held' (read with a deadline)."""
-    process = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(folder)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=checkout_environment(),
-    )
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
-    try:
-        assert lines.get(timeout=60).strip() == "held"
-    except (queue.Empty, AssertionError):
-        process.kill()
-        raise AssertionError(f"the holder did not start: {process.communicate(timeout=30)[1][-2000:]}") from None
-    return process
+def start_holder(folder) -> WatchedProcess:
+    """A process holding `folder`, once it printed 'held'."""
+    holder = WatchedProcess([sys.executable, "-c", HOLDER, str(folder), str(scaled(600))], env=checkout_environment())
+    holder.wait_for_line("held", 120)
+    return holder
 
 
 def test_a_live_holder_refuses_a_second_run_and_its_death_releases_the_folder(tmp_path):
@@ -57,10 +46,10 @@ def test_a_live_holder_refuses_a_second_run_and_its_death_releases_the_folder(tm
                 pytest.fail("two runs held the same folder")
         message = str(error.value)
         assert "\n" not in message
-        assert f"{folder} is in use by another run (bam-holder, pid {holder.pid} on " in message
+        assert f"{folder} is in use by another run (bam-holder, pid {holder.process.pid} on " in message
     finally:
-        holder.send_signal(signal.SIGKILL)  # no clean-up code runs: only the OS can release the lock
-        holder.wait(timeout=60)
+        holder.process.send_signal(signal.SIGKILL)  # no clean-up code runs: only the OS can release the lock
+        holder.wait(60, "the killed holder's exit")
     assert (folder / LOCK_NAME).exists()  # left behind by the killed holder, and not in the way
     with hold_output_dir(folder, "bam-second"):
         assert str(os.getpid()) in (folder / LOCK_NAME).read_text()

@@ -8,7 +8,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from transformers import (
     MistralConfig,
     MistralForCausalLM,
 )
+from waiting import WatchedProcess, run_within, scaled
 
 from bam_llama import BamLlamaForCausalLM
 from bam_llama.cli.pretrain import main
@@ -291,7 +291,7 @@ def test_ddp_on_two_cpu_processes_with_a_bpe_trained_once(data, tmp_path):
         "--disable-progress-bars",
     ]
     environment = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
+    result = run_within(command, 600, env=environment)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "bam-pretrain: rank 0 of 2 finished" in result.stdout and "bam-pretrain: rank 1 of 2 finished" in result.stdout
     summary = json.loads((output_dir / "summary.json").read_text())
@@ -473,12 +473,12 @@ def stop_there(*args, **kwargs):
     calls.append(name)
     if len(calls) == count:
         print(f"stopped at {where} {count}", flush=True)
-        time.sleep(300)
+        time.sleep(float(sys.argv[3]))
         sys.exit("no signal came")
     return original(*args, **kwargs)
 
 setattr(owner, name, stop_there)
-sys.exit(pretrain_cli.main(sys.argv[3:]))
+sys.exit(pretrain_cli.main(sys.argv[4:]))
 """
 
 
@@ -486,20 +486,18 @@ def stopped_pretrain(tmp_path: Path, where: str, count: int, signum: int, argv: 
     """bam-pretrain `argv` in a process of its own, sent `signum` at the `count`th call of `where`; its exit status
     and stderr."""
     (tmp_path / "stopped_pretrain.py").write_text(PRETRAIN_STOPPED_AT)
-    with open(tmp_path / "stderr.txt", "w") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, str(tmp_path / "stopped_pretrain.py"), where, str(count), *argv],
-            stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=default_sigint,
-            env=checkout_environment(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"),
-        )
-        try:
-            stopped = any(line.strip() == f"stopped at {where} {count}" for line in process.stdout)
-            assert stopped, (tmp_path / "stderr.txt").read_text()[-3000:]
-            process.send_signal(signum)
-            process.communicate(timeout=120)
-        finally:
-            process.kill()
-    return process.returncode, (tmp_path / "stderr.txt").read_text()
+    process = WatchedProcess(
+        [sys.executable, str(tmp_path / "stopped_pretrain.py"), where, str(count), str(scaled(600)), *argv],
+        preexec_fn=default_sigint,
+        env=checkout_environment(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"),
+    )
+    try:
+        process.wait_for_line(f"stopped at {where} {count}", 600)
+        process.process.send_signal(signum)
+        status = process.wait(120, f"bam-pretrain's exit after signal {signum}")
+    finally:
+        process.process.kill()
+    return status, process.error_output(last=None)
 
 
 def test_ctrl_c_while_saving_a_checkpoint_is_one_line_and_leaves_no_partial_checkpoint(data, tmp_path):

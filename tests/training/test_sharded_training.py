@@ -42,7 +42,7 @@ def references():
 
 def sharded_run(engine: str, tmp_path_factory) -> dict:
     output_dir = tmp_path_factory.mktemp(engine)
-    torchrun("training/sharded_training_worker.py", engine, str(output_dir), timeout=400, DS_ACCELERATOR="cpu")
+    torchrun("training/sharded_training_worker.py", engine, str(output_dir), limit_s=800, DS_ACCELERATOR="cpu")
     return torch.load(output_dir / "results.pt")
 
 
