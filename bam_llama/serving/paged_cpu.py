@@ -12,7 +12,7 @@ and the step's keys and values written into the cache:
   (PyTorch's indexing, split and float conversion took three: 4% of a 32K-token prompt's first token).
 
 The formula, the cache layout and the shapes: paged_batch.py. Where they are not built, or BAM_CPU_KERNELS=0,
-paged_torch.py decodes in PyTorch (the same numbers up to float32 rounding).
+paged_cpu_path.py decodes in PyTorch (the same numbers up to float32 rounding).
 """
 
 from __future__ import annotations

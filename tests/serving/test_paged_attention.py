@@ -17,7 +17,7 @@ import reference
 import torch
 from helpers import fused_kernel_calls, require_modules
 
-from bam_llama.serving import paged_attention, paged_kernels, paged_torch, paged_triton
+from bam_llama.serving import paged_attention, paged_kernels, paged_cpu_path, paged_triton
 from bam_llama.serving.paged_batch import BamTerms, PagedBatch, prior_table
 
 HEADS, HEAD_DIM, MAX_LEN = 4, 32, 1024
@@ -26,12 +26,12 @@ HEADS, HEAD_DIM, MAX_LEN = 4, 32, 1024
 def cpu_without_kernels(*arguments) -> None:
     """The CPU path where its C++ kernels are switched off (BAM_CPU_KERNELS=0) or not built: PyTorch decodes."""
     with mock.patch.dict(os.environ, {"BAM_CPU_KERNELS": "0"}):
-        paged_torch.paged_attention_cpu(*arguments)
+        paged_cpu_path.paged_attention_cpu(*arguments)
 
 
 PATHS = {
-    "reference": paged_torch.paged_attention_reference,
-    "cpu": paged_torch.paged_attention_cpu,
+    "reference": paged_cpu_path.paged_attention_reference,
+    "cpu": paged_cpu_path.paged_attention_cpu,
     "cpu_pytorch": cpu_without_kernels,
     "triton": paged_triton.paged_attention_triton,
 }
@@ -229,9 +229,9 @@ def test_cpu_path_reads_decoding_keys_in_place_and_gathers_prompts(monkeypatch, 
     FlexAttention was slower or tied at every measured shape: benchmarks/results/cpu-attention-serving.md)."""
     gathered, blocked = [], []
     spy = lambda calls, function: lambda *args, **kwargs: calls.append(1) or function(*args, **kwargs)  # noqa: E731
-    monkeypatch.setattr(paged_torch, "_gather_keys", spy(gathered, paged_torch._gather_keys))
-    monkeypatch.setattr(paged_torch, "gather_cpu", spy(gathered, paged_torch.gather_cpu))
-    monkeypatch.setattr(paged_torch, "bam_attention_blocked", spy(blocked, paged_torch.bam_attention_blocked))
+    monkeypatch.setattr(paged_cpu_path, "_gather_keys", spy(gathered, paged_cpu_path._gather_keys))
+    monkeypatch.setattr(paged_cpu_path, "gather_cpu", spy(gathered, paged_cpu_path.gather_cpu))
+    monkeypatch.setattr(paged_cpu_path, "bam_attention_blocked", spy(blocked, paged_cpu_path.bam_attention_blocked))
     terms, witness = make_terms(ssmax=ssmax)
     step = Step(MIXED, 2, 16)
     assert_rows_match(run_path(path, step, terms), step, witness)
@@ -278,7 +278,7 @@ def test_cpu_path_on_the_blocks_outermost_layout():
     """vLLM's default layout (no strided view of a run of blocks per head): decoding requests gather instead."""
     terms, witness = make_terms(ssmax="logits")
     step = Step(MIXED, 2, 32, head_major=False)
-    assert paged_torch._head_major_tokens(step.kv_cache) is None
+    assert paged_cpu_path._head_major_tokens(step.kv_cache) is None
     assert_rows_match(run_path("cpu", step, terms), step, witness)
 
 
@@ -288,8 +288,8 @@ def test_cpu_decodes_a_steps_decoding_requests_in_one_kernel_call(monkeypatch):
     decodes each of them. Prompts run the fused attention either way."""
     kernel, pytorch = [], []
     spy = lambda calls, function: lambda *args, **kwargs: calls.append(1) or function(*args, **kwargs)  # noqa: E731
-    monkeypatch.setattr(paged_torch, "decode_cpu", spy(kernel, paged_torch.decode_cpu))
-    monkeypatch.setattr(paged_torch, "_decode_in_place", spy(pytorch, paged_torch._decode_in_place))
+    monkeypatch.setattr(paged_cpu_path, "decode_cpu", spy(kernel, paged_cpu_path.decode_cpu))
+    monkeypatch.setattr(paged_cpu_path, "_decode_in_place", spy(pytorch, paged_cpu_path._decode_in_place))
     terms, witness = make_terms(ssmax="prior")
     step = Step(MIXED, 2, 16)
     assert_rows_match(run_path("cpu", step, terms), step, witness)
