@@ -19,7 +19,8 @@ import torch
 from helpers import REPO_ROOT, checkout_environment, run_within, tiny_model
 
 from bam_llama.model import cpu_kernels_bam, cpu_sources_bam
-from bam_llama.model.cpu_kernels_bam import FUSED_CPU, CpuKernel, library_name, library_path
+from bam_llama.model.cpu_kernels_bam import FUSED_CPU, library_name, library_path
+from bam_llama.serving.paged_cpu import PAGED_CPU
 
 MODEL_CSRC = REPO_ROOT / "bam_llama" / "model" / "csrc"
 BUILD_COMMAND = [sys.executable, "-m", "bam_llama.cli.build_kernels"]
@@ -176,6 +177,17 @@ def test_the_switch_and_its_former_name(monkeypatch):
     assert cpu_kernels_bam.cpu_kernels_enabled()
     monkeypatch.setenv(cpu_kernels_bam.SWITCH, "0")
     assert not cpu_kernels_bam.cpu_kernels_enabled()
+
+
+def test_without_a_build_one_line_per_process_says_so(monkeypatch, tmp_path, caplog):
+    """Where this installation has no build, loading any kernel, any number of times, returns None and the process
+    gets one line, naming the folder it looked in and the command."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels_bam, "_loaded", set())  # a fresh process's
+    monkeypatch.setattr(cpu_kernels_bam, "_said_not_built", False)
+    assert [cpu_kernels_bam.load_kernel(kernel) for kernel in (FUSED_CPU, FUSED_CPU, PAGED_CPU)] == [None] * 3
+    (line,) = [record.getMessage() for record in caplog.records]
+    assert str(library_path(FUSED_CPU).parent) in line and line.endswith("Build the kernels once with: bam-build-kernels")
 
 
 @pytest.mark.usefixtures("cpu_kernels")
