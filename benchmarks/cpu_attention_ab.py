@@ -44,6 +44,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bam_llama.model.blocked_bam import bam_attention_blocked  # noqa: E402
+from bam_llama.model.cpu_kernels_bam import cpu_kernels_enabled  # noqa: E402
+from bam_llama.model.fused_cpu_bam import fused_cpu_available  # noqa: E402
 from bam_llama.model.prior_bam import ggd_bias  # noqa: E402
 from bam_llama.serving import paged_cpu_path  # noqa: E402
 from bam_llama.serving.paged_batch import BamTerms, PagedBatch  # noqa: E402
@@ -296,6 +298,9 @@ def main(argv=None) -> int:
     parser.add_argument("--scopes", nargs="+", choices=["layer", "global"], default=["layer", "global"])
     parser.add_argument("--layers", type=int, default=2, help="--serving: layers per step")
     args = parser.parse_args(argv)
+    if cpu_kernels_enabled() and not fused_cpu_available():  # it would time blocked SDPA and call it the kernel
+        parser.error("BAM's fused CPU kernel is not built for this installation: run bam-build-kernels first "
+                     "(BAM_CPU_KERNELS=0 times blocked SDPA on purpose)")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 64  # flex+ssmax compiles once per prior-table length
