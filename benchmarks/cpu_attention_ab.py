@@ -44,8 +44,10 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bam_llama.model.blocked_bam import bam_attention_blocked  # noqa: E402
+from bam_llama.model.cpu_kernels_bam import cpu_kernels_enabled  # noqa: E402
+from bam_llama.model.fused_cpu_bam import fused_cpu_available  # noqa: E402
 from bam_llama.model.prior_bam import ggd_bias  # noqa: E402
-from bam_llama.serving import paged_torch  # noqa: E402
+from bam_llama.serving import paged_cpu_path  # noqa: E402
 from bam_llama.serving.paged_batch import BamTerms, PagedBatch  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 32
@@ -203,7 +205,7 @@ def serving_blocked(query, kv_cache, batch, layers):
     """The plugin's CPU path, `paged_attention_cpu`, one call per layer: its prompts run blocked SDPA."""
     output = torch.empty_like(query)
     for terms in layers:
-        paged_torch.paged_attention_cpu(query, kv_cache, batch, terms, output)
+        paged_cpu_path.paged_attention_cpu(query, kv_cache, batch, terms, output)
     return output
 
 
@@ -214,7 +216,7 @@ def gathered_prompt(attend):
         (_, rows, keys), = batch.host_requests
         output = torch.empty_like(query)
         for terms in layers:
-            key, value = paged_torch._gather_keys(kv_cache, batch.host_block_ids[0], keys)
+            key, value = paged_cpu_path._gather_keys(kv_cache, batch.host_block_ids[0], keys)
             queries = query.view(rows, SERVING_HEADS, SERVING_HEAD_DIM).transpose(0, 1)[None]
             attended = attend(queries, key[None], value[None], terms)
             output[:] = attended[0].transpose(0, 1).reshape(rows, -1)
@@ -229,7 +231,7 @@ SERVING_CANDIDATES = {"llama": (gathered_prompt(llama), False), "blocked": (serv
 def serving_reference(query, kv_cache, batch, terms: BamTerms) -> torch.Tensor:
     """Float64 (Lq, H * D) of one layer, every score materialized."""
     (_, rows, keys), = batch.host_requests
-    key, value = paged_torch._gather_keys(kv_cache, batch.host_block_ids[0], keys)
+    key, value = paged_cpu_path._gather_keys(kv_cache, batch.host_block_ids[0], keys)
     queries = query.view(rows, SERVING_HEADS, SERVING_HEAD_DIM).transpose(0, 1)[None]
     window = BamTerms(terms.prior_window(keys).contiguous(), terms.ssmax_scale, True, terms.scaling)
     output = reference(queries, key[None], value[None], window)
@@ -296,6 +298,9 @@ def main(argv=None) -> int:
     parser.add_argument("--scopes", nargs="+", choices=["layer", "global"], default=["layer", "global"])
     parser.add_argument("--layers", type=int, default=2, help="--serving: layers per step")
     args = parser.parse_args(argv)
+    if cpu_kernels_enabled() and not fused_cpu_available():  # it would time blocked SDPA and call it the kernel
+        parser.error("BAM's fused CPU kernel is not built for this installation: run bam-build-kernels first "
+                     "(BAM_CPU_KERNELS=0 times blocked SDPA on purpose)")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 64  # flex+ssmax compiles once per prior-table length

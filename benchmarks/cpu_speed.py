@@ -71,6 +71,8 @@ from bam_llama import BamLlamaConfig, BamLlamaForCausalLM  # noqa: E402
 from bam_llama.evaluation.decoding import greedy_continuation  # noqa: E402
 from bam_llama.model.modeling_bam import CACHE_NAME  # noqa: E402  (the installed Transformers' name of the KV cache)
 from bam_llama.machine import cpu_model  # noqa: E402
+from bam_llama.model.cpu_kernels_bam import cpu_kernels_enabled  # noqa: E402
+from bam_llama.model.fused_cpu_bam import fused_cpu_available  # noqa: E402
 
 SIZES = dict(
     vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
@@ -378,6 +380,9 @@ def main(argv=None) -> int:
                         "not fit in memory (its graph holds the L x L mask: 9 GiB of RSS at 32K tokens)")
     parser.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)  # peak_memory_in_child
     args = parser.parse_args(argv)
+    if cpu_kernels_enabled() and not fused_cpu_available():  # it would time blocked SDPA and call it the kernel
+        parser.error("BAM's fused CPU kernel is not built for this installation: run bam-build-kernels first "
+                     "(BAM_CPU_KERNELS=0 times blocked SDPA on purpose)")
     args.lengths = args.lengths or (LONG_LENGTHS if args.long else [512, 1024, 2048, 4096])
     args.modes = args.modes or list(LONG_MODES if args.long else DEFAULT_MODES)
     args.cases = args.cases or [case for case in (CASES if args.long else DEFAULT_CASES)

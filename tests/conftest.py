@@ -1,12 +1,19 @@
-"""Set-up for every test: Triton imported for its interpreter, a fixed seed, no Hub access. Shared helpers live in
-helpers.py (tiny models, subprocess environments, the reference fixtures) and the float64 attention reference in
-reference.py; both are imported by name (pyproject's pytest `pythonpath`)."""
+"""Set-up for every test: Triton imported for its interpreter, the C++ CPU kernels built ahead (as users build them),
+a fixed seed, no Hub access. Shared helpers live in helpers.py (tiny models, subprocess environments, the reference
+fixtures) and the float64 attention reference in reference.py; both are imported by name (pyproject's pytest
+`pythonpath`)."""
 
 import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
+from helpers import checkout_environment, skip_outside_ci
+
+from bam_llama.model.cpu_kernels_bam import FUSED_CPU, library_path
+from bam_llama.serving.paged_cpu import PAGED_CPU
 
 
 def _import_triton_for_the_interpreter():
@@ -27,6 +34,26 @@ def _import_triton_for_the_interpreter():
 
 
 _import_triton_for_the_interpreter()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_build() -> str | None:
+    """Before any test: the C++ CPU kernels, built by the command users run (`bam-build-kernels`, in a process of its
+    own) unless this installation has them; a forward never builds them. None once built, else the command's error
+    line (the tests of the kernels then skip, or fail under CI=true: `cpu_kernels`)."""
+    if all(library_path(kernel).is_file() for kernel in (FUSED_CPU, PAGED_CPU)):
+        return None
+    completed = subprocess.run([sys.executable, "-m", "bam_llama.cli.build_kernels"], capture_output=True, text=True,
+                               env=checkout_environment())
+    lines = completed.stderr.strip().splitlines()
+    return None if completed.returncode == 0 else (lines[-1] if lines else f"exit status {completed.returncode}")
+
+
+@pytest.fixture
+def cpu_kernels(cpu_kernels_build):
+    """The tests of the C++ CPU kernels: skipped where they could not be built, failed under CI=true."""
+    if cpu_kernels_build is not None:
+        skip_outside_ci(f"BAM's C++ CPU kernels could not be built ({cpu_kernels_build})")
 
 
 @pytest.fixture(autouse=True)

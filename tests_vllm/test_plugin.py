@@ -52,6 +52,6 @@ def test_saved_remote_code_does_not_ship_the_plugin(tmp_path):
     folder = build_tiny_bam(tmp_path, seed=0)
     shipped = {path.name for path in folder.glob("*.py")}
     assert "modeling_bam.py" in shipped
-    serving = {"vllm_plugin.py", "paged_attention.py", "paged_batch.py", "paged_torch.py", "paged_triton.py",
+    serving = {"vllm_plugin.py", "paged_attention.py", "paged_batch.py", "paged_cpu_path.py", "paged_triton.py",
                "paged_kernels.py"}
     assert not shipped & serving

@@ -5,10 +5,10 @@ device:
 - CUDA (paged_triton.py): Triton kernels over the block table (paged_kernels.py): a chunked-prefill kernel for any
   batch, split-KV decode for batches of single queries; launched from device metadata only, so a decoding step can
   be captured in a CUDA graph.
-- CPU (paged_torch.py, `paged_attention_cpu`): decoding requests read their keys in place (one C++ call for all of
+- CPU (paged_cpu_path.py, `paged_attention_cpu`): decoding requests read their keys in place (one C++ call for all of
   them, paged_cpu.py); prompts and chunks of them gather theirs and run the fused CPU attention with the prior
   table. The step's keys and values go into the cache in C++ too.
-- Elsewhere (paged_torch.py, `paged_attention_reference`): plain PyTorch, one request at a time, scores
+- Elsewhere (paged_cpu_path.py, `paged_attention_reference`): plain PyTorch, one request at a time, scores
   materialized.
 
 What a step and a layer bring (`PagedBatch`, `BamTerms`), the formula and the shapes: paged_batch.py.
@@ -21,7 +21,7 @@ import torch
 from . import paged_kernels
 from .paged_batch import BamTerms, PagedBatch
 from .paged_cpu import paged_cpu_available, write_cache_cpu
-from .paged_torch import paged_attention_cpu, paged_attention_reference, write_cache_torch
+from .paged_cpu_path import paged_attention_cpu, paged_attention_reference, write_cache_torch
 from .paged_triton import launch_write_cache, paged_attention_triton, triton_paged_usable
 
 

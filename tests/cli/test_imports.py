@@ -19,7 +19,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
     "module",
     [
         "bam_llama.cli.eval", "bam_llama.cli.demo", "bam_llama.cli.finetune", "bam_llama.cli.pretrain", "bam_llama.cli.convert",
-        "bam_llama.cli.card", "bam_llama.cli.corpus",
+        "bam_llama.cli.card", "bam_llama.cli.corpus", "bam_llama.cli.build_kernels",
     ],
 )
 def test_help_imports_no_heavy_module(module):

@@ -9,7 +9,6 @@ from helpers import fused_kernel_calls, tiny_config, tiny_model
 
 from bam_llama.model.blocked_bam import bam_attention_blocked
 from bam_llama.model.dispatch_bam import bam_sdpa_attention_forward
-from bam_llama.model.fused_cpu_bam import fused_cpu_available
 from bam_llama.model.modeling_bam import BamAttention
 from bam_llama.model.prior_bam import ggd_bias
 from bam_llama.model.prior_modules_bam import BamPrior
@@ -226,15 +225,15 @@ def test_blocks_that_split_a_key_value_group_are_refused():
 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("fused", [True, False])
-def test_a_decoding_step_is_one_call_for_every_head(monkeypatch, padded, fused):
+def test_a_decoding_step_is_one_call_for_every_head(request, monkeypatch, padded, fused):
     """One query against 4096 keys with SSMax scaling the prior: one fused-kernel call for all heads where the CPU
     kernel runs (eager float32), else one (scores, P V) matmul pair, each key/value head's query heads as the rows
     of one matrix; never a call per head (each call costs a fixed overhead, which dominates a decoding step), and no
     SDPA call."""
-    if fused and not fused_cpu_available():
-        pytest.skip("no C++ compiler to build the fused kernel")
+    if fused:
+        request.getfixturevalue("cpu_kernels")
     if not fused:
-        monkeypatch.setenv("BAM_FUSED_CPU", "0")
+        monkeypatch.setenv("BAM_CPU_KERNELS", "0")
     shapes = []
 
     def counting(name, function):
@@ -263,17 +262,17 @@ def test_a_decoding_step_is_one_call_for_every_head(monkeypatch, padded, fused):
 @pytest.mark.parametrize("theta_beta", [-0.9, 0.6])
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_decoding_step_matches_float64_reference_with_padding_and_static_cache_slots(
-    monkeypatch, ssmax, ssmax_prior, theta_beta, fused
+    request, monkeypatch, ssmax, ssmax_prior, theta_beta, fused
 ):
     """One query at position 40 without gradients (the single-query path): its mask is the prior table itself.
     Row 0 sees every key, row 1 only the keys after its left padding (SSMax counts 29 keys), row 2 none at all
     (zeros), row 3 only its own (an SSMax factor of 0: ln 1; the hidden keys stay hidden); keys 41..47 are a static
     cache's unfilled slots, holding values a correct step never reads. Both engines: the fused CPU kernel, and the
-    three PyTorch calls that run where it does not (BAM_FUSED_CPU=0)."""
-    if fused and not fused_cpu_available():
-        pytest.skip("no C++ compiler to build the fused kernel")
+    three PyTorch calls that run where it does not (BAM_CPU_KERNELS=0)."""
+    if fused:
+        request.getfixturevalue("cpu_kernels")
     if not fused:
-        monkeypatch.setenv("BAM_FUSED_CPU", "0")
+        monkeypatch.setenv("BAM_CPU_KERNELS", "0")
     kernel_calls = fused_kernel_calls(monkeypatch)
     module, prior = attention_module(theta_beta, ssmax=ssmax, ssmax_prior=ssmax_prior)
     query, key, value = random_qkv(4, 4, 2, 1, 48, 8, torch.float32, seed=5)
@@ -401,7 +400,7 @@ def test_long_key_blocks_keep_32_queries_and_stay_exact(monkeypatch, queries):
     the fused CPU kernel, which eager float32 calls run instead, switched off."""
     import bam_llama.model.blocked_bam as attention
 
-    monkeypatch.setenv("BAM_FUSED_CPU", "0")
+    monkeypatch.setenv("BAM_CPU_KERNELS", "0")
 
     shapes = []
     sdpa = attention.F.scaled_dot_product_attention

@@ -11,11 +11,11 @@ import torch
 import torch.utils.cpp_extension
 from helpers import fused_kernel_calls, tiny_model
 
-from bam_llama.model import fused_cpu_bam
+from bam_llama.model import cpu_kernels_bam, fused_cpu_bam
 from bam_llama.model.blocked_bam import bam_attention_blocked
 from bam_llama.model.prior_bam import ggd_bias
 
-pytestmark = pytest.mark.skipif(not fused_cpu_bam.fused_cpu_available(), reason="no C++ compiler to build the kernel")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # built ahead by tests/conftest.py
 
 THETAS = {
     "theta_alpha": torch.tensor([-1.2, -0.3, 0.4, 0.9, -2.0, 0.1, 1.3, -0.7]),
@@ -160,37 +160,44 @@ def test_dropout_unordered_documents_explicit_blocks_and_float64_keep_blocked_sd
     assert len(calls) == 2
 
 
-def test_switched_off_or_unbuilt_the_model_runs_blocked_sdpa_alike(monkeypatch):
-    """BAM_FUSED_CPU=0, or no compiler: the same logits from blocked SDPA; a failed build warns once, naming the
-    switch, and the model runs."""
+def test_switched_off_or_unbuilt_the_model_runs_blocked_sdpa_alike(monkeypatch, tmp_path, caplog):
+    """BAM_CPU_KERNELS=0 (or its former name BAM_FUSED_CPU=0), or no build for this installation: the same logits from
+    blocked SDPA; an installation without a build says so in one line, once, naming the command that builds it, and
+    the model runs without compiling anything."""
     model = tiny_model("sdpa", ssmax=True).eval()
     input_ids = torch.randint(0, model.config.vocab_size, (2, 300), generator=torch.Generator().manual_seed(0))
     attention_mask = torch.ones_like(input_ids)
     attention_mask[0, :7] = 0
     calls = fused_kernel_calls(monkeypatch)
+    results = {}
     with torch.no_grad():
-        fused = model(input_ids, attention_mask=attention_mask).logits
+        results["fused"] = model(input_ids, attention_mask=attention_mask).logits
         assert len(calls) == model.config.num_hidden_layers
-        monkeypatch.setenv(fused_cpu_bam.ENVIRONMENT_SWITCH, "0")
-        switched_off = model(input_ids, attention_mask=attention_mask).logits
-        monkeypatch.delenv(fused_cpu_bam.ENVIRONMENT_SWITCH)
-        monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", _no_compiler)
+        for switch in (cpu_kernels_bam.SWITCH, cpu_kernels_bam.FORMER_SWITCH):
+            monkeypatch.setenv(switch, "0")
+            results[switch] = model(input_ids, attention_mask=attention_mask).logits
+            monkeypatch.delenv(switch)
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # this installation's build is elsewhere
+        monkeypatch.setattr(torch.utils.cpp_extension, "load", _no_compiling)
+        monkeypatch.setattr(cpu_kernels_bam, "_said_not_built", False)
+        monkeypatch.setattr(cpu_kernels_bam, "_loaded", set())  # a fresh process's
         monkeypatch.setattr(fused_cpu_bam, "_library", functools.cache(fused_cpu_bam._library.__wrapped__))
-        with pytest.warns(UserWarning, match="BAM_FUSED_CPU=0") as warned:
-            unbuilt = model(input_ids, attention_mask=attention_mask).logits
-            model(input_ids, attention_mask=attention_mask)
-    assert len(warned) == 1
+        results["unbuilt"] = model(input_ids, attention_mask=attention_mask).logits
+        model(input_ids, attention_mask=attention_mask)
+    lines = [record.getMessage() for record in caplog.records if "not built" in record.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and "Build the kernels once with: bam-build-kernels" in lines[0]
+    assert str(tmp_path) in lines[0] and "blocked SDPA runs instead" in lines[0]
     assert len(calls) == model.config.num_hidden_layers
     eager = tiny_model("eager", ssmax=True).eval()
     with torch.no_grad():
         expected = eager(input_ids, attention_mask=attention_mask).logits
     keep = attention_mask.bool()
-    for logits in (fused, switched_off, unbuilt):
+    for logits in results.values():
         torch.testing.assert_close(logits[keep], expected[keep], atol=1e-4, rtol=1e-4)
 
 
-def _no_compiler(*arguments, **keywords):
-    raise RuntimeError("Error building extension: c++: not found")
+def _no_compiling(*arguments, **keywords):
+    raise AssertionError("a forward compiled a kernel")
 
 
 def test_two_threads_give_what_one_gives():

@@ -8,13 +8,17 @@ anything else of bam_llama would break every machine without the package.
 import ast
 import os
 import shutil
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import REPO_ROOT, tiny_model
 from waiting import run_within
+
+from bam_llama.model.cpu_kernels_bam import FUSED_CPU, library_path
 
 
 MODEL_PACKAGE = REPO_ROOT / "bam_llama" / "model"
@@ -28,6 +32,8 @@ SHIPPED_CODE = {
     "reference_bam.py",
     "blocked_bam.py",
     "fused_cpu_bam.py",
+    "cpu_kernels_bam.py",
+    "cpu_sources_bam.py",
     "triton_bam.py",
     "triton_kernels_bam.py",
     "sequence_parallel_bam.py",
@@ -99,8 +105,44 @@ def test_a_saved_folder_loads_where_bam_llama_cannot_be_imported(tmp_path):
         print("remote code OK")
         """
     )
-    assert "remote code OK" in run_without_bam_llama(script, tmp_path)
+    completed = run_remote_code(script, tmp_path)
+    assert "remote code OK" in completed.stdout
+    assert "not built" not in completed.stderr  # the folder's code found the package's build of the fused kernel
     assert Path(tmp_path / "modules").is_dir()  # Transformers really imported the folder's copies
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+def test_a_saved_folder_without_a_kernel_build_runs_at_once_and_names_its_build_command(tmp_path):
+    """Remote code where this installation has no build of the fused kernel: the forward compiles nothing, says so
+    in one line naming the command that builds it from the folder's own copy, and runs blocked SDPA. That command
+    names the package's build (the same sources, flags and installation: the same library)."""
+    model = tiny_model("sdpa", ssmax=True)
+    model.save_pretrained(tmp_path / "model")
+    input_ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids, use_cache=False).logits
+    torch.save(input_ids, tmp_path / "inputs.pt")
+    script = HIDE_BAM_LLAMA + textwrap.dedent(
+        f"""
+        import torch, torch.utils.cpp_extension as extension
+        def no_compiling(*arguments, **keywords):
+            raise AssertionError("a forward compiled a kernel")
+        extension.load = extension.load_inline = no_compiling
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "model")!r}, trust_remote_code=True).eval()
+        with torch.no_grad():
+            torch.save(model(torch.load({str(tmp_path / "inputs.pt")!r}), use_cache=False).logits,
+                       {str(tmp_path / "logits.pt")!r})
+        """
+    )
+    completed = run_remote_code(script, tmp_path, TORCH_EXTENSIONS_DIR=str(tmp_path / "no-builds"))
+    (line,) = [line for line in completed.stderr.splitlines() if "not built" in line]
+    assert "blocked SDPA runs instead" in line and "python -m transformers_modules." in line
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-4, rtol=1e-4)
+    command = line.split("Build the kernels once with: ")[1]
+    built = run_within(["bash", "-c", command], 300, env=remote_code_environment(tmp_path))
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert built.stdout.strip().endswith(f"fused attention: already built: {library_path(FUSED_CPU)}")
 
 
 def remote_code_environment(tmp_path) -> dict[str, str]:
@@ -110,6 +152,12 @@ def remote_code_environment(tmp_path) -> dict[str, str]:
 
 def run_without_bam_llama(script: str, tmp_path) -> str:
     """Run `script` (which starts with HIDE_BAM_LLAMA) in a fresh Python; its stdout, once it succeeded."""
-    result = run_within([sys.executable, "-c", script], 300, env=remote_code_environment(tmp_path), cwd=tmp_path)
+    return run_remote_code(script, tmp_path).stdout
+
+
+def run_remote_code(script: str, tmp_path, **variables: str) -> subprocess.CompletedProcess:
+    """run_without_bam_llama's run, with more environment variables; its output once it succeeded."""
+    result = run_within([sys.executable, "-c", script], 300, env={**remote_code_environment(tmp_path), **variables},
+                        cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    return result

@@ -36,7 +36,8 @@ ALLOWED = {
                       "machine"},
     "serving": {"model", "registration"},
     "cli": {"model", "data", "evaluation", "hub", "training", "conversion", "demo", "outputs", "model_folders",
-            "positional_variants", "demo_settings", "first_screen", "cpu_threads", "progress"},
+            "positional_variants", "demo_settings", "first_screen", "cpu_threads", "progress",
+            "serving"},  # bam-build-kernels builds the vLLM decode's C++ kernel (serving/paged_cpu.py) too
     "__init__": {"model", "registration"},
 }
 

@@ -87,8 +87,8 @@ def readme_first_block(root: Path) -> list[str]:
 
 
 def test_ci_installs_and_tests_exactly_what_the_readme_says():
-    """.ci/run makes a fresh venv with the README's pip lines (.ci/readme-venv) and runs the README's test command in
-    it: the lines each script extracts are the README's own."""
+    """.ci/run makes a fresh venv with the README's pip lines and its kernel build line (.ci/readme-venv) and runs the
+    README's test command in it: the lines each script extracts are the README's own."""
     root = Path(__file__).resolve().parents[2]
     commands = readme_first_block(root)
     run = (root / ".ci" / "run").read_text()
@@ -102,6 +102,12 @@ def test_ci_installs_and_tests_exactly_what_the_readme_says():
     installs = subprocess.run(["bash", "-c", extract_installs.replace("\\\n", "").replace('"$repo/README.md"', "README.md")],
                               cwd=root, capture_output=True, text=True, check=True).stdout.split("\n")
     assert [line for line in installs if line] == [line for line in commands if line.startswith("pip install")]
+    extract_builds = re.search(r'^mapfile -t builds < <\((.*?)\)$', script, re.MULTILINE | re.DOTALL).group(1)
+    builds = subprocess.run(["bash", "-c", extract_builds.replace("\\\n", "").replace('"$repo/README.md"', "README.md")],
+                            cwd=root, capture_output=True, text=True, check=True).stdout.split("\n")
+    assert [line for line in builds if line] == ["bam-build-kernels"] == [
+        line for line in commands if line.startswith("bam-build-kernels")]
+    assert 'eval "\\"$venv/bin/\\"$command"' in script  # run in the venv, after the installs
 
 
 def test_ci_compiles_every_kernel_launch_after_the_suite_within_a_budget_of_its_own():

@@ -17,36 +17,47 @@ from unittest import mock
 import pytest
 import reference
 import torch
-from helpers import checkout_environment, fused_kernel_calls, run_within
+from helpers import checkout_environment, fused_kernel_calls, require_modules
+from waiting import run_within
 
-from bam_llama.serving import paged_attention, paged_kernels, paged_torch, paged_triton
+from bam_llama.serving import paged_attention, paged_kernels, paged_cpu_path, paged_triton
 from bam_llama.serving.paged_batch import BamTerms, PagedBatch, prior_table
-from bam_llama.serving.paged_cpu import paged_cpu_available
 
 HEADS, HEAD_DIM, MAX_LEN = 4, 32, 1024
 
 
 def cpu_without_kernels(*arguments) -> None:
-    """The CPU path where its C++ kernels are switched off (BAM_FUSED_CPU=0) or cannot be built: PyTorch decodes."""
-    with mock.patch.dict(os.environ, {"BAM_FUSED_CPU": "0"}):
-        paged_torch.paged_attention_cpu(*arguments)
+    """The CPU path where its C++ kernels are switched off (BAM_CPU_KERNELS=0) or not built: PyTorch decodes."""
+    with mock.patch.dict(os.environ, {"BAM_CPU_KERNELS": "0"}):
+        paged_cpu_path.paged_attention_cpu(*arguments)
 
 
 PATHS = {
-    "reference": paged_torch.paged_attention_reference,
-    "cpu": paged_torch.paged_attention_cpu,
+    "reference": paged_cpu_path.paged_attention_reference,
+    "cpu": paged_cpu_path.paged_attention_cpu,
     "cpu_pytorch": cpu_without_kernels,
     "triton": paged_triton.paged_attention_triton,
 }
 
 
 @pytest.fixture(autouse=True)
-def interpreter(monkeypatch):
-    """The Triton path runs in Triton's interpreter (tests/conftest.py imported triton for it); the kernels'
-    scratch buffers start as NaN, so that a partial result a kernel forgets to write fails."""
+def path_needs(request):
+    """CPU tests (tests/model/test_triton_gpu.py is their place on a GPU). A test of the "cpu" path needs the C++
+    kernels (built ahead by tests/conftest.py), one of the "triton" path Triton's interpreter; the other paths
+    neither."""
     if torch.cuda.is_available():
         pytest.skip("CPU tests: tests/model/test_triton_gpu.py's place on a GPU")
-    pytest.importorskip("triton")
+    callspec = getattr(request.node, "callspec", None)
+    path = callspec.params.get("path") if callspec else None
+    if path in ("cpu", "triton"):
+        request.getfixturevalue({"cpu": "cpu_kernels", "triton": "triton_interpreter"}[path])
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """The Triton path runs in Triton's interpreter (tests/conftest.py imported triton for it); the kernels' scratch
+    buffers start as NaN, so that a partial result a kernel forgets to write fails."""
+    require_modules("triton", provided_by="the dev extra")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(paged_triton, "_new_output", lambda tensor: tensor.fill_(float("nan")))  # unwritten: NaN
 
@@ -204,6 +215,7 @@ def test_every_path_matches_the_reference_on_a_decoding_step(path, config):
         assert torch.equal(output[step.num_tokens :], torch.zeros_like(output[step.num_tokens :]))
 
 
+@pytest.mark.usefixtures("triton_interpreter")
 def test_triton_decode_kernel_runs_for_single_query_steps(monkeypatch):
     calls = []
     monkeypatch.setattr(paged_triton, "_launch_prefill", lambda *args: calls.append("prefill"))
@@ -220,9 +232,9 @@ def test_cpu_path_reads_decoding_keys_in_place_and_gathers_prompts(monkeypatch, 
     FlexAttention was slower or tied at every measured shape: benchmarks/results/cpu-attention-serving.md)."""
     gathered, blocked = [], []
     spy = lambda calls, function: lambda *args, **kwargs: calls.append(1) or function(*args, **kwargs)  # noqa: E731
-    monkeypatch.setattr(paged_torch, "_gather_keys", spy(gathered, paged_torch._gather_keys))
-    monkeypatch.setattr(paged_torch, "gather_cpu", spy(gathered, paged_torch.gather_cpu))
-    monkeypatch.setattr(paged_torch, "bam_attention_blocked", spy(blocked, paged_torch.bam_attention_blocked))
+    monkeypatch.setattr(paged_cpu_path, "_gather_keys", spy(gathered, paged_cpu_path._gather_keys))
+    monkeypatch.setattr(paged_cpu_path, "gather_cpu", spy(gathered, paged_cpu_path.gather_cpu))
+    monkeypatch.setattr(paged_cpu_path, "bam_attention_blocked", spy(blocked, paged_cpu_path.bam_attention_blocked))
     terms, witness = make_terms(ssmax=ssmax)
     step = Step(MIXED, 2, 16)
     assert_rows_match(run_path(path, step, terms), step, witness)
@@ -230,6 +242,7 @@ def test_cpu_path_reads_decoding_keys_in_place_and_gathers_prompts(monkeypatch, 
     assert len(gathered) == len(blocked) == prompts
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 def test_cpu_prompts_past_8k_keys_run_the_fused_kernel(monkeypatch):
     """SSMax scaling the prior past 8192 keys: the prompt (40 queries) runs the fused CPU kernel once, the decoding
     request reads its keys in place; the rows stay exact."""
@@ -241,12 +254,12 @@ def test_cpu_prompts_past_8k_keys_run_the_fused_kernel(monkeypatch):
 
 
 def test_cpu_prompts_past_8k_keys_run_over_key_tiles_without_the_fused_kernel(monkeypatch):
-    """The same prompt with the fused kernel switched off (BAM_FUSED_CPU=0, as where it cannot be built): its 40
+    """The same prompt with the fused kernel switched off (BAM_CPU_KERNELS=0, as where it is not built): its 40
     queries, both query heads of each key/value head stacked, meet the keys in tiles of 512 whose masks stay in cache
     (the tile with the diagonal first, up to 40 keys wider), every key in one tile; the rows stay exact."""
     import bam_llama.model.blocked_bam as blocked
 
-    monkeypatch.setenv("BAM_FUSED_CPU", "0")
+    monkeypatch.setenv("BAM_CPU_KERNELS", "0")
     calls = []
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -263,21 +276,23 @@ def test_cpu_prompts_past_8k_keys_run_over_key_tiles_without_the_fused_kernel(mo
     assert sum(widths) == 26_000 and widths[1:] == [512] * (len(widths) - 1) and widths[0] <= 512 + 40  # diagonal first
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 def test_cpu_path_on_the_blocks_outermost_layout():
     """vLLM's default layout (no strided view of a run of blocks per head): decoding requests gather instead."""
     terms, witness = make_terms(ssmax="logits")
     step = Step(MIXED, 2, 32, head_major=False)
-    assert paged_torch._head_major_tokens(step.kv_cache) is None
+    assert paged_cpu_path._head_major_tokens(step.kv_cache) is None
     assert_rows_match(run_path("cpu", step, terms), step, witness)
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 def test_cpu_decodes_a_steps_decoding_requests_in_one_kernel_call(monkeypatch):
     """The C++ decode takes every request with one query in one call (PyTorch's decode none); switched off, PyTorch
     decodes each of them. Prompts run the fused attention either way."""
     kernel, pytorch = [], []
     spy = lambda calls, function: lambda *args, **kwargs: calls.append(1) or function(*args, **kwargs)  # noqa: E731
-    monkeypatch.setattr(paged_torch, "decode_cpu", spy(kernel, paged_torch.decode_cpu))
-    monkeypatch.setattr(paged_torch, "_decode_in_place", spy(pytorch, paged_torch._decode_in_place))
+    monkeypatch.setattr(paged_cpu_path, "decode_cpu", spy(kernel, paged_cpu_path.decode_cpu))
+    monkeypatch.setattr(paged_cpu_path, "_decode_in_place", spy(pytorch, paged_cpu_path._decode_in_place))
     terms, witness = make_terms(ssmax="prior")
     step = Step(MIXED, 2, 16)
     assert_rows_match(run_path("cpu", step, terms), step, witness)
@@ -286,6 +301,7 @@ def test_cpu_decodes_a_steps_decoding_requests_in_one_kernel_call(monkeypatch):
     assert (len(kernel), len(pytorch)) == (1, sum(rows == 1 and keys > 0 for rows, keys in MIXED))
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2), (torch.float16, 4e-3)])
 @pytest.mark.parametrize("head_dim", [64, 80, 36])
 def test_cpu_decode_at_head_sizes_that_fill_vector_registers(head_dim, dtype, tolerance):
@@ -298,6 +314,7 @@ def test_cpu_decode_at_head_sizes_that_fill_vector_registers(head_dim, dtype, to
     assert_rows_match(run_path("cpu", step, terms), step, witness, tolerance)
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 def test_cpu_decode_refuses_a_request_longer_than_the_prior_table():
     terms, _ = make_terms(max_len=100)
     step = Step([(1, 130)], 2, 16)
@@ -305,6 +322,7 @@ def test_cpu_decode_refuses_a_request_longer_than_the_prior_table():
         run_path("cpu", step, terms)
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize("rows", [1, 5], ids=["decoding", "prompt"])
 def test_cpu_kernels_refuse_block_ids_outside_the_cache(rows):
     """A block table entry past the cache (a decoding request's, read in place; a prompt's, gathered) is one error,
@@ -322,8 +340,7 @@ def test_cpu_kernels_refuse_block_ids_outside_the_cache(rows):
 BLOCK_TABLE_CHILD = """
 import json, sys, torch
 from bam_llama.serving.paged_batch import BamTerms, PagedBatch, prior_table
-from bam_llama.serving.paged_cpu import paged_cpu_available
-from bam_llama.serving.paged_torch import paged_attention_cpu
+from bam_llama.serving.paged_cpu_path import paged_attention_cpu
 
 heads, kv_heads, dim, block_size, blocks = 4, 2, 32, 16, 8
 assert paged_cpu_available(), "the C++ kernels did not load in the child"
@@ -376,13 +393,12 @@ def answered_as_expected(error: str | None, expected: str | None) -> bool:
     return error is None if expected is None else error is not None and expected in error.splitlines()[0]
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 def test_cpu_kernels_check_every_block_a_request_reads_before_reading_any():
     """Each block the C++ decode reads in place, or gathers for a prompt, is checked against the block table row and
     the cache before anything is read, the partly filled last block included: a bad id is one line of error, not
     a read of memory the cache does not own (a crash, or another block's keys); an entry past the request's blocks
     is never read, so never refused. Run in a child process (see BLOCK_TABLE_CHILD)."""
-    if not paged_cpu_available():  # built here first, so that the child loads the build
-        pytest.skip("no C++ compiler to build the paged decode")
     cases = block_table_cases(blocks=8, block_size=16)
     child = run_within([sys.executable, "-c", BLOCK_TABLE_CHILD, json.dumps(cases)], 300, env=checkout_environment())
     lines = [json.loads(line) for line in child.stdout.splitlines()]
@@ -397,6 +413,7 @@ def test_cpu_kernels_check_every_block_a_request_reads_before_reading_any():
     assert list(errors) == [case["name"] for case in cases]
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 def test_cpu_cache_write_refuses_a_slot_outside_the_cache():
     """Checked before anything is written: the good slot before the bad one stays unwritten too."""
     cache = torch.zeros(2, 6, 16, 2 * HEAD_DIM).transpose(0, 1)
@@ -434,13 +451,13 @@ def test_prior_table_is_the_prior_at_each_distance(formula):
 def test_write_cache_puts_each_token_in_its_slot(path, value_rows, dtype, monkeypatch):
     """Keys and values as vLLM's fused qkv projection hands them over (rows strided), padding slots skipped,
     every other cell untouched; values in a tensor of their own (another row stride than the keys') too. Paths:
-    PyTorch (BAM_FUSED_CPU=0), the C++ CPU kernel, the Triton launcher the plugin calls on CUDA."""
+    PyTorch (BAM_CPU_KERNELS=0), the C++ CPU kernel, the Triton launcher the plugin calls on CUDA."""
     if path == "triton":
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda tensor: True))
     else:
         monkeypatch.setattr(paged_kernels, "TRITON_AVAILABLE", False)
         if path == "torch":
-            monkeypatch.setenv("BAM_FUSED_CPU", "0")
+            monkeypatch.setenv("BAM_CPU_KERNELS", "0")
     kv_heads, block_size, blocks = 2, 16, 6
     generator = torch.Generator().manual_seed(1)
     qkv = torch.randn(5, (HEADS + 2 * kv_heads) * HEAD_DIM, generator=generator).to(dtype)

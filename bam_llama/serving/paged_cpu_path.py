@@ -1,8 +1,9 @@
-"""BAM attention over vLLM's paged KV cache in PyTorch (no vLLM, no Triton): the CPU path, the plain reference for
-other devices, and writing the step's keys and values into the cache.
+"""BAM attention over vLLM's paged KV cache without vLLM or Triton: the CPU path (paged_cpu.py's C++ kernels where
+they are built, PyTorch where not), the plain-PyTorch reference for other devices, and writing the step's keys and
+values into the cache in PyTorch.
 
 - `paged_attention_cpu`: every request with one query (a decoding step) reads its keys in place, all of them in
-  one call of paged_cpu.py's C++ decode (where it cannot be built or BAM_FUSED_CPU=0: run of blocks by run of
+  one call of paged_cpu.py's C++ decode (where it is not built or BAM_CPU_KERNELS=0: run of blocks by run of
   blocks, one (H x keys) score row per request, in PyTorch); a request with several queries (a prompt or a chunk of
   one) gathers its keys (paged_cpu.py again) and runs the package's attention with the prior table
   (model/blocked_bam.py: the fused CPU kernel, or blocked SDPA), with or without SSMax. Compiled FlexAttention with
