@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO_ROOT, checkout_environment, run_within, tiny_model
+from helpers import REPO_ROOT, checkout_environment, tiny_model
+from waiting import run_within, timeout_scale
 
 from bam_llama.model import cpu_kernels_bam, cpu_sources_bam
 from bam_llama.model.cpu_kernels_bam import FUSED_CPU, library_name, library_path
@@ -91,7 +92,7 @@ def forward_in_fresh_process(saved_model, tmp_path, **variables) -> tuple[dict, 
 
 def wait_until_compiling(builder: subprocess.Popen) -> None:
     """Return once a compiler process of the builder's session runs: the build is midway."""
-    deadline = time.monotonic() + 600  # a safety net for a hung build, not a measurement
+    deadline = time.monotonic() + 600 * timeout_scale()  # a safety net for a hung build, not a measurement
     while builder.poll() is None and time.monotonic() < deadline:
         for entry in Path("/proc").iterdir():
             try:
@@ -129,8 +130,7 @@ def test_the_remote_codes_copy_of_the_sources_is_the_files():
     files = {path.name: path.read_text(encoding="utf-8") for path in MODEL_CSRC.iterdir()}
     assert cpu_sources_bam.SOURCES == files
     assert dict(FUSED_CPU.sources) == files
-    completed = subprocess.run([sys.executable, str(REPO_ROOT / ".ci" / "kernel-source-copy"), "--check"],
-                               capture_output=True, text=True, timeout=60)
+    completed = run_within([sys.executable, str(REPO_ROOT / ".ci" / "kernel-source-copy"), "--check"], 60)
     assert completed.returncode == 0, completed.stdout
 
 
@@ -162,8 +162,7 @@ def test_the_build_is_named_by_what_its_command_line_is_made_of(monkeypatch, tmp
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "elsewhere"))
     assert library_name(FUSED_CPU) == name and library_path(FUSED_CPU).is_relative_to(tmp_path / "elsewhere")
     script = "from bam_llama.model.cpu_kernels_bam import FUSED_CPU, library_name; print(library_name(FUSED_CPU))"
-    fresh = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                           env=checkout_environment())
+    fresh = run_within([sys.executable, "-c", script], 300, env=checkout_environment())
     assert fresh.stdout.strip() == name, fresh.stderr[-2000:]
 
 
