@@ -7,7 +7,7 @@ import reference
 import torch
 from helpers import fused_kernel_calls, tiny_config, tiny_model
 
-from bam_llama.model.blocked_bam import bam_attention_blocked
+from bam_llama.model.attention_route_bam import bam_attention_blocked
 from bam_llama.model.dispatch_bam import bam_sdpa_attention_forward
 from bam_llama.model.fused_cpu_bam import fused_cpu_available
 from bam_llama.model.modeling_bam import BamAttention
