@@ -39,7 +39,6 @@ compute dtype (`attention_compute_dtype`) with autocast off and return the query
 Shapes: B batch, H query heads, Hkv key/value heads, Lq queries, Lk keys, D head size.
 """
 
-import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -125,7 +124,7 @@ def attention_path(call: AttentionCall) -> str:
     """The path that runs `call`: the first row of the module's table whose condition holds. Decided from shapes,
     dtypes, flags and `requires_grad` only (packed documents are checked for runs on the eager CPU path), so a
     traced graph holds no data-dependent branch."""
-    if _triton_takes(call.triton_kernels, call.custom_mask, call.dropout):
+    if call.triton_kernels and _triton_takes(True, call.custom_mask, call.dropout):
         return "triton"
     if call.prior_table is None:
         return "traced_decode_step" if _traced_decode_step_runs(call) else "materialized"
@@ -267,6 +266,15 @@ def _refuse_a_dynamic_export(call: AttentionCall) -> None:
         )
 
 
+def _in_compute_dtype_of(attend):
+    """The runner of a planned path: `attend` in the compute dtype (`_in_compute_dtype`)."""
+
+    def run(call: AttentionCall) -> torch.Tensor:
+        return _in_compute_dtype(call, attend)
+
+    return run
+
+
 def _in_compute_dtype(call: AttentionCall, attend) -> torch.Tensor:
     """A planned path: `attend(call, query, key, value, key_valid, document_ids)` on q, k, v in the compute dtype,
     autocast off; (B, Lq, H, D) in the query's dtype. Keys past the table's (a static cache's empty slots) are cut
@@ -316,10 +324,17 @@ def _run_traced_decode_step(call: AttentionCall) -> torch.Tensor:
     )
 
 
-def _attend_decode_step(call, query, key, value, key_valid, document_ids, fused: bool = False) -> torch.Tensor:
+def _attend_decode_step(call, query, key, value, key_valid, document_ids) -> torch.Tensor:
     return attend_single_query(
         query, key, value, call.query_positions, call.prior_table, call.scaling, call.ssmax_scale, call.ssmax_prior,
-        key_valid, fused,
+        key_valid, False,
+    )
+
+
+def _attend_decode_step_fused(call, query, key, value, key_valid, document_ids) -> torch.Tensor:
+    return attend_single_query(
+        query, key, value, call.query_positions, call.prior_table, call.scaling, call.ssmax_scale, call.ssmax_prior,
+        key_valid, True,
     )
 
 
@@ -374,7 +389,7 @@ def _attend_replayed_blocks(call, *tensors) -> torch.Tensor:
 
 # The planned paths on q, k, v in the compute dtype: (call, query, key, value, key_valid, document_ids) -> output
 _PLANNED_PATHS = {
-    "decode_step_fused": functools.partial(_attend_decode_step, fused=True),
+    "decode_step_fused": _attend_decode_step_fused,
     "decode_step": _attend_decode_step,
     "compiled_inference": _attend_compiled_inference,
     "fused_cpu": _attend_fused_cpu,
@@ -389,7 +404,7 @@ ATTENTION_PATHS = {
     "triton": _run_triton,
     "traced_decode_step": _run_traced_decode_step,
     "materialized": _run_materialized,
-    **{name: functools.partial(_in_compute_dtype, attend=attend) for name, attend in _PLANNED_PATHS.items()},
+    **{name: _in_compute_dtype_of(attend) for name, attend in _PLANNED_PATHS.items()},
 }
 
 

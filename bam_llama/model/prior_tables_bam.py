@@ -11,6 +11,8 @@ every such table comes from here (the formula itself is `prior_bam.ggd_bias`, ov
 - `kernel_prior_tables`: the Triton kernels' tables, by distance back from the query, with their derivatives
   (`triton_bam`).
 
+The serving side's tables (`serving/paged_batch.prior_table`, vLLM's steps) are `prior_bam.prior_table` too.
+
 Which table is kept where: a prior module keeps its own (`KeptPriorTable`); the model keeps one for all its layers'
 priors; compiled steps keep one per prior's theta_alpha tensor (weakly: a table goes with its model). Each is used
 only while the parameters hold the values it was computed from.
