@@ -76,6 +76,10 @@ POSITIONAL_VARIANTS = {
     ),
     "alibi": PositionalVariant("ALiBi", "the prior fixed to ALiBi's slopes", prior("alibi", trained=False)),
     "nope": PositionalVariant("NoPE", "the prior fixed flat (no position)", prior("uniform", trained=False)),
+    "kerple": PositionalVariant(
+        "KERPLE (log)", "KERPLE's learned log kernel -r1 ln(1 + r2 |i - j|) as the prior (r1 = r2 = 1 at the start)",
+        {**prior("uniform", trained=True), "prior_formula": "kerple_log"},
+    ),
     "rope": PositionalVariant("RoPE (Llama)", "Transformers' Llama", transformers_model="llama"),
     "rope-local": PositionalVariant(
         "RoPE local", "RoPE with a sliding window of the training length (Transformers' Mistral)",

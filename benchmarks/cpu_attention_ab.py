@@ -43,7 +43,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bam_llama.model.blocked_bam import bam_attention_blocked  # noqa: E402
+from bam_llama.model.attention_route_bam import bam_attention_blocked  # noqa: E402
 from bam_llama.model.cpu_kernels_bam import cpu_kernels_enabled  # noqa: E402
 from bam_llama.model.fused_cpu_bam import fused_cpu_available  # noqa: E402
 from bam_llama.model.prior_bam import ggd_bias  # noqa: E402

@@ -30,15 +30,17 @@ import torch
 import torch.nn.functional as F
 from cpu_speed import REPO_ROOT, build_model, input_ids, timed
 
-from bam_llama.model import dispatch_bam
+from bam_llama.model import attention_route_bam, dispatch_bam
 from bam_llama.model.prior_bam import ggd_bias
 
 HEADS, KV_HEADS, HEAD_SIZE = 8, 4, 32
 
 
-# Where `bam_attention_blocked` lived, newest layout first: commits before the package's sub-packages (issue 35)
-# had it in bam_llama/attention_bam.py.
-ATTENTION_FILES = ("bam_llama/model/blocked_bam.py", "bam_llama/attention_bam.py")
+# Where `bam_attention_blocked` lived, newest layout first: the attention route's module, before it
+# bam_llama/model/blocked_bam.py, and before the package's sub-packages (issue 35) bam_llama/attention_bam.py.
+ATTENTION_FILES = (
+    "bam_llama/model/attention_route_bam.py", "bam_llama/model/blocked_bam.py", "bam_llama/attention_bam.py"
+)
 
 
 def attention_at(commit: str, folder: Path, path: str | None = None):
@@ -131,6 +133,22 @@ def attention_timings(versions, args) -> dict:
     return times
 
 
+def planned_paths_by(attention):
+    """`dispatch_bam.run_attention` whose planned calls (the last position known: a prior table) run `attention`, a
+    commit's `bam_attention_blocked`; the other calls take the route as they do now."""
+
+    def run(call):
+        if call.prior_table is None:
+            return attention_route_bam.run_attention(call)
+        return attention(
+            call.query, call.key, call.value, call.query_positions, call.prior_table, call.scaling,
+            ssmax_scale=call.ssmax_scale, ssmax_prior=call.ssmax_prior, key_valid=call.key_valid,
+            document_ids=call.document_ids, dropout=call.dropout,
+        ).transpose(1, 2)
+
+    return run
+
+
 def model_timings(versions, args) -> dict:
     models = {case: build_model(case) for case in ["llama", *args.cases]}
     ids = input_ids(args.length)
@@ -142,9 +160,9 @@ def model_timings(versions, args) -> dict:
             for case, model in models.items():
                 for version, attention in ({"-": None} if case == "llama" else versions).items():
                     if attention is not None:
-                        dispatch_bam.bam_attention_blocked = attention
+                        dispatch_bam.run_attention = planned_paths_by(attention)
                     times.setdefault((mode, case, version), []).append(timed(model, mode, ids))
-    dispatch_bam.bam_attention_blocked = versions["current"]
+    dispatch_bam.run_attention = attention_route_bam.run_attention
     return times
 
 
@@ -174,7 +192,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as folder:
         try:
-            versions = {args.old: attention_at(args.old, Path(folder), args.old_path), "current": dispatch_bam.bam_attention_blocked}
+            versions = {
+                args.old: attention_at(args.old, Path(folder), args.old_path),
+                "current": attention_route_bam.bam_attention_blocked,
+            }
         except ValueError as error:
             parser.error(str(error))
     times = (attention_timings if args.attention else model_timings)(versions, args)

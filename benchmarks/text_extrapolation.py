@@ -81,15 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     output_dir = args.output_dir or OUTPUT.with_name(OUTPUT.name + ("-quick" if args.quick else ""))
-    from bam_llama.extrapolation.jobs import RunError, earlier_results, report_of, run
+    from bam_llama.extrapolation.jobs import RunError, rewrite_report, run
     from bam_llama.extrapolation.report import publish
     from bam_llama.outputs import exit_on_sigterm
 
     exit_on_sigterm()  # like Ctrl-C: the job processes stop, the published results stay
     try:
         if args.report_only:
-            report = report_of(study, earlier_results(output_dir, study, resume=True), {})
-            print(publish(output_dir, report, study, args.encodings))
+            print(rewrite_report(output_dir, study, args.encodings))
             return 0
         run(args.phase, args.encodings, study, output_dir, jobs=args.jobs, threads=args.threads, resume=args.resume,
             publish=lambda folder, report: publish(folder, report, study, args.encodings))

@@ -297,15 +297,39 @@ def asked_values(text: str) -> list[str]:
 
 
 def fused_kernel_calls(monkeypatch) -> list[tuple]:
-    """The query shape of every call of the fused CPU attention kernel from the model's attention, from now on."""
-    import bam_llama.model.blocked_bam as blocked
+    """The query shape of every call of the fused CPU attention kernel from the model's attention, from now on: its
+    two call sites, the decoding step's and the fused path's."""
+    import bam_llama.model.decode_step_bam as decode_step
+    import bam_llama.model.fused_cpu_path_bam as fused_path
 
     calls = []
-    kernel = blocked.bam_attention_fused_cpu
+    kernel = fused_path.bam_attention_fused_cpu
 
     def counting(query, *arguments):
         calls.append(tuple(query.shape))
         return kernel(query, *arguments)
 
-    monkeypatch.setattr(blocked, "bam_attention_fused_cpu", counting)
+    for module in (decode_step, fused_path):
+        monkeypatch.setattr(module, "bam_attention_fused_cpu", counting)
+    return calls
+
+
+def route_path_calls(monkeypatch, refuse=()) -> list[tuple]:
+    """(path, call) of every call the attention route (`attention_route_bam.ATTENTION_PATHS`) runs, from now on; a
+    path named in `refuse` raises instead."""
+    from bam_llama.model import attention_route_bam
+
+    calls = []
+
+    def counted(name, run):
+        def path(call):
+            if name in refuse:
+                raise AssertionError(f"the route ran {name!r}")
+            calls.append((name, call))
+            return run(call)
+
+        return path
+
+    for name, run in list(attention_route_bam.ATTENTION_PATHS.items()):
+        monkeypatch.setitem(attention_route_bam.ATTENTION_PATHS, name, counted(name, run))
     return calls

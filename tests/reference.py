@@ -26,6 +26,8 @@ def prior(distance, theta_alpha, theta_beta, theta_mu, formula="current", eps=1e
         return -torch.exp(alpha) * (shifted.abs() + eps) ** beta
     if formula == "legacy":
         return -((shifted * torch.exp(alpha)).abs() + eps) ** beta
+    if formula == "kerple_log":  # KERPLE's log kernel: -r1 * ln(1 + r2 * |d - mu|), r1 = e^alpha, r2 = e^beta
+        return -torch.exp(alpha) * torch.log(1 + torch.exp(beta) * shifted.abs())
     raise ValueError(f"unknown formula {formula!r}")
 
 

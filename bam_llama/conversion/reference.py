@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..model.configuration_bam import PRIOR_FORMULAS, BamLlamaConfig
+from ..model.configuration_bam import BamLlamaConfig
+from ..model.prior_bam import REFERENCE_FORMULAS
 from ..model.prior_bam import is_prior_parameter
 from ..model_folders import check_finite_tensors
 from ..outputs import check_output_dir, staged_output_dir
@@ -328,8 +329,8 @@ def convert_reference_checkpoint(
     tokenizer = Path(tokenizer).resolve() if tokenizer is not None else None
     inputs = (run_dir,) if tokenizer is None else (run_dir, tokenizer)
     target_dtype = check_write_options(out_dir, force, inputs, dtype, max_shard_size)
-    if formula is not None and formula not in PRIOR_FORMULAS:
-        raise ConversionError(f"unknown prior formula {formula!r}; expected one of {PRIOR_FORMULAS}")
+    if formula is not None and formula not in REFERENCE_FORMULAS:
+        raise ConversionError(f"unknown prior formula {formula!r}; expected one of {REFERENCE_FORMULAS}")
     if not run_dir.is_dir():
         raise ConversionError(f"the reference run folder {run_dir} does not exist")
 

@@ -95,6 +95,7 @@ ENCODINGS = {
     "alibi-ssmax": Encoding("alibi", "ALiBi + SSMax", ssmax=True),
     "nope": Encoding("nope", "NoPE"),
     "nope-ssmax": Encoding("nope", "NoPE + SSMax", ssmax=True),
+    "kerple": Encoding("kerple", "KERPLE (log)"),
     "rope": Encoding("rope", "RoPE"),
     "rope-ntk": Encoding("rope", "RoPE + NTK scaling", rope_scaling="dynamic"),
     "rope-yarn": Encoding("rope", "RoPE + YaRN", rope_scaling="yarn"),

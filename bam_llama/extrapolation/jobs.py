@@ -28,10 +28,12 @@ from transformers import AutoTokenizer
 
 from ..data.corpus import python_documents, split_documents
 from ..machine import cpu_model
+from ..model.cpu_kernels_bam import FUSED_CPU, KernelBuildError, build_kernel, cpu_kernels_enabled, load_kernel
 from ..outputs import FolderInUse, FolderLock
 from .data import SeedData, python_test_suites, seed_data
 from .encodings import ENCODINGS, EXTENDED, TRAINED, trainings
 from .evaluation import evaluate, seed_keys
+from .report import publish
 from .selection import choices, goes_long, job_key
 from .settings import TEST, VALIDATION, Study
 from .stages import extend, pretrain_arguments, pretrain_stage, stage_one_folder
@@ -101,11 +103,9 @@ def run_job(job: Job) -> tuple[str, dict]:
                 folders[EXTENDED], stages[EXTENDED] = extend(folders[TRAINED], trial, job.study, job.seed,
                                                              job.data.texts, work / "extended")
             results.setdefault(name, {})[candidate] = evaluate_candidate(job, name, folders[candidate], tokenizer)
-    for summary in stages.values():
-        summary.pop("final_dir", None), summary.pop("output_dir", None), summary.pop("data", None)
     return job.key, {"phase": job.phase, "training": job.training, "trial": job.trial, "seed": job.seed,
-                     "commit": code_commit(), "minutes": (time.perf_counter() - started) / 60, "stages": stages,
-                     "results": results}
+                     "commit": code_commit(), "attention": attention_path(),
+                     "minutes": (time.perf_counter() - started) / 60, "stages": stages, "results": results}
 
 
 def evaluations(job: Job) -> list[tuple[str, str]]:
@@ -265,10 +265,29 @@ def phase_data(phase: str, study: Study, scratch: Path) -> dict[int, SeedData]:
             for seed in study.seeds(phase)}
 
 
+def attention_path() -> str:
+    """What BamLlama's CPU attention runs in this process: the fused C++ kernel, or PyTorch's blocked SDPA where the
+    C++ kernels are switched off (BAM_CPU_KERNELS=0)."""
+    return "fused C++ CPU kernel" if cpu_kernels_enabled() and load_kernel(FUSED_CPU) else "blocked SDPA"
+
+
+def build_attention_kernel() -> None:
+    """The fused CPU kernel built before any job (never inside one's forward), unless switched off: a job must not
+    train through another attention path than the run's other jobs for want of a build."""
+    if not cpu_kernels_enabled():
+        return
+    try:
+        build_kernel(FUSED_CPU)
+    except KernelBuildError as error:
+        raise RunError(f"the fused CPU attention kernel could not be built ({error}); BAM_CPU_KERNELS=0 runs every job "
+                       "through blocked SDPA instead") from None
+
+
 def run(phase: str, names: list[str], study: Study, output_dir: Path, jobs: int = 1, threads: int = 1,
         resume: bool = False, publish=None) -> dict:
     """Run every job of `phase` that `names` need and `output_dir` lacks, publishing (`publish(output_dir, report)`)
     after each; returns the final report."""
+    build_attention_kernel()
     try:
         hold = FolderLock(output_dir)
     except FolderInUse as error:
@@ -294,6 +313,34 @@ def run(phase: str, names: list[str], study: Study, output_dir: Path, jobs: int 
         hold.release()
 
 
+SCRATCH_PATHS = ("final_dir", "output_dir", "data", "model")  # a stage summary's folders in the run's scratch space
+
+
+def without_scratch_paths(entry: dict) -> dict:
+    """A job's entry without the scratch folders its stage summaries name (gone when the run ends); the tokenizer is
+    the seed's BPE."""
+    stages = {name: {key: value for key, value in summary.items() if key not in SCRATCH_PATHS}
+              for name, summary in entry["stages"].items()}
+    for summary in stages.values():
+        if "tokenizer" in summary:
+            summary["tokenizer"] = "the seed's BPE"
+    return {**entry, "stages": stages}
+
+
 def report_of(study: Study, done: dict, machine_now: dict) -> dict:
-    return {"study": asdict(study), "machine": machine_now, "jobs": dict(sorted(done.items())),
+    return {"study": asdict(study), "machine": machine_now,
+            "jobs": {key: without_scratch_paths(entry) for key, entry in sorted(done.items())},
             "choices": choices(done, study)}
+
+
+def rewrite_report(output_dir: Path, study: Study, names: list[str]) -> str:
+    """The page of `output_dir`'s results written again (`--report-only`), while no run writes there."""
+    try:
+        hold = FolderLock(output_dir)
+    except FolderInUse as error:
+        raise RunError(f"{error}: its page is rewritten as each of its jobs ends") from None
+    try:
+        return publish(output_dir, report_of(study, earlier_results(output_dir, study, resume=True), {}), study, names)
+    finally:
+        hold.release()
+

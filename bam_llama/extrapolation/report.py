@@ -134,6 +134,7 @@ def write_report(report: dict, study: Study, names: list[str]) -> str:
                        f"{job['machine']['transformers']}, {job['machine']['threads']} thread(s) a job"
                        for job in jobs.values() if "machine" in job})
     minutes = sum(job["minutes"] for job in jobs.values())
+    paths = sorted({job.get("attention", "fused C++ CPU kernel") for job in jobs.values()})
     done = {phase: sum(job["phase"] == phase for job in jobs.values()) for phase in (VALIDATION, TEST)}
     lines = [
         "# Train short, test long on real text: every positional encoding, chosen on validation, reported on test seeds",
@@ -142,7 +143,8 @@ def write_report(report: dict, study: Study, names: list[str]) -> str:
         f"{study.steps} steps of {study.batch_size} rows a stage). Validation seeds {', '.join(map(str, study.validation_seeds))} "
         f"choose each encoding's recipe; test seeds {', '.join(map(str, study.test_seeds))} report it. Jobs done: "
         f"{done[VALIDATION]} validation, {done[TEST]} test; {minutes / 60:.1f} hours of one-thread jobs. Commits: "
-        f"{', '.join(commits) or 'none yet'}. Machines: {'; '.join(machines) or 'none yet'}.",
+        f"{', '.join(commits) or 'none yet'}. Machines: {'; '.join(machines) or 'none yet'}. BamLlama's attention: "
+        f"{', '.join(paths) or 'none yet'}.",
         "",
         "## Test seeds: passkey retrieval by length (strict; mean of the seeds, pooled count, exact 95% interval)",
         "",

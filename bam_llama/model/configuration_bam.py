@@ -7,7 +7,7 @@ from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.utils import logging
 
-from .prior_bam import PRIOR_FORMULAS, SCALE_OUTSIDE_POWER
+from .prior_bam import KERPLE_LOG, PRIOR_FORMULAS, SCALE_OUTSIDE_POWER
 
 logger = logging.get_logger(__name__)
 
@@ -46,7 +46,8 @@ class BamLlamaConfig(PreTrainedConfig):
             `"layer"` gives every layer its own.
         prior_formula (`str`, defaults to `"current"`): `"current"` is the formula above; `"legacy"` is the
             reference code's pre-May-2025 form `-(|((j - i) - mu) * exp(theta_alpha)| + eps) ** theta_beta`,
-            needed by checkpoints trained with it.
+            needed by checkpoints trained with it; `"kerple_log"` is the KERPLE baseline's log kernel of the same
+            parameters, `-exp(theta_alpha) * ln(1 + exp(theta_beta) * |(j - i) - mu|)`.
         theta_alpha_init (`float` or `"alibi"`): initial log-multiplier; `"alibi"` uses log ALiBi slopes.
         theta_beta_init (`float` or `"linear"`): initial exponent; `"linear"` spreads the heads over [0, 1].
         theta_mu_init (`float`): initial offset parameter (mu = 2 sinh(theta_mu)).
@@ -217,11 +218,8 @@ class BamLlamaConfig(PreTrainedConfig):
         betas = (0.0, 1.0) if self.theta_beta_init == "linear" else (float(self.theta_beta_init),)
         mu = 2 * math.sinh(min(abs(float(self.theta_mu_init)), 700.0))
         spans = (self.prior_eps, longest + mu + self.prior_eps)  # extremes of |distance - mu| + eps
-        log_prior = max(
-            alpha + beta * math.log(span) if self.prior_formula == SCALE_OUTSIDE_POWER
-            else max(alpha, beta * math.log(math.exp(min(alpha, 700.0)) * span + self.prior_eps))
-            for beta in betas for span in spans
-        )
+        log_prior = max(log_prior_extent(self.prior_formula, alpha, beta, span, self.prior_eps)
+                        for beta in betas for span in spans)
         ssmax_factor = abs(self.ssmax_scale_init) * math.log(longest) if self.ssmax and self.ssmax_prior else 1.0
         log_extent = log_prior + math.log(max(ssmax_factor, 1e-30))
         if log_extent >= LOG_FLOAT32_MAX:
@@ -232,6 +230,16 @@ class BamLlamaConfig(PreTrainedConfig):
                 f"factor) reaches exp({log_extent:.1f}) and float32 ends at exp({LOG_FLOAT32_MAX:.2f}); keep "
                 f"theta_alpha_init below {bound:.2f}"
             )
+
+
+def log_prior_extent(formula: str, alpha: float, beta: float, span: float, eps: float) -> float:
+    """ln |prior| at |distance - mu| + eps = `span` (a bound of it for "legacy"), without overflowing."""
+    if formula == SCALE_OUTSIDE_POWER:
+        return alpha + beta * math.log(span)
+    if formula == KERPLE_LOG:  # ln(exp(alpha) * ln(1 + exp(beta) * span))
+        inner = beta + math.log(span)
+        return alpha + (math.log(inner + math.log1p(math.exp(-inner))) if inner > 30 else math.log(math.log1p(math.exp(inner))))
+    return max(alpha, beta * math.log(math.exp(min(alpha, 700.0)) * span + eps))
 
 
 def serving_length(train_context_length: int) -> int:

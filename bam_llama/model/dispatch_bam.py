@@ -18,12 +18,11 @@ from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask, sdpa_mask
 from transformers.utils import logging
 
-from .blocked_bam import bam_attention_blocked, bam_attention_traced_decode_step, traced_decode_step_runs
+from .attention_route_bam import module_attention_call, run_attention
 from .configuration_bam import BamLlamaConfig
 from .continuous_batching_bam import CONTINUOUS_BATCHING_ATTENTION, PAGED_PREFIX
-from .prior_bam import visibility_from_positions
-from .reference_bam import bam_attention_reference, bam_attention_sdpa
-from .triton_bam import TRITON_AVAILABLE, ggd_attention, triton_usable
+from .reference_bam import bam_attention_reference, materialized_inputs
+from .triton_bam import TRITON_AVAILABLE, triton_usable
 
 
 logger = logging.get_logger(__name__)
@@ -32,22 +31,6 @@ logger = logging.get_logger(__name__)
 # --------------------------------------------------------------------------------------------------------
 # Attention implementations (looked up in BAM_ATTENTION_FUNCTIONS, not in Transformers' AttentionInterface)
 # --------------------------------------------------------------------------------------------------------
-
-
-def _visible_mask(attention_mask, query_positions, key_length, document_ids=None) -> torch.Tensor:
-    """The boolean (B, 1, Lq, Lk) visibility from whatever mask the mask interface produced."""
-    if attention_mask is None or attention_mask.dim() == 2:
-        return visibility_from_positions(query_positions, key_length, attention_mask, document_ids)
-    if attention_mask.dtype == torch.bool:
-        return attention_mask
-    return attention_mask > torch.finfo(attention_mask.dtype).min / 2  # a custom additive mask
-
-
-def _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids=None):
-    visible = _visible_mask(attention_mask, query_positions, key.shape[2], document_ids)
-    bias = prior.bias(query_positions, key.shape[2])
-    row_factor = module.ssmax.row_factor(visible.sum(-1).squeeze(1)) if module.ssmax is not None else None
-    return visible, bias, row_factor
 
 
 def bam_eager_attention_forward(
@@ -65,7 +48,7 @@ def bam_eager_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: materialized bias, fp32 softmax. Returns (B, Lq, H, D) and the probabilities."""
-    visible, bias, row_factor = _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids)
+    visible, bias, row_factor = materialized_inputs(module, key, attention_mask, query_positions, prior, document_ids)
     output, probs = bam_attention_reference(
         query, key, value, visible, bias, scaling, row_factor, module.config.ssmax_prior, dropout
     )
@@ -88,50 +71,18 @@ def bam_sdpa_attention_forward(
     last_position: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """PyTorch SDPA with the (SSMax-scaled) prior passed as a float mask, over blocks of queries whose mask is a
-    view of a 1-D prior table per head. The blocks are planned from `last_position`, the last query's position as
-    a Python int; where only a tensor knows it (a static cache in a traced graph: None), in an exported program
-    (None: its length may be dynamic, see `_last_query_position`), or with a custom 4D mask, the (Lq x Lk) prior is
-    materialized from the query positions instead: one SDPA call, no Python loop over the length.
+    """BAM's attention without the (Lq x Lk) bias where it can: the route (`attention_route_bam.attention_path`)
+    picks the path. With `last_position`, the last query's position as a Python int, the planned paths run: the
+    decoding step, the fused CPU kernel, or SDPA over blocks of queries whose mask is a view of a 1-D prior table per
+    head. Where only a tensor knows it (a static cache in a traced graph: None), in an exported program (None: its
+    length may be dynamic, see `_last_query_position`), or with a custom 4D mask, the (Lq x Lk) prior is
+    materialized from the query positions instead (one SDPA call), except a static cache's decoding step in a
+    compiled CPU graph (one operator that reads the position itself and keeps its prior table).
 
     prior_table: the layer's (H, P + 1) table where the model computed it (`BamLlamaModel._prior_tables`: the
-    global prior's, once for all layers, or, without gradients on the CPU, each layer's own prior's). A
-    static cache's decoding step in a compiled CPU graph is one operator that reads the position itself and keeps
-    its prior table (`bam_attention_traced_decode_step`)."""
-    custom_mask = attention_mask is not None and attention_mask.dim() == 4
-    ssmax_scale = None if module.ssmax is None else module.ssmax()
-    step_mask = not custom_mask or _is_a_step_mask(attention_mask)
-    if last_position is None and step_mask and torch.compiler.is_compiling():
-        key_valid = attention_mask[:, 0, 0] if custom_mask else attention_mask  # (B, Lk) or None
-        prior_parameters = prior()
-        if traced_decode_step_runs(query, key, dropout, document_ids, value, ssmax_scale, *prior_parameters):
-            output = bam_attention_traced_decode_step(
-                query, key, value, query_positions, prior_parameters, prior.formula, prior.eps, scaling,
-                ssmax_scale=ssmax_scale, ssmax_prior=module.config.ssmax_prior, key_valid=key_valid,
-            )
-            return output, None
-    if last_position is None or custom_mask:
-        visible, bias, row_factor = _attention_inputs(module, key, attention_mask, query_positions, prior, document_ids)
-        output = bam_attention_sdpa(
-            query, key, value, visible, bias, scaling, row_factor, module.config.ssmax_prior, dropout
-        )
-        # A copy that stays in exported graphs (`contiguous()` of an SDPA output laid out (B, Lq, H, D) is traced
-        # away): torch.onnx's decompositions lay it out (B, H, Lq, D), and the reshape traced as a view would fail.
-        return output.transpose(1, 2).clone(memory_format=torch.contiguous_format), None
-    output = bam_attention_blocked(
-        query, key, value, query_positions,
-        prior.table(last_position) if prior_table is None else prior_table, scaling,
-        ssmax_scale=ssmax_scale, ssmax_prior=module.config.ssmax_prior,
-        key_valid=attention_mask, document_ids=document_ids, dropout=dropout,
-    )
-    return output.transpose(1, 2).contiguous(), None
-
-
-def _is_a_step_mask(attention_mask: torch.Tensor) -> bool:
-    """Whether a 4D mask is a boolean (B, 1, 1, Lk) one, which `generate` builds for a compiled static-cache step
-    (Transformers' own causal mask): the step's visible keys. A decoding step attends to the cache's filled slots
-    only: keys after its position are hidden whatever the mask says (they hold no key yet)."""
-    return attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1
+    global prior's, once for all layers, or, without gradients on the CPU, each layer's own prior's)."""
+    return _routed("sdpa", module, query, key, value, attention_mask, scaling, dropout, query_positions, prior,
+                   document_ids, prior_table, last_position)
 
 
 def bam_triton_attention_forward(
@@ -146,29 +97,24 @@ def bam_triton_attention_forward(
     query_positions: torch.Tensor,
     prior: nn.Module,
     document_ids: torch.Tensor | None = None,
+    prior_table: torch.Tensor | None = None,
+    last_position: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Fused Triton kernels; falls back to SDPA off-GPU, with dropout, or with a custom 4D mask."""
-    custom_mask = attention_mask is not None and attention_mask.dim() == 4
-    usable = triton_usable(query)
-    if query.is_cuda and not usable:
+    """Fused Triton kernels; the route runs the "sdpa" paths instead off-GPU, with dropout, or with a custom 4D
+    mask."""
+    if query.is_cuda and not triton_usable(query):
         logger.warning_once(
             f"bam_triton: the fused kernels do not fit head size {query.shape[-1]} in {query.dtype} on a GPU; "
             "attention runs on SDPA (use fp16/bf16 for the kernels)"
         )
-    if custom_mask or dropout > 0.0 or not usable:
-        return bam_sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling, dropout,
-            query_positions=query_positions, prior=prior, document_ids=document_ids, **kwargs,
-        )
-    ssmax = module.ssmax
-    output = ggd_attention(
-        query, key, value, *prior(), query_positions,
-        scaling=scaling, formula=prior.formula, eps=prior.eps, key_valid=attention_mask,
-        document_ids=document_ids, ssmax_scale=None if ssmax is None else ssmax(),
-        ssmax_prior=module.config.ssmax_prior,
-    )
-    return output.transpose(1, 2).contiguous(), None
+    return _routed("bam_triton", module, query, key, value, attention_mask, scaling, dropout, query_positions, prior,
+                   document_ids, prior_table, last_position)
+
+
+def _routed(implementation: str, *arguments) -> tuple[torch.Tensor, None]:
+    """(B, Lq, H, D) contiguous from the path the route picks for the call."""
+    return run_attention(module_attention_call(implementation, *arguments)).contiguous(), None
 
 
 # --------------------------------------------------------------------------------------------------------

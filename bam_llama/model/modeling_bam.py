@@ -44,6 +44,7 @@ from .dispatch_bam import (
 )
 from .prior_bam import KeptPriorTable, exporting
 from .prior_modules_bam import BamPrior, BamScalableSoftmax, apply_config_trainability
+from .prior_tables_bam import layer_tables
 from .sequence_parallel_bam import active_sequence_parallel
 from .triton_bam import TRITON_AVAILABLE
 
@@ -411,10 +412,9 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
 
     def _prior_tables(self, last_position: int | None) -> list[torch.Tensor | None]:
         """The (H, P + 1) prior table of each layer, where one computation serves several layers (None: the layer's
-        attention computes its own). The global prior depends on j - i only: one table for all layers. A prior per
-        layer, without gradients in eager CPU code: every layer's table from one kept for all of them, its
-        parameters checked once a forward, not once a layer (at 512 tokens the per-layer checks were 5% of a
-        decoding step; benchmarks/results/cpu-speed.md)."""
+        attention asks its own prior). The global prior depends on j - i only: one table for all layers. A prior per
+        layer, without gradients in eager code: every layer's table a window of one kept for all of them
+        (`prior_tables_bam.layer_tables`)."""
         no_table = [None] * len(self.layers)
         if last_position is None:
             return no_table
@@ -423,13 +423,9 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return no_table
         parameters = [layer.self_attn.prior() for layer in self.layers]  # module calls: offload hooks run
-        if any(theta_alpha.device.type != "cpu" for theta_alpha, _, _ in parameters):
-            return no_table
-        theta_alpha, theta_beta, theta_mu = (torch.cat(values) for values in zip(*parameters))  # (layers x H,)
-        tables = self._layer_tables.window(
-            last_position, theta_alpha, theta_beta, theta_mu, self.config.prior_formula, self.config.prior_eps
-        )
-        return list(tables.view(len(self.layers), -1, last_position + 1).unbind(0))
+        config = self.config
+        tables = layer_tables(parameters, config.prior_formula, config.prior_eps, last_position, self._layer_tables)
+        return no_table if tables is None else tables
 
     def _positions_and_mask(self, inputs_embeds, attention_mask, position_ids, cache, sequence_parallel):
         """The absolute query positions (Lq,), read from the cache BEFORE any layer updates it; the last one as an

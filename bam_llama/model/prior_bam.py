@@ -20,7 +20,11 @@ PRIOR_MODULES = ("prior", "ssmax")
 SCALE_OUTSIDE_POWER = "current"
 # -(|(d - mu) * exp(theta_alpha)| + eps) ** theta_beta, the scale inside the power: the reference code before May 2025
 SCALE_INSIDE_POWER = "legacy"
-PRIOR_FORMULAS = (SCALE_OUTSIDE_POWER, SCALE_INSIDE_POWER)
+# -exp(theta_alpha) * ln(1 + exp(theta_beta) * |d - mu|): KERPLE's logarithmic kernel (Chi et al., 2022), its two
+# positive parameters r1 = exp(theta_alpha), r2 = exp(theta_beta); a baseline prior family, not BAM's
+KERPLE_LOG = "kerple_log"
+PRIOR_FORMULAS = (SCALE_OUTSIDE_POWER, SCALE_INSIDE_POWER, KERPLE_LOG)
+REFERENCE_FORMULAS = (SCALE_OUTSIDE_POWER, SCALE_INSIDE_POWER)  # the ones reference GGD-BAM runs were trained with
 
 
 def is_prior_parameter(name: str) -> bool:
@@ -52,7 +56,8 @@ def ggd_bias(
     formula: str = SCALE_OUTSIDE_POWER,
     eps: float = 1e-5,
 ) -> torch.Tensor:
-    """GGD prior for every head at the given key-minus-query distances.
+    """The prior for every head at the given key-minus-query distances: the GGD (formula "current" or "legacy"), or
+    KERPLE's log kernel of the same three parameters ("kerple_log"; eps unused).
 
     Args:
         distance: (...) float, j - i (<= 0 for visible causal keys).
@@ -69,6 +74,8 @@ def ggd_bias(
         return -torch.exp(alpha) * (shifted.abs() + eps).pow(beta)
     if formula == SCALE_INSIDE_POWER:
         return -((shifted * torch.exp(alpha)).abs() + eps).pow(beta)
+    if formula == KERPLE_LOG:
+        return -torch.exp(alpha) * torch.log1p(torch.exp(beta) * shifted.abs())
     raise ValueError(f"unknown prior formula {formula!r}; expected {' or '.join(map(repr, PRIOR_FORMULAS))}")
 
 

@@ -7,9 +7,8 @@ import torch
 from torch import nn
 
 from .configuration_bam import BamLlamaConfig
-from .prior_bam import (
-    SSMAX_PARAMETER, KeptPriorTable, alibi_slopes, ggd_bias, prior_table, relative_distance, ssmax_factor,
-)
+from .prior_bam import SSMAX_PARAMETER, KeptPriorTable, alibi_slopes, ggd_bias, relative_distance, ssmax_factor
+from .prior_tables_bam import module_table
 
 try:
     from transformers import initialization as hf_init
@@ -77,14 +76,9 @@ class BamPrior(KeptInFloat32):
         return self.theta_alpha, self.theta_beta, self.theta_mu
 
     def table(self, last_position: int) -> torch.Tensor:
-        """(H, P + 1) float32 prior at distances -P, ..., 0: every row of the bias is a window of it.
-
-        On CPU without gradients (eager code) the table is kept for reuse (`KeptPriorTable`): a decoding step then
-        computes no prior at all, where it would compute H x (P + 1) powers a layer."""
-        theta_alpha, theta_beta, theta_mu = self()
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or theta_alpha.device.type != "cpu":
-            return prior_table(last_position + 1, theta_alpha, theta_beta, theta_mu, self.formula, self.eps)
-        return self._kept_table.window(last_position, theta_alpha, theta_beta, theta_mu, self.formula, self.eps)
+        """(H, P + 1) float32 prior at distances -P, ..., 0: every row of the bias is a window of it. On CPU without
+        gradients (eager code) the table is kept for reuse (`prior_tables_bam.module_table`)."""
+        return module_table(self(), self.formula, self.eps, last_position, self._kept_table)
 
     def bias(self, query_positions: torch.Tensor, key_length: int) -> torch.Tensor:
         """(1, H, Lq, Lk) float32 prior for queries at absolute positions (Lq,) and keys 0..Lk-1."""

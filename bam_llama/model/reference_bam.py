@@ -1,7 +1,7 @@
 """Materialized GGD-BAM attention: every (Lq x Lk) score exists at once.
 
-`bam_attention_reference` is the ground truth the faster paths (`blocked_bam.py`, the Triton kernels of
-`triton_bam.py`) are tested against, and the "eager" attention; `bam_attention_sdpa` is the same through PyTorch's
+`bam_attention_reference` is the ground truth the faster paths (`attention_route_bam.py`'s, the Triton kernels of
+`triton_bam.py` among them) are tested against, and the "eager" attention; `bam_attention_sdpa` is the same through PyTorch's
 SDPA with a float mask, for custom 4D masks, static caches in traced GPU graphs and exported programs (a dynamic
 length).
 
@@ -11,7 +11,7 @@ Shapes: B batch, H query heads, Hkv key/value heads, Lq queries, Lk keys, D head
 import torch
 import torch.nn.functional as F
 
-from .prior_bam import attention_compute_dtype, autocast_off
+from .prior_bam import attention_compute_dtype, autocast_off, visibility_from_positions
 
 
 def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -106,3 +106,21 @@ def bam_attention_sdpa(
             query, key, value, attn_mask=float_mask, dropout_p=dropout, scale=scaling
         )
         return torch.where(has_keys, output, torch.zeros_like(output)).to(input_dtype)
+
+
+def _visible_mask(attention_mask, query_positions, key_length, document_ids=None) -> torch.Tensor:
+    """The boolean (B, 1, Lq, Lk) visibility from whatever mask the mask interface produced."""
+    if attention_mask is None or attention_mask.dim() == 2:
+        return visibility_from_positions(query_positions, key_length, attention_mask, document_ids)
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    return attention_mask > torch.finfo(attention_mask.dtype).min / 2  # a custom additive mask
+
+
+def materialized_inputs(module, key, attention_mask, query_positions, prior, document_ids=None):
+    """The visibility (B, 1, Lq, Lk), the prior's bias (1, H, Lq, Lk) and the SSMax row factor (or None) of the
+    materialized paths, from the attention module (its `ssmax`) and its prior."""
+    visible = _visible_mask(attention_mask, query_positions, key.shape[2], document_ids)
+    bias = prior.bias(query_positions, key.shape[2])
+    row_factor = module.ssmax.row_factor(visible.sum(-1).squeeze(1)) if module.ssmax is not None else None
+    return visible, bias, row_factor

@@ -13,15 +13,15 @@ with c_i = ssmax_scale_h * ln(max(n_i, 1)), n_i the number of keys query i sees,
 j <= p_i, key_valid[b, j] and document_ids[b, j] == document_ids[b, p_i].
 
 Prior: every kernel (prefill, split-KV decode, backward) looks it up in one per-head 1-D table over distances
-t = p_i - j (0 <= t < Lk), built here by `prior_bam.ggd_bias` itself: O(H * Lk) work, negligible next to
-the O(Lq * Lk) attention. A per-element analytic prior costs a log2 and an exp2 on the special-function unit,
+t = p_i - j (0 <= t < Lk), built by `prior_tables_bam.kernel_prior_tables` from `prior_bam.ggd_bias` itself:
+O(H * Lk) work, negligible next to the O(Lq * Lk) attention. A per-element analytic prior costs a log2 and an exp2 on the special-function unit,
 about as much as the tensor-core work of a tile at head size 128 and twice it at 64. The backward uses three
 more tables, the derivatives of the prior w.r.t. theta_alpha, theta_beta and theta_mu (forward-mode AD of the
 same `ggd_bias`), so the parameter gradients need no special functions either. One table for every path means
 the backward recomputes exactly the scores whose log-sum-exp the forward saved.
 
-This module holds the host side: problem preparation (counts, SSMax factors, document bounds), the prior tables,
-launch configurations (autotune lists on CUDA, fixed tiles under TRITON_INTERPRET=1), the custom ops that make
+This module holds the host side: problem preparation (counts, SSMax factors, document bounds), launch
+configurations (autotune lists on CUDA, fixed tiles under TRITON_INTERPRET=1), the custom ops that make
 the kernels opaque to torch.compile, and autograd.
 """
 
@@ -33,10 +33,10 @@ from typing import Optional
 
 import torch
 
-from .prior_bam import PRIOR_FORMULAS, SCALE_OUTSIDE_POWER, ggd_bias, ssmax_factor, visible_key_counts
+from .prior_bam import PRIOR_FORMULAS, SCALE_OUTSIDE_POWER, ssmax_factor, visible_key_counts
+from .prior_tables_bam import kernel_prior_tables
 from .triton_kernels_bam import TRITON_AVAILABLE, activate_kernels, import_triton, interpreting
 
-PRIOR_LIMIT = 2.0**100  # bound of the prior tables: |x| ** beta stays finite for any beta
 
 DECODE_MAX_QUERIES = 16  # automatic split-KV decode for at most this many queries...
 DECODE_MAX_ROWS = 64  # ...when (query heads per kv head) x queries fits one tile
@@ -292,30 +292,6 @@ def _prepare_problem(query, key, query_positions, key_valid, document_ids, ssmax
     )
 
 
-def _clamped_to_prior_limit(values: torch.Tensor) -> torch.Tensor:
-    """NaN as 0, everything else (infinities too) clamped to [-PRIOR_LIMIT, PRIOR_LIMIT]."""
-    return torch.nan_to_num(values, nan=0.0, posinf=PRIOR_LIMIT, neginf=-PRIOR_LIMIT).clamp(-PRIOR_LIMIT, PRIOR_LIMIT)
-
-
-def _prior_tables(theta_alpha, theta_beta, theta_mu, table_len, formula, eps, with_derivatives) -> torch.Tensor:
-    """(1 or 4, H, table_len) float32: prior b(t) at distance j - p_i = -t, then d b / d theta_{alpha, beta, mu}.
-
-    The derivatives are forward-mode AD of `ggd_bias`, so they follow whatever formula the reference implements.
-    """
-    params = tuple(p.detach().float() for p in (theta_alpha, theta_beta, theta_mu))
-    distance = -torch.arange(table_len, device=params[0].device, dtype=torch.float32)  # (T,)
-
-    def prior(alpha, beta, mu):
-        return ggd_bias(distance, alpha, beta, mu, formula, eps)  # (H, T)
-
-    tables = [prior(*params)]
-    if with_derivatives:
-        for which in range(3):
-            tangents = tuple(torch.ones_like(p) if i == which else torch.zeros_like(p) for i, p in enumerate(params))
-            tables.append(torch.func.jvp(prior, params, tangents)[1])
-    return _clamped_to_prior_limit(torch.stack(tables)).contiguous()
-
-
 def dot_options(dtype: torch.dtype) -> dict:
     """fp32 inputs use exact fp32 dots (no tf32); the interpreter computes everything in fp32."""
     fp32 = dtype == torch.float32
@@ -385,7 +361,7 @@ def _attention_forward(query, key, value, theta_alpha, theta_beta, theta_mu, que
     if problem.q_len == 0:
         return out, lse
     # the one prior definition of every path: the backward recomputes scores from this same table
-    prior_table = _prior_tables(theta_alpha, theta_beta, theta_mu, problem.k_len, formula, eps, False)
+    prior_table = kernel_prior_tables(theta_alpha, theta_beta, theta_mu, problem.k_len, formula, eps, False)
     if _use_split_kv(problem, num_splits):
         _split_kv_forward(query, key, value, problem, prior_table, num_splits, out, lse)
     else:
@@ -399,7 +375,7 @@ def _attention_backward(grad_out, query, key, value, out, lse, theta_alpha, thet
     problem = _prepare_problem(query, key, query_positions, key_valid, document_ids, ssmax_scale, scaling,
                                ssmax_prior,
                                with_counts=prior_grads)
-    tables = _prior_tables(theta_alpha, theta_beta, theta_mu, problem.k_len, formula, eps, prior_grads)
+    tables = kernel_prior_tables(theta_alpha, theta_beta, theta_mu, problem.k_len, formula, eps, prior_grads)
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # (B, H, Lq): sum_j P_ij dP_ij
     grad_q, grad_k, grad_v = (_new_output(torch.empty_like(tensor)) for tensor in (query, key, value))
     num_rows = problem.batch * problem.heads * problem.q_len

@@ -31,7 +31,7 @@ from functools import cached_property
 
 import torch
 
-from ..model.prior_bam import ggd_bias
+from ..model.prior_bam import prior_table as model_prior_table
 
 
 @dataclass
@@ -121,8 +121,7 @@ class BamTerms:
 
 
 def prior_table(theta_alpha, theta_beta, theta_mu, formula: str, eps: float, max_len: int) -> torch.Tensor:
-    """(H, max_len) float32 GGD prior at distances -(max_len-1), ..., 0: the same values, element by element, as
-    the Transformers model's `BamPrior.table`."""
-    distance = torch.arange(-(max_len - 1), 1, device=theta_alpha.device, dtype=torch.float32)
-    return ggd_bias(distance, theta_alpha, theta_beta, theta_mu, formula, eps).contiguous()
+    """(H, max_len) float32 GGD prior at distances -(max_len-1), ..., 0: the model's own table
+    (`prior_bam.prior_table`, which every path of the Transformers model reads through `prior_tables_bam`)."""
+    return model_prior_table(max_len, theta_alpha, theta_beta, theta_mu, formula, eps).contiguous()
 

@@ -6,7 +6,7 @@ values into the cache in PyTorch.
   one call of paged_cpu.py's C++ decode (where it is not built or BAM_CPU_KERNELS=0: run of blocks by run of
   blocks, one (H x keys) score row per request, in PyTorch); a request with several queries (a prompt or a chunk of
   one) gathers its keys (paged_cpu.py again) and runs the package's attention with the prior table
-  (model/blocked_bam.py: the fused CPU kernel, or blocked SDPA), with or without SSMax. Compiled FlexAttention with
+  (model/attention_route_bam.py: the fused CPU kernel, or blocked SDPA), with or without SSMax. Compiled FlexAttention with
   the prior as a score_mod took 1.4-2.2x blocked SDPA's CPU time with SSMax scaling the prior, from 100 queries to
   4096 x 64K keys, and tied at 128 x 128 (benchmarks/results/cpu-attention-serving.md).
 - `paged_attention_reference`: one request at a time, every score materialized.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.blocked_bam import bam_attention_blocked
+from ..model.attention_route_bam import bam_attention_blocked
 from .paged_batch import BamTerms, PagedBatch
 from .paged_cpu import decode_cpu, gather_cpu, paged_cpu_available
 

@@ -7,7 +7,7 @@ import reference
 import torch
 from helpers import fused_kernel_calls, tiny_config, tiny_model
 
-from bam_llama.model.blocked_bam import bam_attention_blocked
+from bam_llama.model.attention_route_bam import bam_attention_blocked
 from bam_llama.model.dispatch_bam import bam_sdpa_attention_forward
 from bam_llama.model.modeling_bam import BamAttention
 from bam_llama.model.prior_bam import ggd_bias

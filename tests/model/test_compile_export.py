@@ -9,7 +9,7 @@ Compiled graphs run under the "aot_eager" backend: Dynamo's capture and AOTAutog
 
 import pytest
 import torch
-from helpers import tiny_llama, tiny_model
+from helpers import route_path_calls, tiny_llama, tiny_model
 from transformers import StaticCache
 
 VOCAB = 97
@@ -241,7 +241,7 @@ def test_blocked_attention_exported_with_a_dynamic_length_says_it_cannot():
     """The blocked attention plans its query blocks in Python from the length: exported with a dynamic length it
     raises a clear error, never a program fixed to the example's length (which `torch.onnx.export(dynamo=True)`
     would otherwise make silently from export's suggested fix)."""
-    from bam_llama.model.blocked_bam import bam_attention_blocked
+    from bam_llama.model.attention_route_bam import bam_attention_blocked
 
     class Blocked(torch.nn.Module):
         def forward(self, query, key, value):
@@ -283,16 +283,7 @@ def test_compiled_decoding_with_a_static_cache_equals_generate(name):
 def test_eager_attention_plans_blocks_from_the_cache_length(monkeypatch):
     """Outside a traced graph the "sdpa" path stays the blocked one (a window of one prior table per head), its
     table ending at the last query's position: read from the cache length, a tensor only for a static cache."""
-    from bam_llama.model import dispatch_bam
-
-    tables = []
-    blocked = dispatch_bam.bam_attention_blocked
-
-    def spy(query, key, value, positions, table, *args, **kwargs):
-        tables.append((table.shape[-1], int(positions[-1]) + 1, key.shape[2]))
-        return blocked(query, key, value, positions, table, *args, **kwargs)
-
-    monkeypatch.setattr(dispatch_bam, "bam_attention_blocked", spy)
+    paths = route_path_calls(monkeypatch, refuse=("materialized",))
     model = model_of("bam")
     prompt = torch.randint(3, VOCAB, (BATCH, 7))
     cache = StaticCache(config=model.config, max_cache_len=16)
@@ -302,6 +293,7 @@ def test_eager_attention_plans_blocks_from_the_cache_length(monkeypatch):
         model(prompt, past_key_values=cache, use_cache=True)
         model(prompt[:, :1], past_key_values=cache, use_cache=True)  # the cache's length is a tensor now
     calls = [(7, 7, 7), (7, 7, 7), (8, 8, 8), (7, 7, 16), (8, 8, 16)]  # (table, last position + 1, keys)
+    tables = [(call.prior_table.shape[-1], int(call.query_positions[-1]) + 1, call.key.shape[2]) for _, call in paths]
     assert tables == [call for call in calls for _ in range(model.config.num_hidden_layers)]
 
 
@@ -338,9 +330,9 @@ def test_compiled_static_cache_step_on_the_cpu(case, operator, four_d, monkeypat
     again when the parameters change. A smaller cache keeps the materialized step. Either way the logits equal a
     full forward without a cache over the same ids (another path: the prompt attention), left padding included,
     with a 2D mask or the 4D one `generate` builds."""
-    from bam_llama.model import blocked_bam, prior_bam
+    from bam_llama.model import attention_route_bam, prior_bam
 
-    monkeypatch.setattr(blocked_bam, "TRACED_DECODE_MIN_SLOTS", 8 if operator else 16)  # the cache: 16 slots
+    monkeypatch.setattr(attention_route_bam, "TRACED_DECODE_MIN_SLOTS", 8 if operator else 16)  # the cache: 16 slots
     model = model_of("bam", **BAM_CASES[case])
     tables = []
     computed = prior_bam.prior_table

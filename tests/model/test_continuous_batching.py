@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import route_path_calls, tiny_model
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import initialization
 from waiting import scaled
@@ -98,20 +98,14 @@ def test_sdpa_batches_through_the_blocked_path_never_a_materialized_bias(monkeyp
     """Each request's attention is the blocked SDPA over a window of the step's prior table: a path that builds the
     (queries x keys) bias per request grows with the square of a long prompt (issue 47 found every request taking
     it, the table unused)."""
-    from bam_llama.model import dispatch_bam
-
-    calls = {"blocked": 0, "materialized": 0}
-    for name, kind in (("bam_attention_blocked", "blocked"), ("bam_attention_sdpa", "materialized")):
-        original = getattr(dispatch_bam, name)
-
-        def counted(*args, original=original, kind=kind, **kwargs):
-            calls[kind] += 1
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(dispatch_bam, name, counted)
+    paths = route_path_calls(monkeypatch)
     model = tiny_model("sdpa", ssmax=True)
     outputs = model.generate_batch(PROMPTS, generation_config=greedy(), continuous_batching_config=batching_config(8))
     assert_matches_full_forwards(model, PROMPTS, list(outputs.values()))
+    calls = {  # blocked: the paths over a window of the step's prior table
+        "blocked": sum(call.prior_table is not None for _, call in paths),
+        "materialized": sum(path == "materialized" for path, _ in paths),
+    }
     assert calls["blocked"] > 0 and calls["materialized"] == 0, calls
 
 

@@ -12,7 +12,7 @@ import torch.utils.cpp_extension
 from helpers import fused_kernel_calls, tiny_model
 
 from bam_llama.model import cpu_kernels_bam, fused_cpu_bam
-from bam_llama.model.blocked_bam import bam_attention_blocked
+from bam_llama.model.attention_route_bam import bam_attention_blocked
 from bam_llama.model.prior_bam import ggd_bias
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")  # built ahead by tests/conftest.py

@@ -21,7 +21,7 @@ import torch
 from helpers import tiny_llama, tiny_model
 
 from bam_llama.model import triton_bam
-from bam_llama.model.blocked_bam import bam_attention_blocked
+from bam_llama.model.attention_route_bam import bam_attention_blocked
 from bam_llama.model.prior_bam import ggd_bias, ssmax_factor, visible_key_counts
 from bam_llama.model.reference_bam import bam_attention_reference, bam_attention_sdpa
 

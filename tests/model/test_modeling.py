@@ -20,6 +20,7 @@ VARIANTS = {
     "ssmax_unscaled_prior": dict(ssmax=True, ssmax_prior=False),
     "layer_prior_mha": dict(prior_scope="layer", num_key_value_heads=4),
     "legacy_formula": dict(prior_formula="legacy", ssmax=True),
+    "kerple_formula": dict(prior_formula="kerple_log", prior_scope="layer", ssmax=True),
 }
 
 

@@ -21,6 +21,7 @@ EXPECTED = {
     "bam": (BamLlamaForCausalLM, "BAM (GGD prior)", "learned uniform"),
     "alibi": (BamLlamaForCausalLM, "ALiBi", "fixed alibi"),
     "nope": (BamLlamaForCausalLM, "NoPE", "fixed flat"),
+    "kerple": (BamLlamaForCausalLM, "KERPLE (log)", "learned kerple"),
     "rope": (LlamaForCausalLM, "RoPE (Llama)", None),
     "rope-local": (MistralForCausalLM, "RoPE local", None),
 }
@@ -60,7 +61,12 @@ def test_each_variant_builds_the_attention_its_name_says(name):
         return
     assert not hasattr(model.model, "rotary_emb")
     bias = prior_bias(model.model.prior)
-    if prior == "learned uniform":  # the paper's init: bias -1 at every distance, alpha and beta trained
+    if prior == "learned kerple":  # -ln(1 + |d|) at the start, computed by the model's own prior; both trained
+        positions = torch.tensor([40])
+        model_bias = model.model.prior.bias(positions, 41)[0, :, 0].double()
+        torch.testing.assert_close(model_bias, -torch.log1p(DISTANCES.abs()).expand(HEADS, -1), atol=1e-5, rtol=1e-6)
+        assert trained_prior_parameters(model) == {"theta_alpha", "theta_beta"}
+    elif prior == "learned uniform":  # the paper's init: bias -1 at every distance, alpha and beta trained
         torch.testing.assert_close(bias, torch.full_like(bias, -1.0))
         assert trained_prior_parameters(model) == {"theta_alpha", "theta_beta"}
     elif prior == "fixed alibi":  # -slope_h * |d|, nothing of the prior trained
@@ -74,7 +80,7 @@ def test_each_variant_builds_the_attention_its_name_says(name):
 
 def test_a_prior_carries_position_only_where_it_can_tell_distances_apart():
     carries = {name for name, variant in POSITIONAL_VARIANTS.items() if variant.prior_carries_position}
-    assert carries == {"bam", "alibi"}
+    assert carries == {"bam", "alibi", "kerple"}
 
 
 @pytest.mark.parametrize("init", ["uniform", "alibi"])

@@ -557,10 +557,10 @@ def test_compiled_static_cache_generation_equals_eager(implementation, min_slots
     """Fullgraph compilation (no graph break allowed) through `generate`'s own auto-compile path on CPU. The
     backend records the graphs and runs them unoptimized, which keeps the test fast. `min_slots`: the cache size
     past which a compiled step is BAM's operator, lowered to this small cache (else it stays materialized)."""
-    from bam_llama.model import blocked_bam
+    from bam_llama.model import attention_route_bam
 
     if min_slots is not None:
-        monkeypatch.setattr(blocked_bam, "TRACED_DECODE_MIN_SLOTS", min_slots)
+        monkeypatch.setattr(attention_route_bam, "TRACED_DECODE_MIN_SLOTS", min_slots)
     assert BamLlamaForCausalLM._can_compile_fullgraph
     graphs = []
 

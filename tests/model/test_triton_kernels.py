@@ -253,7 +253,7 @@ def test_negative_beta_at_distance_zero_is_finite():
 # ---------------------------------------------------------------------------------------------------- decode
 
 
-@pytest.mark.parametrize("formula", ["current", "legacy"])
+@pytest.mark.parametrize("formula", ["current", "legacy", "kerple_log"])
 def test_decode_equals_last_rows_of_prefill(formula):
     """Split-KV decode (prior computed analytically) against the single-pass kernel (prior table).
 

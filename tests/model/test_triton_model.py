@@ -1,6 +1,6 @@
 """The model's "bam_triton" attention running the fused kernels in Triton's interpreter, against "bam_eager" in fp32.
 
-`bam_triton_attention_forward` falls back to SDPA when the kernels cannot run; the `kernels_only` fixture makes
+The route runs the "sdpa" paths for "bam_triton" when the kernels cannot run; the `kernel_calls` fixture makes
 that fallback fail the test and counts the kernel calls, so every test here proves the kernels ran. Tiny models
 (head size 16, 2 layers, 4 query / 2 key-value heads) and short sequences: the interpreter is ~300x slower than
 torch.
@@ -8,12 +8,12 @@ torch.
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import route_path_calls, tiny_model
 from transformers import DynamicCache
 
 pytest.importorskip("triton")
 
-from bam_llama.model import dispatch_bam  # noqa: E402
+from bam_llama.model import attention_route_bam  # noqa: E402
 
 MODEL = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
 
@@ -23,17 +23,14 @@ def kernel_calls(monkeypatch):
     """Interpreter on; the SDPA fallback raises; returns the list of (query length, key length) of kernel calls."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     calls = []
-    ggd_attention = dispatch_bam.ggd_attention
+    ggd_attention = attention_route_bam.ggd_attention
 
     def counted(query, key, *args, **kwargs):
         calls.append((query.shape[2], key.shape[2]))
         return ggd_attention(query, key, *args, **kwargs)
 
-    def no_fallback(*args, **kwargs):
-        raise AssertionError("bam_triton fell back to SDPA: the kernels did not run")
-
-    monkeypatch.setattr(dispatch_bam, "ggd_attention", counted)
-    monkeypatch.setattr(dispatch_bam, "bam_sdpa_attention_forward", no_fallback)
+    monkeypatch.setattr(attention_route_bam, "ggd_attention", counted)
+    route_path_calls(monkeypatch, refuse=set(attention_route_bam.ATTENTION_PATHS) - {"triton"})  # no SDPA fallback
     return calls
 
 

@@ -1,0 +1,258 @@
+"""The attention route (`attention_route_bam`): one case per path of its table, built where the table says the path
+runs (device, dtype, gradients, compiling, one query, packed documents, padding, SSMax, GQA, a custom 4D mask, kernel
+availability). Each case asserts that the route picks its path, and compares the output, and the gradients where the
+path trains, per element with the suite's float64 reference (tests/reference.py). Triton runs in its interpreter.
+"""
+
+import dataclasses
+import importlib.util
+
+import pytest
+import reference
+import torch
+from helpers import route_path_calls, tiny_config
+
+from bam_llama.model import attention_route_bam, blocked_bam
+from bam_llama.model.attention_route_bam import ATTENTION_PATHS, bam_attention_blocked
+from bam_llama.model.dispatch_bam import bam_sdpa_attention_forward, bam_triton_attention_forward
+from bam_llama.model.fused_cpu_bam import fused_cpu_available
+from bam_llama.model.modeling_bam import BamAttention
+from bam_llama.model.prior_bam import ggd_bias
+from bam_llama.model.prior_modules_bam import BamPrior
+
+BATCH, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 8  # two query heads a key/value head
+PARAMETERS = {
+    "theta_alpha": [-1.2, -0.3, 0.4, 0.9], "theta_beta": [-1.5, -0.4, 0.6, 1.8], "theta_mu": [0.25, -0.35, 0.0, 0.15],
+    "ssmax_scale": [0.8, 1.2, 0.6, 1.1],
+}
+EVERYTHING = ("query", "key", "value", *PARAMETERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """Inputs of a call to `bam_attention_blocked`: queries at positions offset .. offset + queries - 1."""
+
+    dtype: torch.dtype = torch.float64
+    queries: int = 13
+    offset: int = 3
+    trains: tuple = ()  # the inputs that require gradients
+    ssmax: bool = True
+    padded: bool = False
+    packed: bool = False
+    block_rows: int | None = None  # an explicit block shape (the fused kernel then stays out)
+    dropout: float = 0.0
+    compiled: bool = False
+    fused_kernel: bool = False  # the case needs the fused CPU kernel built
+
+
+PLANNED_CASES = {
+    "decode_step_fused": Case(torch.float32, queries=1, offset=11, padded=True, fused_kernel=True),
+    "decode_step": Case(queries=1, offset=11, padded=True),  # float64: the kernel is float32's
+    "compiled_inference": Case(torch.float32, padded=True, compiled=True),
+    "fused_cpu": Case(torch.float32, trains=EVERYTHING, packed=True, fused_kernel=True),
+    "prior_gradient": Case(trains=EVERYTHING, padded=True, block_rows=5),
+    "key_tiles": Case(padded=True, block_rows=5),  # past KEY_TILED_AFTER keys (lowered below)
+    "blocks": Case(trains=("query", "key", "value"), ssmax=False, block_rows=5),  # a view mask: SDPA's backward
+    "traced_blocks": Case(trains=EVERYTHING, padded=True, dropout=0.3, block_rows=5, compiled=True),
+    "replayed_blocks": Case(trains=EVERYTHING, packed=True, dropout=0.3, block_rows=5),
+}
+MODULE_CASES = ("materialized", "traced_decode_step", "triton")
+
+
+def test_every_path_of_the_route_has_a_case():
+    assert set(PLANNED_CASES) | set(MODULE_CASES) == set(ATTENTION_PATHS)
+
+
+def case_inputs(case: Case, seed=7):
+    """q, k, v, positions, the (H,) parameters, key_valid, document_ids; the inputs `case.trains` require grad."""
+    keys = case.offset + case.queries
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(BATCH, HEADS, case.queries, HEAD_DIM, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(BATCH, KV_HEADS, keys, HEAD_DIM, generator=generator, dtype=torch.float64)
+                  for _ in range(2))
+    tensors = {"query": query.to(case.dtype), "key": key.to(case.dtype), "value": value.to(case.dtype)}
+    tensors |= {name: torch.tensor(values, dtype=torch.float64) for name, values in PARAMETERS.items()}
+    if not case.ssmax:
+        del tensors["ssmax_scale"]
+    for name in case.trains:
+        if name in tensors:
+            tensors[name].requires_grad_(True)
+    key_valid = document_ids = None
+    if case.padded:
+        key_valid = torch.ones(BATCH, keys, dtype=torch.long)
+        key_valid[1, :5] = 0  # left padding of row 1: its first queries see no key
+    if case.packed:  # documents as runs of keys, one of a single token
+        document_ids = torch.tensor([[0] * 6 + [1] * (keys - 6), [0] * 4 + [1] + [2] * (keys - 5)])
+    return tensors, torch.arange(case.offset, keys), key_valid, document_ids
+
+
+def expected_attention(tensors, positions, key_valid, document_ids, ssmax_prior=True, **dropout):
+    return reference.bam_attention(
+        tensors["query"], tensors["key"], tensors["value"], positions, tensors["theta_alpha"], tensors["theta_beta"],
+        tensors["theta_mu"], ssmax_scale=tensors.get("ssmax_scale"), ssmax_prior=ssmax_prior, key_valid=key_valid,
+        document_ids=document_ids, **dropout,
+    )
+
+
+def blocked_call(case: Case, tensors, positions, key_valid, document_ids, value=None):
+    """`bam_attention_blocked` on the case's inputs (compiled with dynamo only where the case says): (B, H, Lq, D)."""
+    parameters = (tensors[name] for name in ("theta_alpha", "theta_beta", "theta_mu"))
+    table = ggd_bias(torch.arange(-int(positions[-1]), 1), *parameters)
+
+    def attend(query, key, value, table):
+        return bam_attention_blocked(
+            query, key, value, positions, table, HEAD_DIM**-0.5, ssmax_scale=tensors.get("ssmax_scale"),
+            key_valid=key_valid, document_ids=document_ids, dropout=case.dropout, block_rows=case.block_rows,
+        )
+
+    attend = torch.compile(attend, backend="eager", fullgraph=True) if case.compiled else attend
+    return attend(tensors["query"], tensors["key"], tensors["value"] if value is None else value, table.to(case.dtype))
+
+
+def dropout_keep(case: Case, tensors, positions, key_valid, document_ids, seed) -> torch.Tensor:
+    """Which probabilities the path's dropout kept, (B, H, Lq, Lk): the same call under the same seed with values
+    one-hot per key, so that its output is the dropped probability matrix."""
+    keys = tensors["key"].shape[2]
+    one_hot = torch.eye(keys, dtype=case.dtype).expand(BATCH, KV_HEADS, keys, keys)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return blocked_call(case, tensors, positions, key_valid, document_ids, value=one_hot) != 0
+
+
+def assert_matches(actual, expected, tensors, trains, tolerance):
+    """Output per element, then the gradients of a random projection for every input that trains: q, k, v per
+    element, each (H,) parameter per head."""
+    torch.testing.assert_close(actual.double(), expected, **tolerance)
+    inputs = [tensors[name] for name in trains if name in tensors]
+    if not inputs:
+        return
+    weights = torch.randn(expected.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    actual_grads = torch.autograd.grad((actual.double() * weights).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
+    for name, got, want in zip([n for n in trains if n in tensors], actual_grads, expected_grads):
+        got, want = got.double(), want.double()
+        if got.dim() > 1:
+            torch.testing.assert_close(got, want, **tolerance, msg=lambda m: f"gradient of {name}: {m}")
+            continue
+        atol = tolerance["atol"] * (1 + float(want.abs().max()))  # a parameter's gradient sums every score's
+        for head in range(got.shape[0]):
+            torch.testing.assert_close(
+                got[head], want[head], atol=atol, rtol=tolerance["rtol"], msg=lambda m: f"{name}, head {head}: {m}"
+            )
+
+
+@pytest.mark.parametrize("path", list(PLANNED_CASES))
+def test_the_route_picks_each_planned_path_and_it_matches_the_float64_reference(monkeypatch, path):
+    case = PLANNED_CASES[path]
+    if case.fused_kernel and not fused_cpu_available():
+        pytest.skip("no C++ compiler to build the fused kernel")
+    if path == "key_tiles":
+        monkeypatch.setattr(blocked_bam, "KEY_TILE", 4)
+        monkeypatch.setattr(blocked_bam, "KEY_TILED_AFTER", 8)
+    torch._dynamo.reset()
+    tensors, positions, key_valid, document_ids = case_inputs(case)
+    dropout_kwargs = {}
+    if case.dropout:
+        keep = dropout_keep(case, tensors, positions, key_valid, document_ids, seed=21)
+        dropout_kwargs = dict(dropout=case.dropout, dropout_keep=keep)
+    paths = route_path_calls(monkeypatch)
+    torch.manual_seed(21)
+    with torch.set_grad_enabled(bool(case.trains)):
+        actual = blocked_call(case, tensors, positions, key_valid, document_ids)
+    assert [name for name, _ in paths] == [path]
+    tolerance = dict(atol=1e-5, rtol=1e-5) if case.dtype == torch.float64 else dict(atol=2e-5, rtol=1e-4)
+    expected = expected_attention(tensors, positions, key_valid, document_ids, **dropout_kwargs)
+    assert_matches(actual, expected, tensors, case.trains, tolerance)
+
+
+def attention_module(ssmax=True):
+    """A layer's attention and its prior (float32), the parameters PARAMETERS' and all of them trained."""
+    config = tiny_config(
+        hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, ssmax=ssmax,
+        train_theta_mu=True,
+    )
+    module, prior = BamAttention(config, layer_idx=0), BamPrior(config)
+    with torch.no_grad():
+        for name in ("theta_alpha", "theta_beta", "theta_mu"):
+            getattr(prior, name).copy_(torch.tensor(PARAMETERS[name]))
+        if ssmax:
+            module.ssmax.scale.copy_(torch.tensor(PARAMETERS["ssmax_scale"]))
+    return module, prior
+
+
+def module_tensors(module, prior, case: Case):
+    tensors, positions, key_valid, document_ids = case_inputs(case)
+    for name in ("theta_alpha", "theta_beta", "theta_mu"):
+        tensors[name] = getattr(prior, name)
+    tensors["ssmax_scale"] = module.ssmax.scale
+    return tensors, positions, key_valid, document_ids
+
+
+def test_a_custom_4d_mask_takes_the_materialized_path(monkeypatch):
+    case = Case(torch.float32, padded=True, trains=EVERYTHING)
+    module, prior = attention_module()
+    tensors, positions, key_valid, _ = module_tensors(module, prior, case)
+    mask = reference.visible(positions, tensors["key"].shape[2], key_valid, batch=BATCH)[:, None]  # (B, 1, Lq, Lk)
+    paths = route_path_calls(monkeypatch)
+    output, _ = bam_sdpa_attention_forward(
+        module, tensors["query"], tensors["key"], tensors["value"], mask, HEAD_DIM**-0.5, query_positions=positions,
+        prior=prior, last_position=int(positions[-1]),
+    )
+    assert [name for name, _ in paths] == ["materialized"]
+    expected = expected_attention(tensors, positions, key_valid, None)
+    assert_matches(output.transpose(1, 2), expected, tensors, EVERYTHING, dict(atol=2e-5, rtol=1e-4))
+
+
+def test_a_compiled_static_cache_step_takes_the_traced_decode_step(monkeypatch):
+    """One query at position 9 of a 16-slot cache, the position known only as a tensor: the route's operator reads
+    it and attends to slots 0..9 (the unfilled ones hold noise here)."""
+    monkeypatch.setattr(attention_route_bam, "TRACED_DECODE_MIN_SLOTS", 8)
+    case = Case(torch.float32, queries=1, offset=15)
+    module, prior = attention_module()
+    tensors, _, _, _ = module_tensors(module, prior, case)
+    positions = torch.tensor([9])
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    @torch.compile(backend=recording_backend, fullgraph=True)
+    def step(query, key, value):
+        return bam_sdpa_attention_forward(
+            module, query, key, value, None, HEAD_DIM**-0.5, query_positions=positions, prior=prior
+        )[0]
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        output = step(tensors["query"], tensors["key"], tensors["value"])
+    targets = {node.target for graph in graphs for node in graph.graph.nodes if node.op == "call_function"}
+    assert torch.ops.bam_llama.traced_decode_step.default in targets
+    filled = {name: tensor[:, :, :10] if name in ("key", "value") else tensor for name, tensor in tensors.items()}
+    expected = expected_attention(filled, positions, None, None)
+    torch.testing.assert_close(output.transpose(1, 2).double(), expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_bam_triton_takes_the_triton_kernels_where_they_run(monkeypatch):
+    """In Triton's interpreter (tiny float32 shapes), with padding, SSMax and GQA, gradients included; with dropout
+    the route hands the same call to the "sdpa" paths."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    case = Case(torch.float32, queries=5, offset=2, padded=True, trains=EVERYTHING)
+    module, prior = attention_module()
+    tensors, positions, key_valid, _ = module_tensors(module, prior, case)
+    paths = route_path_calls(monkeypatch)
+    output, _ = bam_triton_attention_forward(
+        module, tensors["query"], tensors["key"], tensors["value"], key_valid.bool(), HEAD_DIM**-0.5,
+        query_positions=positions, prior=prior, last_position=int(positions[-1]),
+    )
+    assert [name for name, _ in paths] == ["triton"]
+    expected = expected_attention(tensors, positions, key_valid, None)
+    assert_matches(output.transpose(1, 2), expected, tensors, EVERYTHING, dict(atol=2e-5, rtol=1e-4))
+    module.train()
+    with torch.no_grad():
+        bam_triton_attention_forward(
+            module, tensors["query"], tensors["key"], tensors["value"], key_valid.bool(), HEAD_DIM**-0.5, dropout=0.5,
+            query_positions=positions, prior=prior, last_position=int(positions[-1]),
+        )
+    assert paths[-1][0] != "triton"
