@@ -16,23 +16,36 @@ from .selection import found, last_window, test_results  # noqa: E402
 from .settings import Study  # noqa: E402
 
 
+def points_by_scale(jobs: dict, study: Study, name: str, point) -> list[tuple]:
+    """(scale, *point(results, length)) at every scale where each of the encoding's test seeds has a result."""
+    results = [result for _, result in test_results(jobs, study, name)]
+    points = []
+    for scale in study.scales + study.long_scales:
+        length = study.train_length * scale
+        if results and all(length in result["passkey"] for result in results):
+            points.append((scale, *point(results, length)))
+    return points
+
+
+def passkey_point(results: list[dict], length: int) -> tuple[float, float, float]:
+    """The mean of the seeds' strict rates, and its distance to the pooled count's exact interval's ends."""
+    counts = [found(result["passkey"][length]) for result in results]
+    low, high = clopper_pearson(sum(hits for hits, _ in counts), sum(prompts for _, prompts in counts))
+    mean = sum(hits / prompts for hits, prompts in counts) / len(counts)
+    return 100 * mean, 100 * (mean - low), 100 * (high - mean)
+
+
+def perplexity_point(results: list[dict], length: int) -> tuple[float]:
+    return (sum(last_window(result, length) for result in results) / len(results),)
+
+
 def plot_passkey(jobs: dict, study: Study, names: list[str], path: Path) -> None:
     figure, axes = plt.subplots(figsize=(9, 5))
     for name in names:
-        results = [result for _, result in test_results(jobs, study, name)]
-        points = []
-        for scale in study.scales + study.long_scales:
-            length = study.train_length * scale
-            counts = [found(result["passkey"][length]) for result in results if length in result["passkey"]]
-            if counts and len(counts) == len(results):
-                hits, prompts = sum(c[0] for c in counts), sum(c[1] for c in counts)
-                low, high = clopper_pearson(hits, prompts)
-                mean = sum(c[0] / c[1] for c in counts) / len(counts)
-                points.append((scale, mean, mean - low, high - mean))
+        points = points_by_scale(jobs, study, name, passkey_point)
         if points:
             scales, means, below, above = zip(*points)
-            axes.errorbar(scales, [100 * m for m in means], yerr=[[100 * b for b in below], [100 * a for a in above]],
-                          marker="o", capsize=3, label=ENCODINGS[name].label)
+            axes.errorbar(scales, means, yerr=[below, above], marker="o", capsize=3, label=ENCODINGS[name].label)
     finish(axes, "passkey found, strict (%)", f"passkey retrieval, trained at {study.train_length} tokens (test seeds)")
     axes.set_ylim(-3, 103)
     save(figure, axes, path)
@@ -41,13 +54,7 @@ def plot_passkey(jobs: dict, study: Study, names: list[str], path: Path) -> None
 def plot_perplexity(jobs: dict, study: Study, names: list[str], path: Path) -> None:
     figure, axes = plt.subplots(figsize=(9, 5))
     for name in names:
-        results = [result for _, result in test_results(jobs, study, name)]
-        points = []
-        for scale in study.scales + study.long_scales:
-            length = study.train_length * scale
-            values = [last_window(result, length) for result in results if length in result["perplexity"]]
-            if values and len(values) == len(results):
-                points.append((scale, sum(values) / len(values)))
+        points = points_by_scale(jobs, study, name, perplexity_point)
         if points:
             axes.plot(*zip(*points), marker="o", label=ENCODINGS[name].label)
     finish(axes, "perplexity of the last training-length window", "position-matched perplexity (test seeds)")

@@ -118,8 +118,9 @@ def target_lines(jobs: dict, study: Study) -> list[str]:
                 met = mean >= target - 1e-9  # a mean of rates of equal counts: its float sum may fall short by an ulp
                 lines.append(f"| {ENCODINGS[name].label} | strict passkey >= {target:.0%} at {scale}x | {mean:.0%} "
                              f"({len(rates)} seeds) | {'yes' if met else f'no, by {100 * (target - mean):.0f} points'} |")
-        ratios = [last_window(r, study.train_length * 512) / last_window(r, study.train_length * 2)
-                  for r in results if study.train_length * 512 in r["perplexity"]]
+        longest, short = study.train_length * 512, study.train_length * 2
+        ratios = [last_window(r, longest) / last_window(r, short) for r in results
+                  if longest in r["perplexity"] and short in r["perplexity"]]
         if ratios:
             mean = sum(ratios) / len(ratios)
             lines.append(f"| {ENCODINGS[name].label} | last-window perplexity at 512x within 10% of 2x | {mean:.3f}x | "

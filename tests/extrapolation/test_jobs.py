@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 from helpers import checkout_environment
 
+from bam_llama.extrapolation import jobs
 from bam_llama.extrapolation.jobs import Job, RunError, earlier_results, plan, ready, run
 from bam_llama.extrapolation.selection import job_key
 from bam_llama.extrapolation.settings import QUICK, TEST, VALIDATION
@@ -77,7 +78,7 @@ def test_one_live_run_per_folder_and_a_killed_holder_blocks_nobody(tmp_path):
         holder.kill()
 
 
-def test_the_pipeline_on_tiny_models_resumes_without_running_a_job_twice(tmp_path):
+def test_the_pipeline_on_tiny_models_resumes_without_running_a_job_twice(tmp_path, monkeypatch):
     published = []
     report = run(VALIDATION, ["alibi"], STUDY, tmp_path, publish=lambda folder, report: published.append(len(report["jobs"])))
     assert len(report["jobs"]) == 4 * len(STUDY.validation_seeds) and published[-1] == len(report["jobs"])
@@ -93,8 +94,30 @@ def test_the_pipeline_on_tiny_models_resumes_without_running_a_job_twice(tmp_pat
     (tmp_path / "results.json").write_text(json.dumps(report))
     again = run(VALIDATION, ["alibi"], STUDY, tmp_path, resume=True)
     assert again["jobs"].keys() == report["jobs"].keys()
+    monkeypatch.setattr(jobs, "goes_long", lambda chosen, result, study: True)  # every test model past 64x here
     test = run(TEST, ["alibi"], STUDY, tmp_path, resume=True)
     test_jobs = {key: job for key, job in test["jobs"].items() if job["phase"] == TEST}
     assert sorted(test_jobs) == [job_key(TEST, "alibi", chosen["trial"], seed) for seed in STUDY.test_seeds]
+    lengths = [STUDY.train_length * scale for scale in STUDY.scales + STUDY.long_scales]
     for job in test_jobs.values():
         assert list(job["results"]["alibi"]) == [chosen["candidate"]]
+        result = job["results"]["alibi"][chosen["candidate"]]
+        assert sorted(result["passkey"]) == lengths and sorted(result["perplexity"]) == lengths
+        keys = [key for length in lengths for row in result["passkey"][length]["passkeys"] for key in row]
+        assert len(keys) == len(set(keys)) == result["evaluation_keys"]["keys"]  # one drawer past 64x too
+        assert [len(result["passkey"][length]["passkeys"][0]) for length in lengths] == \
+            [STUDY.prompts(TEST, scale) for scale in STUDY.scales + STUDY.long_scales]
+
+
+def test_a_two_stage_test_job_trains_its_stage_one_itself_and_freezes_what_it_learned(tmp_path):
+    data = jobs.phase_data(TEST, STUDY, tmp_path)
+    chosen = {"bam-ssmax": {"trial": "two-stage-frozen-scales", "candidate": "trained", "goes_long": False}}
+    job = jobs.make_job(TEST, ("bam-ssmax", "two-stage-frozen-scales", STUDY.test_seeds[0], chosen), STUDY, data, {})
+    assert job.stage_one_learned is None
+    _, entry = jobs.run_job(job)
+    learned_first, learned = entry["stages"]["stage_one"]["learned"], entry["stages"]["trained"]["learned"]
+    assert entry["stages"]["stage_one"]["steps"] == entry["stages"]["trained"]["steps"] == STUDY.steps
+    for name in ("theta_alpha", "theta_beta", "scale"):  # the prior and the scales exactly stage one's, frozen
+        assert learned[name] == learned_first[name], name
+    assert any(value != 1.0 for row in learned_first["scale"] for value in row)  # stage one did train its scales
+    assert list(entry["results"]) == ["bam-ssmax"] and list(entry["results"]["bam-ssmax"]) == ["trained"]

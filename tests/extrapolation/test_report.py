@@ -61,3 +61,23 @@ def test_targets_say_by_how_much_they_are_missed():
     assert "| BAM | last-window perplexity at 512x within 10% of 2x | 1.080x | yes |" in lines
     jobs[job_key(TEST, "bam", "two-stage", 5)]["results"]["bam"]["trained"]["passkey"][65536] = passkey(10, 20)
     assert "| 70% (3 seeds) | no, by 10 points |" in "\n".join(target_lines(jobs, STUDY))  # 90%, 70%, 50%
+
+
+def test_the_page_and_its_figures_are_written_together(tmp_path):
+    from bam_llama.extrapolation.report import publish
+
+    study = Study(scales=(1, 64), long_scales=(512,), validation_seeds=(100,), test_seeds=(3, 4))
+    jobs = {}
+    for seed, hits in ((3, 20), (4, 10)):
+        lengths = (128, 8192, 65536)
+        result = {"passkey": {length: passkey(hits, 20) for length in lengths},
+                  "perplexity": {length: {"last_window": {"perplexity": 40.0 + seed}} for length in lengths}}
+        jobs[job_key(TEST, "bam", "two-stage", seed)] = {
+            "phase": TEST, "seed": seed, "commit": "abc", "minutes": 1.0, "results": {"bam": {"trained": result}},
+            "machine": {"processor": "cpu", "torch": "t", "transformers": "x", "threads": 1}}
+    text = publish(tmp_path, {"study": {}, "machine": {}, "jobs": jobs, "choices": {}}, study, ["bam"])
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["passkey.png", "perplexity.png", "results.json",
+                                                               "results.md"]
+    assert (tmp_path / "results.md").read_text() == text
+    assert "| BAM (2 seeds) | 75% 30/40 (58-88) |" in text and "| BAM | 43.50 | 43.50 | 43.50 |" in text
+    assert "| BAM | 3 | 20/20 (20) | 20/20 (20) | 20/20 (20) |" in text

@@ -340,6 +340,7 @@ def test_cpu_kernels_refuse_block_ids_outside_the_cache(rows):
 BLOCK_TABLE_CHILD = """
 import json, sys, torch
 from bam_llama.serving.paged_batch import BamTerms, PagedBatch, prior_table
+from bam_llama.serving.paged_cpu import paged_cpu_available
 from bam_llama.serving.paged_cpu_path import paged_attention_cpu
 
 heads, kv_heads, dim, block_size, blocks = 4, 2, 32, 16, 8
