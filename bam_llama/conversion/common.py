@@ -14,7 +14,7 @@ from ..data.tokenizers import TOKENIZER_FILES
 from ..model.configuration_bam import BamLlamaConfig
 from ..model.modeling_bam import BamLlamaForCausalLM
 from ..model.prior_bam import is_prior_parameter
-from ..model_folders import check_finite_tensors
+from ..files.model_folders import check_finite_tensors
 from .options import DTYPES
 
 

@@ -15,12 +15,12 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainingArguments, set_seed
 
-from ..cpu_threads import use_threads
+from ..runtime.cpu_threads import use_threads
 from ..data.packing import PackedRows, PackingFill, collate_packed_rows, pack_documents, packing_fill, split_eval_rows
-from ..model_folders import check_finite_weights
+from ..files.model_folders import check_finite_weights
 from .checkpoints import checkpoint_step, resolve_checkpoint
 from .distributed import gathered_state_dict, parameters_sharded
-from .lock import OutputDirHold, hold_output_dir, resumes_in
+from .output_hold import OutputDirHold, hold_output_dir, resumes_in
 from .summary import TrainingSummary, write_summary
 from .trainer import BamTrainer, mean_token_loss
 
@@ -50,7 +50,7 @@ class TrainingCommand:
     `context_length` and `per_device_train_batch_size`. A command keeps what its summary reports as it goes."""
 
     name: str  # the command, e.g. "bam-pretrain"
-    results: tuple[str, ...]  # what a run leaves in its output folder (`training.lock`)
+    results: tuple[str, ...]  # what a run leaves in its output folder (`training/output_hold.py`)
     prepared: tuple[str, ...] = ()  # what it writes there before training: no result, a new run replaces it
     summary_class: type[TrainingSummary]
 
