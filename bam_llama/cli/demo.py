@@ -5,8 +5,8 @@ import os
 import sys
 
 from ..demo.settings import DEFAULT_MODELS, MODEL_NAMES, default_settings
-from ..runtime.library_warnings import keep_first_screen_quiet
 from ..files.outputs import OutputError, exit_on_sigterm
+from ..runtime.library_warnings import keep_first_screen_quiet
 from .arguments import depth_plan, device_name, length_list, positive_float, positive_int
 
 

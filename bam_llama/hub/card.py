@@ -17,9 +17,9 @@ from ..evaluation.needles import NeedleResults
 from ..evaluation.passkey import PasskeyResults
 from ..evaluation.perplexity import PerplexityResults
 from ..evaluation.results import results_from_dict
+from ..files.outputs import staged_files
 from ..model.configuration_bam import BamLlamaConfig
 from ..model.prior_bam import PRIOR_PARAMETERS, prior_offset
-from ..files.outputs import staged_files
 from ..positional_variants import POSITIONAL_VARIANTS
 
 TEMPLATE_NAME = "card_template.md"  # package data of bam_llama.hub, so wheels carry it

@@ -31,12 +31,12 @@ from transformers import AutoConfig, PreTrainedModel, TrainingArguments
 
 from ..data.documents import load_documents, tokenize_documents
 from ..data.tokenizers import load_tokenizer
+from ..files.model_folders import check_finite_model, check_model_path, check_safetensors_files
+from ..files.outputs import staged_output_dir
 from ..hub.card import write_model_card
 from ..model.configuration_bam import BamLlamaConfig
 from ..model.modeling_bam import BamLlamaForCausalLM, BamPrior, BamScalableSoftmax
 from ..model.prior_bam import PRIOR_PARAMETERS, SSMAX_PARAMETER
-from ..files.model_folders import check_finite_model, check_model_path, check_safetensors_files
-from ..files.outputs import staged_output_dir
 from ..registration import register
 from .arguments import FinetuneArguments
 from .output_hold import OutputDirHold

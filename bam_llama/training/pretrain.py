@@ -37,8 +37,8 @@ from transformers.integrations import get_available_reporting_integrations
 
 from ..data.documents import load_documents, looks_like_a_local_path, tokenize_documents
 from ..data.tokenizers import build_byte_tokenizer, train_bpe_tokenizer
-from ..model.configuration_bam import PRIOR_SCOPES
 from ..files.outputs import staged_output_dir
+from ..model.configuration_bam import PRIOR_SCOPES
 from ..positional_models import variant_config, variant_model
 from ..positional_variants import POSITIONAL_VARIANTS
 from .arguments import PRESETS, REFERENCE_ROPE_THETA, PretrainArguments

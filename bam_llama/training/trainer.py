@@ -16,9 +16,9 @@ from transformers.utils import is_torch_bf16_gpu_available
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..data.packing import IGNORE_INDEX, collate_packed_rows
-from ..model.prior_bam import is_prior_parameter, is_ssmax_parameter
 from ..files.model_folders import check_finite_loss
 from ..files.outputs import disk_full_named, move_into_place, signals_deferred
+from ..model.prior_bam import is_prior_parameter, is_ssmax_parameter
 from .distributed import parallel_training_arguments
 from .output_hold import STAGED_CHECKPOINT
 
