@@ -289,6 +289,8 @@ def train_evaluate_and_save(args: argparse.Namespace, folder: Path, start: float
     names = args.models.split(",")
     jobs = min(args.jobs, len(names))
     print(run_plan(names, args, settings, jobs), flush=True)
+    print(f"Timing {CALIBRATION_STEPS} training steps and two prompts of each model for an estimate of the "
+          "run's time...", flush=True)
     print(run_estimate(names, args, settings, jobs), flush=True)
     if jobs > 1:
         results = train_in_processes(names, args, settings, folder, jobs)

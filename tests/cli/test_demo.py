@@ -112,7 +112,9 @@ def test_quick_run_in_a_log_says_what_runs_first_and_writes_plain_progress_lines
     assert "\r" not in output and "\x1b" not in output
     plan = re.search(r"bam-demo: training bam, rope .*8 steps.* at 64, 128 tokens \(2 prompts per length\)", output)
     estimate = re.search(r"Estimate: training ~\d+ s, evaluation ~\d+ s at these lengths \(from \d+ training steps", output)
-    assert plan and estimate, output
+    timing = re.search(r"Timing \d+ training steps and two prompts of each model for an estimate", output)
+    assert plan and timing and estimate, output
+    assert plan.end() < timing.start() < estimate.start()  # said before the seconds it takes
     for name in ("bam", "rope"):
         assert re.search(rf"^train {name}: 8/8 steps, loss \d+\.\d+, \d+\.\d min$", output, re.MULTILINE), output
         assert re.search(rf"^evaluate {name}: 4/4 prompts, length 128, accuracy .*min$", output, re.MULTILINE), output
