@@ -70,7 +70,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: E40
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM  # noqa: E402
 from bam_llama.evaluation.decoding import greedy_continuation  # noqa: E402
 from bam_llama.model.modeling_bam import CACHE_NAME  # noqa: E402  (the installed Transformers' name of the KV cache)
-from bam_llama.machine import cpu_model  # noqa: E402
+from bam_llama.runtime.processor import cpu_model  # noqa: E402
 from bam_llama.model.cpu_kernels_bam import cpu_kernels_enabled  # noqa: E402
 from bam_llama.model.fused_cpu_bam import fused_cpu_available  # noqa: E402
 

@@ -385,7 +385,7 @@ def main(argv=None) -> int:
     if importlib.util.find_spec("triton") is None:
         print("gpu_check: Triton is not installed: the fused kernels cannot run", file=sys.stderr)
         return 1
-    from bam_llama.outputs import staged_output_dir
+    from bam_llama.files.outputs import staged_output_dir
 
     command = ["python", "benchmarks/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]
     results = []

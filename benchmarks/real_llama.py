@@ -42,7 +42,7 @@ if str(REPO_ROOT) not in sys.path:
 from bam_llama import BamLlamaForCausalLM  # noqa: E402
 from bam_llama.evaluation.passkey import evaluate_passkey  # noqa: E402
 from bam_llama.evaluation.perplexity import evaluate_perplexity  # noqa: E402
-from bam_llama.machine import cpu_model  # noqa: E402
+from bam_llama.runtime.processor import cpu_model  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PRIORS = ("uniform", "alibi")

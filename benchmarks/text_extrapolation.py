@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = args.output_dir or OUTPUT.with_name(OUTPUT.name + ("-quick" if args.quick else ""))
     from bam_llama.extrapolation.jobs import RunError, rewrite_report, run
     from bam_llama.extrapolation.report import publish
-    from bam_llama.outputs import exit_on_sigterm
+    from bam_llama.files.outputs import exit_on_sigterm
 
     exit_on_sigterm()  # like Ctrl-C: the job processes stop, the published results stay
     try:

@@ -1,5 +1,5 @@
 """Seconds per step of one small `bam-pretrain` run at several `--threads`, each beside busy processes, as another
-program sharing the cores would be: the measurement behind `--threads`' default (`bam_llama/cpu_threads.py`).
+program sharing the cores would be: the measurement behind `--threads`' default (`bam_llama/runtime/cpu_threads.py`).
 
     python -m bam_llama.cli.corpus python-corpus
     python benchmarks/threads_beside_load.py --data python-corpus/heldout.jsonl --threads 2,1,2,1 --busy 2
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bam_llama.machine import cpu_model
+from bam_llama.runtime.processor import cpu_model
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SIZE = ["--hidden-size", "128", "--layers", "4", "--heads", "4", "--context-length", "128", "--batch-size", "8"]

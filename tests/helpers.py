@@ -247,7 +247,7 @@ def unwritable(folder: Path, monkeypatch):
         finally:
             folder.chmod(0o755)
         return
-    from bam_llama import outputs
+    from bam_llama.files import outputs
 
     real_mkdtemp, real_mkdir = outputs.tempfile.mkdtemp, Path.mkdir
 

@@ -7,7 +7,7 @@ import logging
 import os
 
 from ..evaluation.depth_plan import DepthPlan
-from ..outputs import exit_on_sigterm
+from ..files.outputs import exit_on_sigterm
 from ..training.arguments import saved_bam_llama_config
 from .reporting import run_reported
 
@@ -144,7 +144,7 @@ def run_training(prog: str, train, args) -> int:
     INFO, every failure is one line and an exit status (`reporting.py`: 2 for bad input, 1 for a diverged loss or
     an I/O error, 130 for Ctrl-C), the process group of a torchrun run is destroyed, and each rank says when it
     finished."""
-    from ..model_folders import TrainingDiverged
+    from ..files.model_folders import TrainingDiverged
 
     exit_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

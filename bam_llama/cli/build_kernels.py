@@ -6,7 +6,7 @@
 import argparse
 import sys
 
-from ..outputs import exit_on_sigterm
+from ..files.outputs import exit_on_sigterm
 from .reporting import run_reported
 
 DESCRIPTION = (

@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..outputs import exit_on_sigterm
+from ..files.outputs import exit_on_sigterm
 from .reporting import run_reported
 
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
 def run(args) -> None:
     from ..hub.card import check_repo_id, write_model_card
     from ..hub.publish import check_uploadable, push_model_to_hub
-    from ..model_folders import check_finite_weights, check_safetensors_files
+    from ..files.model_folders import check_finite_weights, check_safetensors_files
 
     model_dir = Path(args.model_dir)
     check_safetensors_files(model_dir)

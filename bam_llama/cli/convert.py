@@ -20,7 +20,7 @@ from ..conversion.options import (
     VARIANTS,
     parse_size,
 )
-from ..outputs import exit_on_sigterm
+from ..files.outputs import exit_on_sigterm
 from ..positional_variants import PRIOR_INITS, describe_prior_inits
 from .arguments import checked_by
 from .reporting import run_reported

@@ -4,9 +4,9 @@ import argparse
 import os
 import sys
 
-from ..demo_settings import DEFAULT_MODELS, MODEL_NAMES, default_settings
-from ..first_screen import keep_first_screen_quiet
-from ..outputs import OutputError, exit_on_sigterm
+from ..demo.settings import DEFAULT_MODELS, MODEL_NAMES, default_settings
+from ..files.outputs import OutputError, exit_on_sigterm
+from ..runtime.library_warnings import keep_first_screen_quiet
 from .arguments import depth_plan, device_name, length_list, positive_float, positive_int
 
 
@@ -116,7 +116,7 @@ def usable_cores() -> int:
 def run_demo(argv: list[str] | None = None) -> dict:
     """Train, evaluate and save as the command line says; returns each model's passkey results (`demo.run`)."""
     args = parse_args(argv)
-    from ..demo import run
+    from ..demo.pipeline import run
 
     return run(args)
 

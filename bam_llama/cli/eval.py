@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ..evaluation.needle_tasks import NEEDLE_KINDS, NeedleTask
-from ..outputs import exit_on_sigterm, staged_files
+from ..files.outputs import exit_on_sigterm, staged_files
 from .arguments import (
     DistinctLengths, add_threads_argument, depth_plan, device_name, length_list, non_negative_int, positive_int,
 )
@@ -162,7 +162,7 @@ def _add_per_depth(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_for_cli(args):
-    from ..cpu_threads import use_threads
+    from ..runtime.cpu_threads import use_threads
     from ..evaluation.decoding import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(

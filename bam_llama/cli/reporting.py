@@ -5,13 +5,13 @@
          diverged
     130  Ctrl-C (KeyboardInterrupt); SIGTERM is SystemExit(143) (`outputs.exit_on_sigterm`)
 
-Outputs are staged (`outputs.py`), so whatever stops a command leaves no partial file and keeps earlier results.
+Outputs are staged (`files/outputs.py`), so whatever stops a command leaves no partial file and keeps earlier results.
 """
 
 import sys
 
-from ..outputs import disk_full_error, os_error_message
-from ..first_screen import keep_first_screen_quiet
+from ..files.outputs import disk_full_error, os_error_message
+from ..runtime.library_warnings import keep_first_screen_quiet
 
 PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
 

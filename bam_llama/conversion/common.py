@@ -11,10 +11,10 @@ import torch
 from safetensors import safe_open
 
 from ..data.tokenizers import TOKENIZER_FILES
+from ..files.model_folders import check_finite_tensors
 from ..model.configuration_bam import BamLlamaConfig
 from ..model.modeling_bam import BamLlamaForCausalLM
 from ..model.prior_bam import is_prior_parameter
-from ..model_folders import check_finite_tensors
 from .options import DTYPES
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from ..outputs import disk_full_named, leftover_prefix
+from ..files.outputs import disk_full_named, leftover_prefix
 from .common import ConversionError, dtype_name, print_nothing
 from .llama import convert_llama_checkpoint
 from .options import DEFAULT_MAX_SHARD_SIZE

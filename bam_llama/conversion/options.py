@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from ..outputs import OutputError
+from ..files.outputs import OutputError
 
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}  # torch dtype names
 

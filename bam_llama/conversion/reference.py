@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
+from ..files.model_folders import check_finite_tensors
+from ..files.outputs import check_output_dir, staged_output_dir
 from ..model.configuration_bam import BamLlamaConfig
 from ..model.prior_bam import REFERENCE_FORMULAS
 from ..model.prior_bam import is_prior_parameter
-from ..model_folders import check_finite_tensors
-from ..outputs import check_output_dir, staged_output_dir
 from .common import (
     ConversionError,
     bam_parameter_shapes,

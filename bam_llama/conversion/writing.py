@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import save_file
 from transformers.dynamic_module_utils import custom_object_save
 
+from ..files.outputs import check_output_dir, staged_output_dir
 from ..hub.card import write_model_card
 from ..model.configuration_bam import BamLlamaConfig
 from ..model.modeling_bam import REMOTE_CODE_AUTO_MAP, BamLlamaForCausalLM
-from ..outputs import check_output_dir, staged_output_dir
 from .common import parse_dtype
 from .options import DEFAULT_MAX_SHARD_SIZE, parse_size
 

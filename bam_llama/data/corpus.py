@@ -26,7 +26,7 @@ import pydoc_data.topics
 import sysconfig
 from pathlib import Path
 
-from ..outputs import staged_output_dir
+from ..files.outputs import staged_output_dir
 
 SKIPPED_FOLDERS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 SKIPPED_FILES = frozenset({"pydoc_data/topics.py"})  # the topics below, a second time

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..data.tokenizers import load_tokenizer
-from ..model_folders import check_finite_model, check_model_path, check_safetensors_files
+from ..files.model_folders import check_finite_model, check_model_path, check_safetensors_files
 from ..registration import register
 
 

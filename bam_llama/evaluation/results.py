@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..outputs import staged_files
+from ..files.outputs import staged_files
 from .needles import NeedleResults
 from .passkey import PasskeyResults
 from .perplexity import PerplexityResults

@@ -12,7 +12,7 @@ import numpy
 import torch
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
-from ..progress import progress_bar
+from ..runtime.progress import progress_bar
 from . import plots
 from .costs import measured
 from .decoding import check_positive, greedy_and_teacher_forced, greedy_continuation, model_device, sharing_prefixes

@@ -27,9 +27,9 @@ import transformers
 from transformers import AutoTokenizer
 
 from ..data.corpus import python_documents, split_documents
-from ..machine import cpu_model
+from ..files.outputs import FolderInUse, FolderLock
 from ..model.cpu_kernels_bam import FUSED_CPU, KernelBuildError, build_kernel, cpu_kernels_enabled, load_kernel
-from ..outputs import FolderInUse, FolderLock
+from ..runtime.processor import cpu_model
 from .data import SeedData, python_test_suites, seed_data
 from .encodings import ENCODINGS, EXTENDED, TRAINED, trainings
 from .evaluation import evaluate, seed_keys

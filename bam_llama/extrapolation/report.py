@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from ..evaluation.intervals import interval_over_seeds, interval_text
-from ..outputs import staged_files
+from ..files.outputs import staged_files
 from .encodings import ENCODINGS
 from .figures import plot_passkey, plot_perplexity
 from .selection import candidate_scores, found, last_window, test_results

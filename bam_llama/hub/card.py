@@ -17,9 +17,9 @@ from ..evaluation.needles import NeedleResults
 from ..evaluation.passkey import PasskeyResults
 from ..evaluation.perplexity import PerplexityResults
 from ..evaluation.results import results_from_dict
+from ..files.outputs import staged_files
 from ..model.configuration_bam import BamLlamaConfig
 from ..model.prior_bam import PRIOR_PARAMETERS, prior_offset
-from ..outputs import staged_files
 from ..positional_variants import POSITIONAL_VARIANTS
 
 TEMPLATE_NAME = "card_template.md"  # package data of bam_llama.hub, so wheels carry it
@@ -188,7 +188,7 @@ def evaluation_sections(results) -> list[dict]:
 
 
 def is_demo_results(values) -> bool:
-    """bam-demo's results.json (`demo.py`): {"run": {"argv", "settings", ...}, MODEL: its passkey results, ...}."""
+    """bam-demo's results.json (`demo/pipeline.py`): {"run": {"argv", "settings", ...}, MODEL: its passkey results, ...}."""
     return isinstance(values, dict) and isinstance(values.get("run"), dict) and "settings" in values["run"]
 
 

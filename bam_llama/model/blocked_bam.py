@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .block_masks_bam import Workspace, block_mask, key_bias, query_blocks, visible_counts, write_block_mask
 from .prior_bam import autocast_off, ssmax_factor
 
-VIEW_BLOCK_ROWS = 256  # SDPA's CPU kernel is fastest on 256-query calls here (benchmarks/results/cpu-speed-ab.md)
+VIEW_BLOCK_ROWS = 256  # SDPA's CPU kernel is fastest on 256-query calls (benchmarks/cpu_speed_ab.py --attention)
 MASK_BLOCK_ROWS = 192  # SDPA's CPU kernel tiles 192 queries and more by 64 (fewer by 32, which is slower)
 MASK_BLOCK_ELEMENTS = 3 << 19  # a materialized block mask of 6 MiB (fp32): larger ones fall out of the cache
 # Past ~24K keys the mask budget leaves fewer queries a call than SDPA's CPU kernel tiles, each call re-reading

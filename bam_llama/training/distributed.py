@@ -26,7 +26,7 @@ try:  # Accelerate's Ulysses sequence parallelism, in newer releases only
 except ImportError:
     ParallelismConfig = DeepSpeedSequenceParallelConfig = None
 
-from ..outputs import staged_output_dir
+from ..files.outputs import staged_output_dir
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

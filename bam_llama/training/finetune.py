@@ -31,15 +31,15 @@ from transformers import AutoConfig, PreTrainedModel, TrainingArguments
 
 from ..data.documents import load_documents, tokenize_documents
 from ..data.tokenizers import load_tokenizer
+from ..files.model_folders import check_finite_model, check_model_path, check_safetensors_files
+from ..files.outputs import staged_output_dir
 from ..hub.card import write_model_card
 from ..model.configuration_bam import BamLlamaConfig
 from ..model.modeling_bam import BamLlamaForCausalLM, BamPrior, BamScalableSoftmax
 from ..model.prior_bam import PRIOR_PARAMETERS, SSMAX_PARAMETER
-from ..model_folders import check_finite_model, check_model_path, check_safetensors_files
-from ..outputs import staged_output_dir
 from ..registration import register
 from .arguments import FinetuneArguments
-from .lock import OutputDirHold
+from .output_hold import OutputDirHold
 from .run import TrainingCommand, TrainingData, packed_training_data, run_training
 from .summary import TrainingSummary, format_rows, training_rows
 from .trainer import training_arguments
@@ -202,7 +202,7 @@ def save_final(
 
 
 def check_no_stale_merged_model(args: FinetuneArguments, replaced: list[str]) -> None:
-    """A merged/ folder that this run will not rewrite (nor delete: `replaced`, see `training.lock`) belongs to an
+    """A merged/ folder that this run will not rewrite (nor delete: `replaced`, see `training/output_hold.py`) belongs to an
     earlier run and would not match the new adapter: refuse before training rather than leave the two side by side."""
     merged_dir = Path(args.output_dir) / "merged"
     if (merged_dir.exists() or merged_dir.is_symlink()) and not (args.lora and args.merge) and "merged" not in replaced:
@@ -246,7 +246,7 @@ class Finetuning(TrainingCommand):
 
     name = "bam-finetune"
     # What a run leaves in --output-dir: a later run continues it (--resume-from-checkpoint) or replaces it
-    # (--overwrite-output-dir), never writes over it silently (see `training.lock`).
+    # (--overwrite-output-dir), never writes over it silently (see `training/output_hold.py`).
     results = ("checkpoint-*", "adapter", "model", "merged", "summary.json")
     summary_class = FinetuneSummary
 

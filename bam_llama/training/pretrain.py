@@ -37,13 +37,13 @@ from transformers.integrations import get_available_reporting_integrations
 
 from ..data.documents import load_documents, looks_like_a_local_path, tokenize_documents
 from ..data.tokenizers import build_byte_tokenizer, train_bpe_tokenizer
+from ..files.outputs import staged_output_dir
 from ..model.configuration_bam import PRIOR_SCOPES
-from ..outputs import staged_output_dir
 from ..positional_models import variant_config, variant_model
 from ..positional_variants import POSITIONAL_VARIANTS
 from .arguments import PRESETS, REFERENCE_ROPE_THETA, PretrainArguments
 from .frozen_prior import FROZEN_PRIOR, FROZEN_SSMAX, check_prior_source, set_frozen_prior
-from .lock import OutputDirHold
+from .output_hold import OutputDirHold
 from .run import TrainingCommand, TrainingData, packed_training_data, run_training
 from .summary import TrainingSummary, format_rows, training_rows
 from .trainer import training_arguments
@@ -253,7 +253,7 @@ class Pretraining(TrainingCommand):
 
     name = "bam-pretrain"
     # What a run leaves in its output folder: a new run does not write over it unless it resumes that run or is told
-    # to (--overwrite-output-dir), and two live runs never share the folder (see `training.lock`). The BPE in
+    # to (--overwrite-output-dir), and two live runs never share the folder (see `training/output_hold.py`). The BPE in
     # tokenizer/ is written before training: a run stopped before its first checkpoint leaves only it, and the
     # same command run again replaces it.
     results = ("checkpoint-*", "model", "summary.json")

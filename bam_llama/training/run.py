@@ -13,14 +13,15 @@ import math
 import time
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainingArguments, set_seed
 
-from ..cpu_threads import use_threads
 from ..data.packing import PackedRows, PackingFill, collate_packed_rows, pack_documents, packing_fill, split_eval_rows
-from ..model_folders import check_finite_weights
+from ..files.model_folders import check_finite_weights
+from ..runtime.cpu_threads import use_threads
 from .checkpoints import checkpoint_step, resolve_checkpoint
 from .distributed import gathered_state_dict, parameters_sharded
-from .lock import OutputDirHold, hold_output_dir, resumes_in
+from .output_hold import OutputDirHold, hold_output_dir, resumes_in
 from .summary import TrainingSummary, write_summary
 from .trainer import BamTrainer, mean_token_loss
 
@@ -50,7 +51,7 @@ class TrainingCommand:
     `context_length` and `per_device_train_batch_size`. A command keeps what its summary reports as it goes."""
 
     name: str  # the command, e.g. "bam-pretrain"
-    results: tuple[str, ...]  # what a run leaves in its output folder (`training.lock`)
+    results: tuple[str, ...]  # what a run leaves in its output folder (`training/output_hold.py`)
     prepared: tuple[str, ...] = ()  # what it writes there before training: no result, a new run replaces it
     summary_class: type[TrainingSummary]
 
@@ -111,6 +112,27 @@ def run_training(command: TrainingCommand) -> tuple[TrainingSummary, PreTrainedM
         return _run_training(command, hold, started)
 
 
+def _log_start(command: TrainingCommand, data: TrainingData, device: torch.device, threads: int):
+    logger = logging.getLogger(type(command).__module__)  # the log names the command's module
+    logger.info("%s at %d tokens: %d documents, %d train rows, %d %s eval rows; %s, %d torch thread(s)",
+                command.description(), command.args.context_length, data.documents, len(data.train_rows),
+                len(data.eval_rows), data.eval_split, device, threads)
+
+
+def _trainer(command: TrainingCommand, model: PreTrainedModel, data: TrainingData, training_args: TrainingArguments,
+             hold: OutputDirHold) -> BamTrainer:
+    """The Trainer of one run: packed rows, the command's learning rates, the folder re-checked before each save."""
+    return BamTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=PackedRows(data.train_rows),
+        data_collator=collate_packed_rows,
+        processing_class=data.tokenizer,
+        before_saving=hold.ensure_held,
+        **command.learning_rates(),
+    )
+
+
 def _run_training(command: TrainingCommand, hold: OutputDirHold, started: float):
     args = command.args
     command.check_inputs(hold)
@@ -127,19 +149,8 @@ def _run_training(command: TrainingCommand, hold: OutputDirHold, started: float)
     set_seed(args.seed)
     model = command.build_model(data)
     if is_main:
-        logger = logging.getLogger(type(command).__module__)  # the log names the command's module
-        logger.info("%s at %d tokens: %d documents, %d train rows, %d %s eval rows; %s, %d torch thread(s)",
-                    command.description(), args.context_length, data.documents, len(data.train_rows),
-                    len(data.eval_rows), data.eval_split, training_args.device, threads)
-    trainer = BamTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=PackedRows(data.train_rows),
-        data_collator=collate_packed_rows,
-        processing_class=data.tokenizer,
-        before_saving=hold.ensure_held,
-        **command.learning_rates(),
-    )
+        _log_start(command, data, training_args.device, threads)
+    trainer = _trainer(command, model, data, training_args, hold)
     evaluate = lambda: mean_token_loss(  # noqa: E731
         model, data.eval_rows, args.per_device_train_batch_size, training_args.device, training_args.bf16, show_progress
     )

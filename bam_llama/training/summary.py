@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..outputs import staged_files
+from ..files.outputs import staged_files
 
 
 @dataclasses.dataclass

@@ -16,11 +16,11 @@ from transformers.utils import is_torch_bf16_gpu_available
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..data.packing import IGNORE_INDEX, collate_packed_rows
+from ..files.model_folders import check_finite_loss
+from ..files.outputs import disk_full_named, move_into_place, signals_deferred
 from ..model.prior_bam import is_prior_parameter, is_ssmax_parameter
-from ..model_folders import check_finite_loss
-from ..outputs import disk_full_named, move_into_place, signals_deferred
 from .distributed import parallel_training_arguments
-from .lock import STAGED_CHECKPOINT
+from .output_hold import STAGED_CHECKPOINT
 
 
 def optimizer_parameter_groups(
@@ -76,7 +76,7 @@ class BamTrainer(Trainer):
     def _save_checkpoint(self, model, trial):
         """Trainer's checkpoint-N, written into `.checkpoint-N.staging/` (every rank writes its part there) and
         renamed into place once complete: a full disk, Ctrl-C or a crash leaves no partial checkpoint-N, only the
-        staging folder, which the next run holding the folder removes (`training.lock`)."""
+        staging folder, which the next run holding the folder removes (`training/output_hold.py`)."""
         if self.before_saving is not None:
             self.before_saving()
         run_dir = Path(super()._get_output_dir(trial))

@@ -19,8 +19,8 @@ from bam_llama import BamLlamaForCausalLM
 from bam_llama.cli.demo import main, run_demo
 from bam_llama.data.packing import IGNORE_INDEX
 from bam_llama.data.tokenizers import build_byte_tokenizer
-from bam_llama.demo import DEMO_TEMPLATE, build_model, training_batch
-from bam_llama.demo_settings import DataConfig, ModelSize, default_settings
+from bam_llama.demo.pipeline import DEMO_TEMPLATE, build_model, training_batch
+from bam_llama.demo.settings import DataConfig, ModelSize, default_settings
 from bam_llama.evaluation.passkey import PasskeyResults
 from helpers import checkout_environment
 
@@ -89,7 +89,7 @@ def test_quick_run_writes_table_plots_and_a_loadable_model(tmp_path, tokenizer, 
 def test_estimate_takes_each_model_and_the_slowest_model_of_each_round(monkeypatch):
     """Models of a round run at once: a round lasts as long as its slowest model, rounds add up. bam's costs alone
     (the estimate once timed the first model only) would read 2 min of training and 3 of evaluation."""
-    import bam_llama.demo as demo
+    import bam_llama.demo.pipeline as demo
 
     seconds = {"bam": (60.0, 100.0), "rope": (50.0, 300.0), "alibi": (70.0, 10.0)}  # (training, evaluation)
     monkeypatch.setattr(demo, "model_seconds", lambda name, args, settings: seconds[name])
@@ -112,7 +112,9 @@ def test_quick_run_in_a_log_says_what_runs_first_and_writes_plain_progress_lines
     assert "\r" not in output and "\x1b" not in output
     plan = re.search(r"bam-demo: training bam, rope .*8 steps.* at 64, 128 tokens \(2 prompts per length\)", output)
     estimate = re.search(r"Estimate: training ~\d+ s, evaluation ~\d+ s at these lengths \(from \d+ training steps", output)
-    assert plan and estimate, output
+    timing = re.search(r"Timing \d+ training steps and two prompts of each model for an estimate", output)
+    assert plan and timing and estimate, output
+    assert plan.end() < timing.start() < estimate.start()  # said before the seconds it takes
     for name in ("bam", "rope"):
         assert re.search(rf"^train {name}: 8/8 steps, loss \d+\.\d+, \d+\.\d min$", output, re.MULTILINE), output
         assert re.search(rf"^evaluate {name}: 4/4 prompts, length 128, accuracy .*min$", output, re.MULTILINE), output
@@ -134,7 +136,7 @@ def test_models_trained_at_once_give_the_results_of_one_at_a_time(tmp_path):
 
 
 def test_each_model_runs_on_the_threads_asked(tmp_path, monkeypatch):
-    from bam_llama import demo
+    from bam_llama.demo import pipeline as demo
     from bam_llama.cli.demo import parse_args
 
     seen = []
@@ -152,7 +154,7 @@ def test_each_model_runs_on_the_threads_asked(tmp_path, monkeypatch):
 def test_evaluation_keys_are_none_of_the_training_keys(tmp_path, tokenizer):
     """Two-digit keys (90 of them): 8 steps of 4 examples train on about 27, and 40 evaluation keys drawn blind
     would hit some. The training keys are read back here from the replayed batches' answer labels."""
-    from bam_llama import demo
+    from bam_llama.demo import pipeline as demo
     from bam_llama.cli.demo import parse_args
     from bam_llama.evaluation.retrieval import DepthPlan
 
@@ -238,7 +240,7 @@ def test_unknown_model_is_refused():
 # bam-demo --quick that stops where it saves the BAM model (its heatmap already written) and waits for SIGINT.
 DEMO_INTERRUPTED_WHILE_SAVING = """
 import sys, time
-from bam_llama import demo
+from bam_llama.demo import pipeline as demo
 from bam_llama.cli import demo as demo_cli
 
 def save_bam_then_wait(*args, **kwargs):

@@ -207,7 +207,7 @@ def test_an_unwritable_results_folder_is_one_line(saved_model, tmp_path, monkeyp
 
 
 def test_the_shared_check_names_the_first_tensor_that_is_not_finite():
-    from bam_llama.model_folders import NonFiniteError, check_finite_tensors
+    from bam_llama.files.model_folders import NonFiniteError, check_finite_tensors
 
     check_finite_tensors([("a", torch.ones(3)), ("ids", torch.tensor([1, 2]))], "here")
     with pytest.raises(NonFiniteError, match=r"^b in here holds 2 NaN or infinite values \(of 3\)"):
@@ -219,7 +219,7 @@ def test_the_shared_check_names_the_first_tensor_that_is_not_finite():
 @pytest.mark.parametrize("place", ["parameter", "buffer"])
 def test_every_floating_dtype_and_buffers_are_checked_for_finite_values(dtype, place):
     """A 16-bit model (what most checkpoints hold) and a buffer (a frozen prior tensor is one) are checked too."""
-    from bam_llama.model_folders import NonFiniteError, check_finite_model
+    from bam_llama.files.model_folders import NonFiniteError, check_finite_model
 
     module = torch.nn.Module()
     module.weight = torch.nn.Parameter(torch.ones(2, 3, dtype=dtype))
@@ -238,7 +238,7 @@ def test_every_floating_dtype_and_buffers_are_checked_for_finite_values(dtype, p
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_training_loss_that_is_infinite_or_nan_stops_the_run(value, dtype):
     """An infinite loss diverged as surely as a NaN one (the next update would make every weight NaN)."""
-    from bam_llama.model_folders import TrainingDiverged, check_finite_loss
+    from bam_llama.files.model_folders import TrainingDiverged, check_finite_loss
 
     check_finite_loss(torch.tensor(2.5, dtype=dtype), step=3)
     with pytest.raises(TrainingDiverged, match=rf"^the training loss became {value} at step 3;"):

@@ -15,8 +15,8 @@ import pytest
 from helpers import SAFETENSORS_DISK_FULL_MESSAGES, checkout_environment, fill, small_tmpfs
 from waiting import communicate_within, scaled
 
-from bam_llama import outputs as io_bam
-from bam_llama.outputs import OutputError, check_output_dir, staged_files, staged_output_dir
+from bam_llama.files import outputs as io_bam
+from bam_llama.files.outputs import OutputError, check_output_dir, staged_files, staged_output_dir
 
 # Writes OUT/content.txt through staged_output_dir. ACTION "wait" stops inside the staging block (prints
 # "staged"); "kill-after-rename-N" / "term-after-rename-N" send SIGKILL / SIGTERM to itself right after the N-th
@@ -25,7 +25,7 @@ WRITER = textwrap.dedent(
     """
     import os, signal, sys, time
     from pathlib import Path
-    from bam_llama import outputs as io_bam
+    from bam_llama.files import outputs as io_bam
 
     out, content, action, wait_s = Path(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
     io_bam.exit_on_sigterm()

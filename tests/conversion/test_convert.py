@@ -33,7 +33,7 @@ from bam_llama.conversion.reference import (
     reference_key_table,
 )
 from bam_llama.data.tokenizers import build_byte_tokenizer
-from bam_llama.outputs import OutputError
+from bam_llama.files.outputs import OutputError
 
 # The documented reference -> BamLlama names, written out here independently of the converter's tables.
 PRIOR_TO_BAM = {"shape": "theta_beta", "scale": "theta_alpha", "loc": "theta_mu"}
@@ -659,7 +659,7 @@ def test_a_nan_ssmax_scale_is_refused_before_writing(tiny_llama, tmp_path, capsy
 
 
 def test_an_unwritable_output_parent_is_one_line_and_status_2(tmp_path, monkeypatch, capsys):
-    from bam_llama import outputs
+    from bam_llama.files import outputs
 
     write_reference_run(tmp_path / "run")
 

@@ -16,7 +16,7 @@ from bam_llama.extrapolation import jobs
 from bam_llama.extrapolation.jobs import Job, RunError, earlier_results, plan, ready, run
 from bam_llama.extrapolation.selection import job_key
 from bam_llama.extrapolation.settings import QUICK, TEST, VALIDATION
-from bam_llama.outputs import FolderInUse, FolderLock
+from bam_llama.files.outputs import FolderInUse, FolderLock
 
 STUDY = QUICK
 
@@ -64,7 +64,7 @@ def test_one_live_run_per_folder_and_a_killed_holder_blocks_nobody(tmp_path):
         run(VALIDATION, ["alibi"], STUDY, tmp_path)
     hold.release()
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"from bam_llama.outputs import FolderLock; import pathlib, time; "
+        [sys.executable, "-c", f"from bam_llama.files.outputs import FolderLock; import pathlib, time; "
          f"held = FolderLock(pathlib.Path({str(tmp_path)!r})); print('held', flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE, text=True, env=checkout_environment())
     try:

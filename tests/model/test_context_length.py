@@ -67,8 +67,8 @@ def test_every_command_saves_the_same_rule(tmp_path):
     build their saved config with."""
     from bam_llama.conversion.llama import convert_llama_checkpoint
     from bam_llama.conversion.reference import reference_config
-    from bam_llama.demo import build_model
-    from bam_llama.demo_settings import ModelSize
+    from bam_llama.demo.pipeline import build_model
+    from bam_llama.demo.settings import ModelSize
     from bam_llama.training.arguments import FinetuneArguments, PretrainArguments
     from bam_llama.training.finetune import record_extension
     from bam_llama.training.pretrain import build_config

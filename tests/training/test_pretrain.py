@@ -38,7 +38,7 @@ from bam_llama import BamLlamaForCausalLM
 from bam_llama.cli.pretrain import main
 from bam_llama.data.packing import collate_packed_rows, pack_documents
 from bam_llama.data.tokenizers import train_bpe_tokenizer
-from bam_llama.training.lock import hold_output_dir
+from bam_llama.training.output_hold import hold_output_dir
 from bam_llama.training.pretrain import PretrainArguments, run_pretraining
 
 CONTEXT_LENGTH = 64
@@ -577,7 +577,7 @@ def test_threads_are_one_on_a_cpu_unless_threads_or_omp_num_threads_say_otherwis
 
 
 def test_threads_on_a_gpu_are_left_to_torch_and_the_help_gives_the_measurement(monkeypatch, capsys):
-    from bam_llama.cpu_threads import use_threads
+    from bam_llama.runtime.cpu_threads import use_threads
 
     with torch_threads_in_training(monkeypatch):
         assert use_threads(None, "cuda") == 4 and use_threads(None, "cpu") == 1 and use_threads(3, "cuda") == 3

@@ -11,7 +11,7 @@ import torch
 from helpers import checkout_environment
 from waiting import run_within
 
-from bam_llama.first_screen import keep_first_screen_quiet
+from bam_llama.runtime.library_warnings import keep_first_screen_quiet
 
 FALLBACK = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
 

@@ -9,7 +9,7 @@ import pytest
 from helpers import checkout_environment
 from waiting import WatchedProcess, scaled
 
-from bam_llama.training.lock import (
+from bam_llama.training.output_hold import (
     LOCK_NAME,
     OutputDirError,
     OutputDirInUse,
@@ -19,7 +19,7 @@ from bam_llama.training.lock import (
 
 HOLDER = """
 import sys, time
-from bam_llama.training.lock import hold_output_dir
+from bam_llama.training.output_hold import hold_output_dir
 
 with hold_output_dir(sys.argv[1], "bam-holder"):
     print("held", flush=True)
@@ -189,7 +189,7 @@ def test_the_first_run_releasing_after_the_second_took_over_keeps_the_second_run
 def test_a_lock_file_replaced_between_open_and_lock_is_retried(tmp_path, monkeypatch):
     """A releasing holder unlinks its file between this run's open and its lock, and another run locks a new file at
     the path: the lock this run gets is on the orphaned file, so it must notice and be refused by the new holder."""
-    from bam_llama.training import lock
+    from bam_llama.training import output_hold as lock
 
     real_flock, taken = lock.fcntl.flock, []
 
@@ -220,7 +220,7 @@ def test_a_lock_file_deleted_between_open_and_lock_is_retried_on_a_file_at_the_p
     """A releasing holder unlinks its file between this run's open and its lock, and no other run takes the folder:
     the lock this run gets is on a file no path names, which a second run would never see. The run must notice,
     close that descriptor and lock a new file at the path, so that a second run is refused."""
-    from bam_llama.training import lock
+    from bam_llama.training import output_hold as lock
 
     real_flock, deleted = lock.fcntl.flock, []
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .evaluation.depth_plan import DepthPlan
+from ..evaluation.depth_plan import DepthPlan
 
 MODEL_NAMES = ("bam", "rope", "alibi")  # the positional variants (`positional_variants`) the demo trains
 DEFAULT_MODELS = ("bam", "rope")

@@ -3,7 +3,7 @@ generations apart, whose CPU kernels round differently; the family and model do.
 
 import torch
 
-from bam_llama.machine import cpu_fields, cpu_model
+from bam_llama.runtime.processor import cpu_fields, cpu_model
 
 TWO_PROCESSORS = """processor\t: 0
 vendor_id\t: GenuineIntel

@@ -27,14 +27,12 @@ import torch
 from tqdm import tqdm as tqdm_base
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
-from .cpu_threads import use_threads
-from .data.packing import IGNORE_INDEX
-from .data.special_tokens import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
-from .data.tokenizers import build_byte_tokenizer, encode
-from .demo_settings import MODEL_NAMES, DataConfig, DemoSettings, ModelSize, TrainConfig, default_settings
-from .evaluation.decoding import greedy_continuation
-from .evaluation.intervals import interval_text
-from .evaluation.passkey import (
+from ..data.packing import IGNORE_INDEX
+from ..data.special_tokens import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
+from ..data.tokenizers import build_byte_tokenizer, encode
+from ..evaluation.decoding import greedy_continuation
+from ..evaluation.intervals import interval_text
+from ..evaluation.passkey import (
     PasskeyKeys,
     PasskeyResults,
     PasskeyTemplate,
@@ -43,14 +41,16 @@ from .evaluation.passkey import (
     random_passkey,
     save_passkey_template,
 )
-from .evaluation.plots import plot_prior
-from .first_screen import keep_first_screen_quiet
-from .machine import cpu_model
-from .model.prior_bam import is_prior_parameter
-from .outputs import OutputError, staged_output_dir
-from .positional_models import variant_config, variant_model
-from .positional_variants import POSITIONAL_VARIANTS
-from .progress import in_a_terminal, keep_library_bars_off_a_log, progress_bar
+from ..evaluation.plots import plot_prior
+from ..files.outputs import OutputError, staged_output_dir
+from ..model.prior_bam import is_prior_parameter
+from ..positional_models import variant_config, variant_model
+from ..positional_variants import POSITIONAL_VARIANTS
+from ..runtime.cpu_threads import use_threads
+from ..runtime.library_warnings import keep_first_screen_quiet
+from ..runtime.processor import cpu_model
+from ..runtime.progress import in_a_terminal, keep_library_bars_off_a_log, progress_bar
+from .settings import MODEL_NAMES, DataConfig, DemoSettings, ModelSize, TrainConfig, default_settings
 
 # A short member of the paper's prompt family (same structure, shorter pieces), so that a document fits a
 # 128-token training context with room for several fillers.
@@ -289,6 +289,8 @@ def train_evaluate_and_save(args: argparse.Namespace, folder: Path, start: float
     names = args.models.split(",")
     jobs = min(args.jobs, len(names))
     print(run_plan(names, args, settings, jobs), flush=True)
+    print(f"Timing {CALIBRATION_STEPS} training steps and two prompts of each model for an estimate of the "
+          "run's time...", flush=True)
     print(run_estimate(names, args, settings, jobs), flush=True)
     if jobs > 1:
         results = train_in_processes(names, args, settings, folder, jobs)
