@@ -35,10 +35,12 @@ import sys, torch, torch.utils.cpp_extension as extension
 def no_compiling(*arguments, **keywords):
     raise AssertionError("a forward compiled a kernel")
 extension.load = extension.load_inline = no_compiling
-import bam_llama.model.blocked_bam as blocked
+import bam_llama.model.decode_step_bam as decode_step
+import bam_llama.model.fused_cpu_path_bam as fused_path
 from bam_llama import BamLlamaForCausalLM
-calls, kernel = [], blocked.bam_attention_fused_cpu
-blocked.bam_attention_fused_cpu = lambda *arguments: calls.append(1) or kernel(*arguments)
+calls, kernel = [], fused_path.bam_attention_fused_cpu
+for module in (decode_step, fused_path):  # the kernel's two call sites (the route's fused and decoding paths)
+    module.bam_attention_fused_cpu = lambda *arguments: calls.append(1) or kernel(*arguments)
 folder, inputs, out = sys.argv[1:]
 model = BamLlamaForCausalLM.from_pretrained(folder).eval()
 model.set_attn_implementation("sdpa")
