@@ -106,6 +106,25 @@ def validation_table(jobs: dict, study: Study, chosen: dict, names: list[str]) -
     return lines
 
 
+def validation_jobs_table(jobs: dict, study: Study, names: list[str]) -> list[str]:
+    """Every finished validation job's candidates, strict keys found of asked by length (teacher-forced in brackets
+    at the longest): what the choice reads, shown as the jobs end."""
+    scales = study.scales
+    lines = ["| encoding | trial | seed | candidate | " + " | ".join(f"{scale}x" for scale in scales) + " |",
+             "|---|---|---:|---|" + "---:|" * len(scales)]
+    for key, job in jobs.items():
+        if job["phase"] != VALIDATION:
+            continue
+        for name in (name for name in names if name in job["results"]):
+            for candidate, result in job["results"][name].items():
+                cells = [f"{hits}/{prompts}" for hits, prompts in
+                         (found(result["passkey"][study.train_length * scale]) for scale in scales)]
+                cells[-1] += f" ({found(result['passkey'][study.train_length * scales[-1]], 'teacher_forced')[0]})"
+                lines.append(f"| {ENCODINGS[name].label} | {job['trial']} | {job['seed']} | {candidate} | "
+                             + " | ".join(cells) + " |")
+    return lines
+
+
 def target_lines(jobs: dict, study: Study) -> list[str]:
     lines = ["| encoding | target | mean of the test seeds | met |", "|---|---|---|---|"]
     for name in ("bam", "bam-ssmax"):
@@ -170,6 +189,10 @@ def write_report(report: dict, study: Study, names: list[str]) -> str:
         "## Validation: every trial and candidate, and the choice",
         "",
         *validation_table(jobs, study, chosen, names),
+        "",
+        "Every finished validation job, strict keys found of asked by length (teacher-forced at the longest in brackets):",
+        "",
+        *validation_jobs_table(jobs, study, names),
         "",
     ]
     return "\n".join(lines)

@@ -5,7 +5,7 @@ import math
 
 from bam_llama.extrapolation.report import pooled_cell, seeds_interval_cell, target_lines
 from bam_llama.extrapolation.selection import job_key
-from bam_llama.extrapolation.settings import TEST, Study
+from bam_llama.extrapolation.settings import TEST, VALIDATION, Study
 
 STUDY = Study()
 
@@ -66,7 +66,7 @@ def test_targets_say_by_how_much_they_are_missed():
 def test_the_page_and_its_figures_are_written_together(tmp_path):
     from bam_llama.extrapolation.report import publish
 
-    study = Study(scales=(1, 64), long_scales=(512,), validation_seeds=(100,), test_seeds=(3, 4))
+    study = Study(scales=(1, 64), long_scales=(512,), validation_seeds=(100,), test_seeds=(3, 4), selection_scales=(64,))
     jobs = {}
     for seed, hits in ((3, 20), (4, 10)):
         lengths = (128, 8192, 65536)
@@ -75,7 +75,13 @@ def test_the_page_and_its_figures_are_written_together(tmp_path):
         jobs[job_key(TEST, "bam", "two-stage", seed)] = {
             "phase": TEST, "seed": seed, "commit": "abc", "minutes": 1.0, "results": {"bam": {"trained": result}},
             "machine": {"processor": "cpu", "torch": "t", "transformers": "x", "threads": 1}}
+    validation = {"passkey": {128: passkey(20, 20), 8192: passkey(3, 20)},
+                  "perplexity": {length: {"last_window": {"perplexity": 50.0}} for length in (128, 8192)}}
+    jobs[job_key(VALIDATION, "bam", "lr-1e-3", 100)] = {
+        "phase": VALIDATION, "seed": 100, "trial": "lr-1e-3", "commit": "abc", "minutes": 1.0,
+        "results": {"bam": {"trained": validation, "extended": validation}}}
     text = publish(tmp_path, {"study": {}, "machine": {}, "jobs": jobs, "choices": {}}, study, ["bam"])
+    assert "| BAM | lr-1e-3 | 100 | extended | 20/20 | 3/20 (20) |" in text  # a finished validation job, as it ends
     assert sorted(path.name for path in tmp_path.iterdir()) == ["passkey.png", "perplexity.png", "results.json",
                                                                "results.md"]
     assert (tmp_path / "results.md").read_text() == text
