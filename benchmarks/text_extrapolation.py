@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     output_dir = args.output_dir or OUTPUT.with_name(OUTPUT.name + ("-quick" if args.quick else ""))
-    from bam_llama.extrapolation.jobs import RunError, rewrite_report, run
+    from bam_llama.extrapolation.run import RunError, rewrite_report, run
     from bam_llama.extrapolation.report import publish
     from bam_llama.files.outputs import exit_on_sigterm
 

@@ -9,6 +9,7 @@ position-matched perplexity to 512x the training length. `benchmarks/text_extrap
 * `stages.py`: one trial trained: its stages through `bam-pretrain`, the context extension through `bam-finetune`;
 * `evaluation.py`: passkey and perplexity of a trained model by length;
 * `selection.py`: each encoding's recipe chosen on validation, and which go past 64x;
-* `jobs.py`: the jobs of a phase, run two at a time, each published as it ends, resumable;
+* `jobs.py`: one job (a trial of a model and seed) start to end: its stages, evaluations, commit and attention path;
+* `run.py`: a phase's jobs planned and run, a few at a time, each published as it ends, resumable;
 * `report.py`, `figures.py`: the results page, its tables and figures.
 """

@@ -1,48 +1,33 @@
-"""The jobs of a phase, run one at a time or a few at once in spawned processes, each published to results.json as
-it ends, so a run stopped at any point keeps every finished job and `--resume` runs only the others.
+"""One job: one trial of one trained model (`Encoding.training`) and seed, start to end.
 
-A job is one trial of one trained model (`Encoding.training`) and seed:
 * validation: the trial trained, then every candidate of every encoding of that model evaluated to 64x;
 * test: a trial some encoding chose, trained on a test seed, then each such encoding's chosen candidate evaluated to
   64x, and past it where `selection.goes_long` says.
+
 A two-stage trial freezes the shape its stage-one trial learned on the same seed: from that job's results where it
-ran (a validation job waits for it), else trained first inside the job.
+ran (`run.py` hands them over), else trained first inside the job. Each job records the commit it ran on and
+BamLlama's attention path.
 """
 
 from __future__ import annotations
 
-import json
-import multiprocessing
-import platform
-import queue
-import signal
 import subprocess
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-import transformers
 from transformers import AutoTokenizer
 
-from ..data.corpus import python_documents, split_documents
-from ..files.outputs import FolderInUse, FolderLock
-from ..model.cpu_kernels_bam import FUSED_CPU, KernelBuildError, build_kernel, cpu_kernels_enabled, load_kernel
-from ..runtime.processor import cpu_model
-from .data import SeedData, python_test_suites, seed_data
-from .encodings import ENCODINGS, EXTENDED, TRAINED, trainings
+from ..model.cpu_kernels_bam import FUSED_CPU, cpu_kernels_enabled, load_kernel
+from .data import SeedData
+from .encodings import ENCODINGS, EXTENDED, TRAINED
 from .evaluation import evaluate, seed_keys
-from .report import publish
-from .selection import choices, goes_long, job_key
-from .settings import TEST, VALIDATION, Study
+from .selection import goes_long, job_key
+from .settings import TEST, Study
 from .stages import extend, pretrain_arguments, pretrain_stage, stage_one_folder
 
 REPOSITORY = Path(__file__).resolve().parents[2]
-
-
-class RunError(ValueError):
-    """A run that cannot start as asked: one line naming why."""
 
 
 @dataclass
@@ -141,206 +126,7 @@ def code_commit() -> str:
     return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-# ----------------------------------------------------------------------------------------------- a run of jobs
-
-
-def plan(phase: str, names: list[str], study: Study, done: dict) -> list[tuple[str, str, int, dict]]:
-    """(training, trial, seed, chosen) of every job of `phase` the encodings `names` need and `done` lacks; chosen:
-    {encoding: its choice} on test. A RunError where a test job's encoding has no choice yet."""
-    planned, made = [], choices(done, study)
-    for training, served in trainings(names).items():
-        if phase == VALIDATION:
-            by_trial = {trial: {} for trial in ENCODINGS[served[0]].trials}
-        else:
-            missing = [name for name in served if name not in made]
-            if missing:
-                raise RunError(f"{', '.join(missing)}: no recipe chosen yet; run --phase validation for "
-                               f"{'it' if len(missing) == 1 else 'them'} to the end first")
-            by_trial = {}
-            for name in served:
-                by_trial.setdefault(made[name]["trial"], {})[name] = made[name]
-        for trial, chosen in by_trial.items():
-            for seed in study.seeds(phase):
-                if job_key(phase, training, trial, seed) not in done:
-                    planned.append((training, trial, seed, chosen))
-    return sorted(planned, key=lambda job: ENCODINGS[trainings_encodings(job[0])[0]].trials[job[1]].stage_one is not None)
-
-
-def make_job(phase: str, planned: tuple[str, str, int, dict], study: Study, data: dict[int, SeedData], done: dict) -> Job:
-    training, trial, seed, chosen = planned
-    job = Job(phase, training, trial, seed, data[seed], study, chosen={name: made for name, made in chosen.items()},
-              candidates={name: made["candidate"] for name, made in chosen.items()})
-    if job.stage_one_key in done:
-        job.stage_one_learned = done[job.stage_one_key]["stages"][TRAINED]["learned"]
-    return job
-
-
-def ready(job: Job, waiting_for: set[str], done: dict) -> bool:
-    """A two-stage job waits for its stage-one job where this run has one to do."""
-    return job.stage_one_key not in waiting_for or job.stage_one_key in done
-
-
-def finished_jobs(jobs: list[Job], processes: int, threads: int, done: dict):
-    """Each job run, one at a time here or `processes` at once in spawned processes of `threads` threads; yielded as
-    each ends. A two-stage job starts once its stage-one job is done (its learned shape handed over)."""
-    waiting, pending = list(jobs), {job.key for job in jobs}
-
-    def startable() -> list[Job]:
-        now = [job for job in waiting if ready(job, pending, done)]
-        for job in now:
-            waiting.remove(job)
-            if job.stage_one_key in done and job.stage_one_learned is None:
-                job.stage_one_learned = done[job.stage_one_key]["stages"][TRAINED]["learned"]
-        return now
-
-    if processes <= 1:
-        queued = startable()
-        while queued:
-            key, entry = run_job(queued.pop(0))
-            yield key, entry
-            queued += startable()
-        return
-    finished = queue.SimpleQueue()
-    pool = multiprocessing.get_context("spawn").Pool(processes, initializer=_start_worker, initargs=(threads,))
-    try:
-        running = 0
-        while True:
-            for job in startable():
-                pool.apply_async(run_job, (job,), callback=finished.put, error_callback=finished.put)
-                running += 1
-            if not running:
-                break
-            outcome = finished.get()
-            running -= 1
-            if isinstance(outcome, BaseException):
-                raise outcome
-            yield outcome
-        pool.close()
-    finally:
-        pool.terminate()
-        pool.join()
-
-
-def _start_worker(threads: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(threads)
-
-
-def machine(threads: int) -> dict:
-    return {"processor": cpu_model(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "threads": threads}
-
-
-def earlier_results(output_dir: Path, study: Study, resume: bool) -> dict:
-    """The jobs an earlier run left in `output_dir` (with --resume; the same study settings), else {}."""
-    path = output_dir / "results.json"
-    if not path.is_file():
-        return {}
-    if not resume:
-        raise RunError(f"{output_dir} holds an earlier run: --resume continues it (the same settings), or give "
-                       "another --output-dir")
-    earlier = json.loads(path.read_text())
-    now = json.loads(json.dumps(asdict(study)))
-    changed = sorted(key for key, value in earlier["study"].items() if now.get(key) != value)  # a setting added later: its default
-    if changed:
-        raise RunError(f"--resume: the run in {output_dir} has other settings ({', '.join(changed)}); its results "
-                       "would not compare with this run's")
-    return with_int_keys(earlier["jobs"])
-
-
-def with_int_keys(value):
-    """JSON's string keys of lengths made integers again."""
-    if isinstance(value, dict):
-        return {int(key) if key.isdigit() else key: with_int_keys(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [with_int_keys(item) for item in value]
-    return value
-
-
-def phase_data(phase: str, study: Study, scratch: Path) -> dict[int, SeedData]:
-    """Every seed's data of `phase`, built in `scratch`."""
-    train, heldout = split_documents(python_documents(), study.heldout_fraction)
-    never_trained = [*heldout, *python_test_suites()]
-    return {seed: seed_data(train, never_trained, study, seed, study.documents(phase), scratch / f"seed-{seed}")
-            for seed in study.seeds(phase)}
-
-
 def attention_path() -> str:
     """What BamLlama's CPU attention runs in this process: the fused C++ kernel, or PyTorch's blocked SDPA where the
     C++ kernels are switched off (BAM_CPU_KERNELS=0)."""
     return "fused C++ CPU kernel" if cpu_kernels_enabled() and load_kernel(FUSED_CPU) else "blocked SDPA"
-
-
-def build_attention_kernel() -> None:
-    """The fused CPU kernel built before any job (never inside one's forward), unless switched off: a job must not
-    train through another attention path than the run's other jobs for want of a build."""
-    if not cpu_kernels_enabled():
-        return
-    try:
-        build_kernel(FUSED_CPU)
-    except KernelBuildError as error:
-        raise RunError(f"the fused CPU attention kernel could not be built ({error}); BAM_CPU_KERNELS=0 runs every job "
-                       "through blocked SDPA instead") from None
-
-
-def run(phase: str, names: list[str], study: Study, output_dir: Path, jobs: int = 1, threads: int = 1,
-        resume: bool = False, publish=None) -> dict:
-    """Run every job of `phase` that `names` need and `output_dir` lacks, publishing (`publish(output_dir, report)`)
-    after each; returns the final report."""
-    build_attention_kernel()
-    try:
-        hold = FolderLock(output_dir)
-    except FolderInUse as error:
-        raise RunError(f"{error}: wait for that run, or give another --output-dir") from None
-    try:
-        done = earlier_results(output_dir, study, resume)
-        planned = plan(phase, names, study, done)
-        report = report_of(study, done, machine(threads))
-        with tempfile.TemporaryDirectory(prefix="text-extrapolation-") as scratch:
-            data = phase_data(phase, study, Path(scratch)) if planned else {}
-            queued = [make_job(phase, job, study, data, done) for job in planned]
-            for key, entry in finished_jobs(queued, jobs, threads, done):
-                entry["machine"] = machine(threads)
-                done[key] = entry
-                report = report_of(study, done, machine(threads))
-                print(f"[{key}] {entry['minutes']:.1f} min", flush=True)
-                if publish is not None:
-                    publish(output_dir, report)
-        if publish is not None:
-            publish(output_dir, report)
-        return report
-    finally:
-        hold.release()
-
-
-SCRATCH_PATHS = ("final_dir", "output_dir", "data", "model")  # a stage summary's folders in the run's scratch space
-
-
-def without_scratch_paths(entry: dict) -> dict:
-    """A job's entry without the scratch folders its stage summaries name (gone when the run ends); the tokenizer is
-    the seed's BPE."""
-    stages = {name: {key: value for key, value in summary.items() if key not in SCRATCH_PATHS}
-              for name, summary in entry["stages"].items()}
-    for summary in stages.values():
-        if "tokenizer" in summary:
-            summary["tokenizer"] = "the seed's BPE"
-    return {**entry, "stages": stages}
-
-
-def report_of(study: Study, done: dict, machine_now: dict) -> dict:
-    return {"study": asdict(study), "machine": machine_now,
-            "jobs": {key: without_scratch_paths(entry) for key, entry in sorted(done.items())},
-            "choices": choices(done, study)}
-
-
-def rewrite_report(output_dir: Path, study: Study, names: list[str]) -> str:
-    """The page of `output_dir`'s results written again (`--report-only`), while no run writes there."""
-    try:
-        hold = FolderLock(output_dir)
-    except FolderInUse as error:
-        raise RunError(f"{error}: its page is rewritten as each of its jobs ends") from None
-    try:
-        return publish(output_dir, report_of(study, earlier_results(output_dir, study, resume=True), {}), study, names)
-    finally:
-        hold.release()
-
