@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from ..model.cpu_kernels_bam import FUSED_CPU, cpu_kernels_enabled, load_kernel
 from .data import SeedData
-from .encodings import ENCODINGS, EXTENDED, TRAINED
+from .encodings import ENCODINGS, EXTENDED, TRAINED, Encoding, Trial
 from .evaluation import evaluate, seed_keys
 from .selection import goes_long, job_key
 from .settings import TEST, Study
@@ -47,8 +47,12 @@ class Job:
         return job_key(self.phase, self.training, self.trial, self.seed)
 
     @property
-    def trial_spec(self):
-        return ENCODINGS[trainings_encodings(self.training)[0]].trials[self.trial]
+    def encoding(self) -> Encoding:
+        return training_encoding(self.training)
+
+    @property
+    def trial_spec(self) -> Trial:
+        return self.encoding.trials[self.trial]
 
     @property
     def stage_one_key(self) -> str | None:
@@ -60,11 +64,15 @@ def trainings_encodings(training: str) -> list[str]:
     return [name for name, encoding in ENCODINGS.items() if encoding.training == training]
 
 
+def training_encoding(training: str) -> Encoding:
+    """An encoding of the trained model `training`: all of them train alike (variant, SSMax, trials)."""
+    return ENCODINGS[trainings_encodings(training)[0]]
+
+
 def run_job(job: Job) -> tuple[str, dict]:
     """One job, start to end: (its key, its entry in results.json)."""
     started = time.perf_counter()
-    encoding = ENCODINGS[trainings_encodings(job.training)[0]]
-    trial = job.trial_spec
+    encoding, trial = job.encoding, job.trial_spec
     tokenizer = AutoTokenizer.from_pretrained(job.data.tokenizer)
     with tempfile.TemporaryDirectory(prefix=f"{job.training}-{job.trial}-", dir=job.data.work) as scratch:
         work, stages = Path(scratch), {}
@@ -72,8 +80,7 @@ def run_job(job: Job) -> tuple[str, dict]:
         if trial.stage_one is not None:
             learned = job.stage_one_learned
             if learned is None:  # no stage-one job in this phase: trained here
-                one = ENCODINGS[trainings_encodings(job.training)[0]].trials[trial.stage_one]
-                args = pretrain_arguments(encoding, one, job.study, job.seed, job.data.texts, job.data.tokenizer,
+                args = pretrain_arguments(encoding, encoding.trials[trial.stage_one], job.study, job.seed, job.data.texts, job.data.tokenizer,
                                           work / "stage-one", None)
                 _, stages["stage_one"] = pretrain_stage(args)
                 learned = stages["stage_one"]["learned"]

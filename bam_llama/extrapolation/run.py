@@ -23,7 +23,7 @@ from ..model.cpu_kernels_bam import FUSED_CPU, KernelBuildError, build_kernel, c
 from ..runtime.processor import cpu_model
 from .data import SeedData, python_test_suites, seed_data
 from .encodings import ENCODINGS, TRAINED, trainings
-from .jobs import Job, run_job, trainings_encodings
+from .jobs import Job, run_job, training_encoding
 from .report import publish
 from .selection import choices, job_key
 from .settings import VALIDATION, Study
@@ -52,16 +52,13 @@ def plan(phase: str, names: list[str], study: Study, done: dict) -> list[tuple[s
             for seed in study.seeds(phase):
                 if job_key(phase, training, trial, seed) not in done:
                     planned.append((training, trial, seed, chosen))
-    return sorted(planned, key=lambda job: ENCODINGS[trainings_encodings(job[0])[0]].trials[job[1]].stage_one is not None)
+    return sorted(planned, key=lambda job: training_encoding(job[0]).trials[job[1]].stage_one is not None)
 
 
-def make_job(phase: str, planned: tuple[str, str, int, dict], study: Study, data: dict[int, SeedData], done: dict) -> Job:
+def make_job(phase: str, planned: tuple[str, str, int, dict], study: Study, data: dict[int, SeedData]) -> Job:
     training, trial, seed, chosen = planned
-    job = Job(phase, training, trial, seed, data[seed], study, chosen={name: made for name, made in chosen.items()},
-              candidates={name: made["candidate"] for name, made in chosen.items()})
-    if job.stage_one_key in done:
-        job.stage_one_learned = done[job.stage_one_key]["stages"][TRAINED]["learned"]
-    return job
+    return Job(phase, training, trial, seed, data[seed], study, chosen=dict(chosen),
+               candidates={name: made["candidate"] for name, made in chosen.items()})
 
 
 def ready(job: Job, waiting_for: set[str], done: dict) -> bool:
@@ -71,7 +68,8 @@ def ready(job: Job, waiting_for: set[str], done: dict) -> bool:
 
 def finished_jobs(jobs: list[Job], processes: int, threads: int, done: dict):
     """Each job run, one at a time here or `processes` at once in spawned processes of `threads` threads; yielded as
-    each ends. A two-stage job starts once its stage-one job is done (its learned shape handed over)."""
+    each ends. A two-stage job starts once its stage-one job is done, in this run or an earlier one (its learned
+    shape handed over)."""
     waiting, pending = list(jobs), {job.key for job in jobs}
 
     def startable() -> list[Job]:
@@ -181,7 +179,7 @@ def run(phase: str, names: list[str], study: Study, output_dir: Path, jobs: int 
         report = report_of(study, done, machine(threads))
         with tempfile.TemporaryDirectory(prefix="text-extrapolation-") as scratch:
             data = phase_data(phase, study, Path(scratch)) if planned else {}
-            queued = [make_job(phase, job, study, data, done) for job in planned]
+            queued = [make_job(phase, job, study, data) for job in planned]
             for key, entry in finished_jobs(queued, jobs, threads, done):
                 entry["machine"] = machine(threads)
                 done[key] = entry

@@ -114,7 +114,7 @@ def test_the_pipeline_on_tiny_models_resumes_without_running_a_job_twice(tmp_pat
 def test_a_two_stage_test_job_trains_its_stage_one_itself_and_freezes_what_it_learned(tmp_path):
     data = runs.phase_data(TEST, STUDY, tmp_path)
     chosen = {"bam-ssmax": {"trial": "two-stage-frozen-scales", "candidate": "trained", "goes_long": False}}
-    job = runs.make_job(TEST, ("bam-ssmax", "two-stage-frozen-scales", STUDY.test_seeds[0], chosen), STUDY, data, {})
+    job = runs.make_job(TEST, ("bam-ssmax", "two-stage-frozen-scales", STUDY.test_seeds[0], chosen), STUDY, data)
     assert job.stage_one_learned is None
     _, entry = jobs.run_job(job)
     learned_first, learned = entry["stages"]["stage_one"]["learned"], entry["stages"]["trained"]["learned"]
