@@ -88,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()  # like Ctrl-C: the job processes stop, the published results stay
     try:
         if args.report_only:
-            print(rewrite_report(output_dir, study, args.encodings))
+            print(rewrite_report(output_dir, study))
             return 0
         run(args.phase, args.encodings, study, output_dir, jobs=args.jobs, threads=args.threads, resume=args.resume,
-            publish=lambda folder, report: publish(folder, report, study, args.encodings))
+            publish=lambda folder, report: publish(folder, report, study))
     except RunError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     return 0

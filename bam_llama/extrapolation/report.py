@@ -1,6 +1,7 @@
 """The comparison's results page (results.md) from results.json: what ran, the validation trials and each encoding's
 choice, the test phase's passkey by length (the paper's Figure 3: the mean of the test seeds with the pooled count
-and its exact 95% interval), per-seed rows, the interval over seeds, perplexity by length, and the targets."""
+and its exact 95% interval), per-seed rows, the interval over seeds, perplexity by length, BAM against the strongest
+baseline at each length, and the targets."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import json
 import math
 from pathlib import Path
 
-from ..evaluation.intervals import interval_over_seeds, interval_text
+from ..evaluation.intervals import clopper_pearson, interval_over_seeds, interval_text
 from ..files.outputs import staged_files
 from .encodings import ENCODINGS
 from .figures import plot_passkey, plot_perplexity
 from .selection import candidate_scores, found, last_window, test_results
 from .settings import TEST, VALIDATION, Study
 
+BAM_RECIPES = ("bam", "bam-ssmax")
 TARGETS = {64: 0.95, 512: 0.80}  # strict passkey, the mean of the test seeds, for BAM's recipes
 PERPLEXITY_TARGET = 1.10  # last-window perplexity at 512x within 10% of 2x
 
@@ -127,7 +129,7 @@ def validation_jobs_table(jobs: dict, study: Study, names: list[str]) -> list[st
 
 def target_lines(jobs: dict, study: Study) -> list[str]:
     lines = ["| encoding | target | mean of the test seeds | met |", "|---|---|---|---|"]
-    for name in ("bam", "bam-ssmax"):
+    for name in BAM_RECIPES:
         results = [result for _, result in test_results(jobs, study, name)]
         for scale, target in TARGETS.items():
             length = study.train_length * scale
@@ -147,8 +149,49 @@ def target_lines(jobs: dict, study: Study) -> list[str]:
     return lines
 
 
-def write_report(report: dict, study: Study, names: list[str]) -> str:
+def length_standing(jobs: dict, study: Study, names: list[str], length: int) -> dict[str, tuple[float, int, int]]:
+    """{encoding: (mean of its test seeds' strict rates, pooled hits, pooled prompts)} of the encodings evaluated at
+    `length` on every test seed they have."""
+    standing = {}
+    for name in names:
+        results = [result for _, result in test_results(jobs, study, name)]
+        counts = [found(result["passkey"][length]) for result in results if length in result["passkey"]]
+        if counts and len(counts) == len(results):
+            standing[name] = (sum(hits / prompts for hits, prompts in counts) / len(counts),
+                              sum(hits for hits, _ in counts), sum(prompts for _, prompts in counts))
+    return standing
+
+
+def strongest_baseline_lines(jobs: dict, study: Study, names: list[str]) -> list[str]:
+    """At each length, BAM's better recipe against the baseline with the highest mean strict rate: both rates, the
+    difference, and whether their pooled exact intervals are apart (they leave the seeds' spread out)."""
+    lines = ["| length | BAM's better recipe | strongest baseline | difference | pooled 95% intervals |",
+             "|---:|---|---|---:|---|"]
+    for scale in study.scales + study.long_scales:
+        standing = length_standing(jobs, study, names, study.train_length * scale)
+        bam = {name: value for name, value in standing.items() if name in BAM_RECIPES}
+        baselines = {name: value for name, value in standing.items() if name not in BAM_RECIPES}
+        if not bam or not baselines:
+            continue
+        best, rival = max(bam, key=lambda name: bam[name][0]), max(baselines, key=lambda name: baselines[name][0])
+        (rate, hits, prompts), (rival_rate, rival_hits, rival_prompts) = bam[best], baselines[rival]
+        low, high = clopper_pearson(hits, prompts)
+        rival_low, rival_high = clopper_pearson(rival_hits, rival_prompts)
+        apart = "BAM's above" if low > rival_high else "BAM's below" if high < rival_low else "overlap"
+        lines.append(f"| {scale}x | {ENCODINGS[best].label} {rate:.0%} | {ENCODINGS[rival].label} {rival_rate:.0%} | "
+                     f"{100 * (rate - rival_rate):+.0f} points | {apart} |")
+    return lines
+
+
+def shown_encodings(jobs: dict) -> list[str]:
+    """The encodings with a finished job in `jobs`, in ENCODINGS' order: the page shows every one of them, whichever
+    encodings the run that publishes it runs."""
+    return [name for name in ENCODINGS if any(name in job["results"] for job in jobs.values())]
+
+
+def write_report(report: dict, study: Study) -> str:
     jobs, chosen = report["jobs"], report["choices"]
+    names = shown_encodings(jobs)
     commits = sorted({job["commit"] for job in jobs.values()})
     machines = sorted({f"{job['machine']['processor']}, torch {job['machine']['torch']}, transformers "
                        f"{job['machine']['transformers']}, {job['machine']['threads']} thread(s) a job"
@@ -182,6 +225,10 @@ def write_report(report: dict, study: Study, names: list[str]) -> str:
         "",
         *perplexity_table(jobs, study, names),
         "",
+        "## BAM against the strongest baseline at each length (test seeds, strict, mean of the seeds)",
+        "",
+        *strongest_baseline_lines(jobs, study, names),
+        "",
         "## Targets (BAM's recipes)",
         "",
         *target_lines(jobs, study),
@@ -198,9 +245,10 @@ def write_report(report: dict, study: Study, names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def publish(output_dir: Path, report: dict, study: Study, names: list[str]) -> str:
+def publish(output_dir: Path, report: dict, study: Study) -> str:
     """results.json, results.md, passkey.png and perplexity.png of `report`, replacing the earlier ones together."""
-    text = write_report(report, study, names)
+    text = write_report(report, study)
+    names = shown_encodings(report["jobs"])
     with staged_files(output_dir, "results") as staging:
         (staging / "results.json").write_text(json.dumps(report, indent=1) + "\n")
         (staging / "results.md").write_text(text)

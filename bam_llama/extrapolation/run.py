@@ -214,13 +214,13 @@ def report_of(study: Study, done: dict, machine_now: dict) -> dict:
             "choices": choices(done, study)}
 
 
-def rewrite_report(output_dir: Path, study: Study, names: list[str]) -> str:
+def rewrite_report(output_dir: Path, study: Study) -> str:
     """The page of `output_dir`'s results written again (`--report-only`), while no run writes there."""
     try:
         hold = FolderLock(output_dir)
     except FolderInUse as error:
         raise RunError(f"{error}: its page is rewritten as each of its jobs ends") from None
     try:
-        return publish(output_dir, report_of(study, earlier_results(output_dir, study, resume=True), {}), study, names)
+        return publish(output_dir, report_of(study, earlier_results(output_dir, study, resume=True), {}), study)
     finally:
         hold.release()

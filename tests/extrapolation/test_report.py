@@ -3,7 +3,7 @@ t-interval over seeds, per-seed rows with the teacher-forced count, and the targ
 
 import math
 
-from bam_llama.extrapolation.report import pooled_cell, seeds_interval_cell, target_lines
+from bam_llama.extrapolation.report import pooled_cell, seeds_interval_cell, strongest_baseline_lines, target_lines, write_report
 from bam_llama.extrapolation.selection import job_key
 from bam_llama.extrapolation.settings import TEST, VALIDATION, Study
 
@@ -80,10 +80,42 @@ def test_the_page_and_its_figures_are_written_together(tmp_path):
     jobs[job_key(VALIDATION, "bam", "lr-1e-3", 100)] = {
         "phase": VALIDATION, "seed": 100, "trial": "lr-1e-3", "commit": "abc", "minutes": 1.0,
         "results": {"bam": {"trained": validation, "extended": validation}}}
-    text = publish(tmp_path, {"study": {}, "machine": {}, "jobs": jobs, "choices": {}}, study, ["bam"])
+    text = publish(tmp_path, {"study": {}, "machine": {}, "jobs": jobs, "choices": {}}, study)
     assert "| BAM | lr-1e-3 | 100 | extended | 20/20 | 3/20 (20) |" in text  # a finished validation job, as it ends
     assert sorted(path.name for path in tmp_path.iterdir()) == ["passkey.png", "perplexity.png", "results.json",
                                                                "results.md"]
     assert (tmp_path / "results.md").read_text() == text
     assert "| BAM (2 seeds) | 75% 30/40 (58-88) |" in text and "| BAM | 43.50 | 43.50 | 43.50 |" in text
     assert "| BAM | 3 | 20/20 (20) | 20/20 (20) | 20/20 (20) |" in text
+
+
+def finished_test_job(seed: int, name: str, hits: dict[int, tuple[int, int]]) -> tuple[str, dict]:
+    result = {"passkey": {length: passkey(*count) for length, count in hits.items()},
+              "perplexity": {length: {"last_window": {"perplexity": 40.0}} for length in hits}}
+    return job_key(TEST, name, "lr-1e-3", seed), {
+        "phase": TEST, "seed": seed, "trial": "lr-1e-3", "commit": "abc", "minutes": 1.0, "results": {name: {"trained": result}},
+        "machine": {"processor": "cpu", "torch": "t", "transformers": "x", "threads": 1}}
+
+
+def test_bam_is_set_against_the_baseline_with_the_highest_mean_at_each_length():
+    study = Study(scales=(1, 64), long_scales=(512,), test_seeds=(3, 4, 5))
+    jobs = dict(finished_test_job(seed, "bam-ssmax", {128: (50, 50), 8192: (hits, 50), 65536: (at_512, 20)})
+                for seed, hits, at_512 in ((3, 50, 20), (4, 49, 2), (5, 48, 19)))
+    jobs.update(finished_test_job(seed, "bam", {128: (50, 50), 8192: (10, 50)}) for seed in (3, 4, 5))
+    jobs.update(finished_test_job(seed, "alibi", {128: (50, 50), 8192: (hits, 50)}) for seed, hits in ((3, 30), (4, 20), (5, 25)))
+    jobs.update(finished_test_job(seed, "rope", {128: (49, 50), 8192: (0, 50)}) for seed in (3, 4, 5))
+    lines = strongest_baseline_lines(jobs, study, ["bam", "bam-ssmax", "alibi", "rope"])
+    # 1x: BAM 100% (its first recipe of two at 100%), ALiBi 100% against RoPE's 98%: equal, the intervals overlap
+    assert lines[2] == "| 1x | BAM 100% | ALiBi 100% | +0 points | overlap |"
+    # 64x: BAM + SSMax 98% (147/150) against ALiBi's 50% (75/150), BAM alone 20%
+    assert lines[3] == "| 64x | BAM + SSMax 98% | ALiBi 50% | +48 points | BAM's above |"
+    assert len(lines) == 4  # 512x: no baseline went there
+
+
+def test_the_page_shows_every_encoding_with_a_job_whichever_the_run_runs():
+    study = Study(scales=(1, 64), long_scales=(), test_seeds=(3,), validation_seeds=(100,))
+    jobs = dict([finished_test_job(3, "alibi", {128: (5, 50), 8192: (1, 50)}), finished_test_job(3, "bam-ssmax", {128: (50, 50), 8192: (20, 50)})])
+    text = write_report({"jobs": jobs, "choices": {}}, study)
+    assert "| ALiBi (1 seeds) | 10% 5/50" in text and "| BAM + SSMax (1 seeds) | 100% 50/50" in text
+    assert "| 64x | BAM + SSMax 40% | ALiBi 2% | +38 points | BAM's above |" in text
+    assert "NoPE" not in text  # no job of its own
