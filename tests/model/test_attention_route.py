@@ -14,7 +14,9 @@ from helpers import route_path_calls, tiny_config
 
 from bam_llama.model import attention_route_bam, blocked_bam
 from bam_llama.model.attention_route_bam import ATTENTION_PATHS, bam_attention_blocked
-from bam_llama.model.dispatch_bam import bam_sdpa_attention_forward, bam_triton_attention_forward
+from bam_llama.model.dispatch_bam import (
+    bam_eager_attention_forward, bam_sdpa_attention_forward, bam_triton_attention_forward,
+)
 from bam_llama.model.fused_cpu_bam import fused_cpu_available
 from bam_llama.model.modeling_bam import BamAttention
 from bam_llama.model.prior_bam import ggd_bias
@@ -94,10 +96,12 @@ def expected_attention(tensors, positions, key_valid, document_ids, ssmax_prior=
     )
 
 
-def blocked_call(case: Case, tensors, positions, key_valid, document_ids, value=None):
-    """`bam_attention_blocked` on the case's inputs (compiled with dynamo only where the case says): (B, H, Lq, D)."""
-    parameters = (tensors[name] for name in ("theta_alpha", "theta_beta", "theta_mu"))
-    table = ggd_bias(torch.arange(-int(positions[-1]), 1), *parameters)
+def blocked_call(case: Case, tensors, positions, key_valid, document_ids, value=None, table=None):
+    """`bam_attention_blocked` on the case's inputs (compiled with dynamo only where the case says): (B, H, Lq, D).
+    The prior's table is the GGD's of the case's thetas unless given."""
+    if table is None:
+        parameters = (tensors[name] for name in ("theta_alpha", "theta_beta", "theta_mu"))
+        table = ggd_bias(torch.arange(-int(positions[-1]), 1), *parameters)
 
     def attend(query, key, value, table):
         return bam_attention_blocked(
@@ -109,19 +113,20 @@ def blocked_call(case: Case, tensors, positions, key_valid, document_ids, value=
     return attend(tensors["query"], tensors["key"], tensors["value"] if value is None else value, table.to(case.dtype))
 
 
-def dropout_keep(case: Case, tensors, positions, key_valid, document_ids, seed) -> torch.Tensor:
+def dropout_keep(case: Case, tensors, positions, key_valid, document_ids, seed, table=None) -> torch.Tensor:
     """Which probabilities the path's dropout kept, (B, H, Lq, Lk): the same call under the same seed with values
     one-hot per key, so that its output is the dropped probability matrix."""
     keys = tensors["key"].shape[2]
     one_hot = torch.eye(keys, dtype=case.dtype).expand(BATCH, KV_HEADS, keys, keys)
     torch.manual_seed(seed)
     with torch.no_grad():
-        return blocked_call(case, tensors, positions, key_valid, document_ids, value=one_hot) != 0
+        table = None if table is None else table.detach()
+        return blocked_call(case, tensors, positions, key_valid, document_ids, value=one_hot, table=table) != 0
 
 
 def assert_matches(actual, expected, tensors, trains, tolerance):
     """Output per element, then the gradients of a random projection for every input that trains: q, k, v per
-    element, each (H,) parameter per head."""
+    element, each prior parameter per head ((H,), or T5's (H, buckets) by head)."""
     torch.testing.assert_close(actual.double(), expected, **tolerance)
     inputs = [tensors[name] for name in trains if name in tensors]
     if not inputs:
@@ -131,7 +136,7 @@ def assert_matches(actual, expected, tensors, trains, tolerance):
     expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
     for name, got, want in zip([n for n in trains if n in tensors], actual_grads, expected_grads):
         got, want = got.double(), want.double()
-        if got.dim() > 1:
+        if name in ("query", "key", "value"):
             torch.testing.assert_close(got, want, **tolerance, msg=lambda m: f"gradient of {name}: {m}")
             continue
         atol = tolerance["atol"] * (1 + float(want.abs().max()))  # a parameter's gradient sums every score's
@@ -256,3 +261,147 @@ def test_bam_triton_takes_the_triton_kernels_where_they_run(monkeypatch):
             query_positions=positions, prior=prior, last_position=int(positions[-1]),
         )
     assert paths[-1][0] != "triton"
+
+
+# ---------------------------------------------------------------------------------------------- T5's buckets
+
+# 4 exact buckets (distances 0-3), then wider ones: 4-5, 6, 7-9, and the last from 10 on (the cases see up to 15)
+T5_BUCKETS = dict(prior_formula="t5_buckets", t5_num_buckets=8, t5_max_distance=12)
+THETAS = ("theta_alpha", "theta_beta", "theta_mu")
+
+
+def t5_prior(trained: bool) -> BamPrior:
+    """A prior of T5's buckets (float32), its bucket_bias random and trained where asked."""
+    config = tiny_config(
+        hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        train_bucket_bias=trained, **T5_BUCKETS,
+    )
+    prior = BamPrior(config)
+    with torch.no_grad():
+        prior.bucket_bias.copy_(torch.randn(HEADS, 8, generator=torch.Generator().manual_seed(5)) * 2)
+    return prior
+
+
+def t5_tensors(case: Case, prior: BamPrior, module=None):
+    """The case's inputs with the T5 prior's bucket_bias in place of the thetas (and `module`'s SSMax scale), and
+    the inputs that train: bucket_bias where the case trains the prior."""
+    tensors, positions, key_valid, document_ids = case_inputs(case)
+    for name in THETAS:
+        del tensors[name]
+    tensors["bucket_bias"] = prior.bucket_bias
+    if module is not None:
+        tensors["ssmax_scale"] = module.ssmax.scale
+    trains = tuple(name for name in case.trains if name not in THETAS)
+    trains += ("bucket_bias",) if prior.bucket_bias.requires_grad else ()
+    return tensors, positions, key_valid, document_ids, trains
+
+
+def t5_expected(tensors, positions, key_valid, document_ids, **dropout):
+    return reference.bam_attention(
+        tensors["query"], tensors["key"], tensors["value"], positions, None, None, None, formula="t5_buckets",
+        bucket_bias=tensors["bucket_bias"], t5_max_distance=T5_BUCKETS["t5_max_distance"],
+        ssmax_scale=tensors.get("ssmax_scale"), key_valid=key_valid, document_ids=document_ids, **dropout,
+    )
+
+
+@pytest.mark.parametrize("path", list(PLANNED_CASES))
+def test_each_planned_path_runs_t5_buckets_from_the_prior_modules_table(monkeypatch, path):
+    """Each planned path's case on the table of a T5 prior (`BamPrior.table`: bucket_bias gathered by bucket), its
+    bucket_bias trained where the case trains the prior: output per element and gradients (bucket_bias's per head)
+    against the float64 reference's T5 buckets."""
+    case = PLANNED_CASES[path]
+    if case.fused_kernel and not fused_cpu_available():
+        pytest.skip("no C++ compiler to build the fused kernel")
+    if path == "key_tiles":
+        monkeypatch.setattr(blocked_bam, "KEY_TILE", 4)
+        monkeypatch.setattr(blocked_bam, "KEY_TILED_AFTER", 8)
+    torch._dynamo.reset()
+    prior = t5_prior(trained="theta_alpha" in case.trains)
+    tensors, positions, key_valid, document_ids, trains = t5_tensors(case, prior)
+    with torch.set_grad_enabled(bool(case.trains)):
+        table = prior.table(int(positions[-1])).to(case.dtype)
+    dropout_kwargs = {}
+    if case.dropout:
+        keep = dropout_keep(case, tensors, positions, key_valid, document_ids, seed=21, table=table)
+        dropout_kwargs = dict(dropout=case.dropout, dropout_keep=keep)
+    paths = route_path_calls(monkeypatch)
+    torch.manual_seed(21)
+    with torch.set_grad_enabled(bool(case.trains)):
+        actual = blocked_call(case, tensors, positions, key_valid, document_ids, table=table)
+    assert [name for name, _ in paths] == [path]
+    tolerance = dict(atol=1e-5, rtol=1e-5) if case.dtype == torch.float64 else dict(atol=2e-5, rtol=1e-4)
+    expected = t5_expected(tensors, positions, key_valid, document_ids, **dropout_kwargs)
+    assert_matches(actual, expected, tensors, trains, tolerance)
+
+
+def test_t5_buckets_in_eager_attention_match_the_float64_reference():
+    """The "eager" implementation's materialized T5 bias (`BamPrior.bias`), with padding, SSMax, GQA and
+    gradients, bucket_bias's included."""
+    case = Case(torch.float32, padded=True, trains=EVERYTHING)
+    module, prior = attention_module()[0], t5_prior(trained=True)
+    tensors, positions, key_valid, _, trains = t5_tensors(case, prior, module)
+    mask = reference.visible(positions, tensors["key"].shape[2], key_valid, batch=BATCH)[:, None]
+    output, _ = bam_eager_attention_forward(
+        module, tensors["query"], tensors["key"], tensors["value"], mask, HEAD_DIM**-0.5, query_positions=positions,
+        prior=prior,
+    )
+    expected = t5_expected(tensors, positions, key_valid, None)
+    assert_matches(output.transpose(1, 2), expected, tensors, trains, dict(atol=2e-5, rtol=1e-4))
+
+
+def test_t5_buckets_under_a_custom_4d_mask_take_the_materialized_path(monkeypatch):
+    case = Case(torch.float32, padded=True, trains=EVERYTHING)
+    module, prior = attention_module()[0], t5_prior(trained=True)
+    tensors, positions, key_valid, _, trains = t5_tensors(case, prior, module)
+    mask = reference.visible(positions, tensors["key"].shape[2], key_valid, batch=BATCH)[:, None]
+    paths = route_path_calls(monkeypatch)
+    output, _ = bam_sdpa_attention_forward(
+        module, tensors["query"], tensors["key"], tensors["value"], mask, HEAD_DIM**-0.5, query_positions=positions,
+        prior=prior, last_position=int(positions[-1]),
+    )
+    assert [name for name, _ in paths] == ["materialized"]
+    expected = t5_expected(tensors, positions, key_valid, None)
+    assert_matches(output.transpose(1, 2), expected, tensors, trains, dict(atol=2e-5, rtol=1e-4))
+
+
+def test_a_compiled_static_cache_step_of_t5_buckets_takes_the_materialized_path(monkeypatch):
+    """The traced decoding step computes the prior from the three thetas: a T5 prior's step stays materialized,
+    attending to the filled slots 0..9 only."""
+    monkeypatch.setattr(attention_route_bam, "TRACED_DECODE_MIN_SLOTS", 8)
+    case = Case(torch.float32, queries=1, offset=15)
+    module, prior = attention_module()[0], t5_prior(trained=False)
+    tensors, _, _, _, _ = t5_tensors(case, prior, module)
+    positions = torch.tensor([9])
+    paths = route_path_calls(monkeypatch)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def step(query, key, value):
+        return bam_sdpa_attention_forward(
+            module, query, key, value, None, HEAD_DIM**-0.5, query_positions=positions, prior=prior
+        )[0]
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        output = step(tensors["query"], tensors["key"], tensors["value"])
+    assert [name for name, _ in paths] == ["materialized"]
+    filled = {name: tensor[:, :, :10] if name in ("key", "value") else tensor for name, tensor in tensors.items()}
+    expected = t5_expected(filled, positions, None, None)
+    torch.testing.assert_close(output.transpose(1, 2).double(), expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_bam_triton_hands_t5_buckets_to_the_sdpa_paths(monkeypatch):
+    """Triton's kernels compute the prior from the three thetas: where they would run, a T5 prior takes the rows
+    below "triton" (here the prior's gradient, over its table), with the same result as the reference."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    case = Case(torch.float32, queries=5, offset=2, padded=True, trains=EVERYTHING)
+    module, prior = attention_module()[0], t5_prior(trained=True)
+    tensors, positions, key_valid, _, trains = t5_tensors(case, prior, module)
+    paths = route_path_calls(monkeypatch)
+    output, _ = bam_triton_attention_forward(
+        module, tensors["query"], tensors["key"], tensors["value"], key_valid.bool(), HEAD_DIM**-0.5,
+        query_positions=positions, prior=prior, last_position=int(positions[-1]),
+    )
+    assert [name for name, _ in paths] != ["triton"] and len(paths) == 1
+    expected = t5_expected(tensors, positions, key_valid, None)
+    assert_matches(output.transpose(1, 2), expected, tensors, trains, dict(atol=2e-5, rtol=1e-4))

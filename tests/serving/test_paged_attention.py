@@ -72,7 +72,7 @@ def make_terms(heads=HEADS, formula="current", ssmax=None, max_len=MAX_LEN, seed
     theta_beta = torch.cat([torch.tensor([-0.4]), torch.rand(heads - 1, generator=generator)])
     theta_mu = (torch.rand(heads, generator=generator) - 0.5) * 1.2
     scale = torch.rand(heads, generator=generator) + 0.5 if ssmax else None
-    table = prior_table(theta_alpha, theta_beta, theta_mu, formula, 1e-5, max_len)
+    table = prior_table((theta_alpha, theta_beta, theta_mu), formula, 1e-5, max_len)
     terms = BamTerms(table, scale, ssmax == "prior", head_dim**-0.5)
     witness = dict(theta_alpha=theta_alpha, theta_beta=theta_beta, theta_mu=theta_mu, formula=formula,
                    ssmax_scale=scale, ssmax_prior=ssmax == "prior", scaling=head_dim**-0.5)
@@ -345,7 +345,7 @@ from bam_llama.serving.paged_cpu_path import paged_attention_cpu
 
 heads, kv_heads, dim, block_size, blocks = 4, 2, 32, 16, 8
 assert paged_cpu_available(), "the C++ kernels did not load in the child"
-terms = BamTerms(prior_table(torch.zeros(heads), torch.ones(heads), torch.zeros(heads), "current", 1e-5, 256), None,
+terms = BamTerms(prior_table((torch.zeros(heads), torch.ones(heads), torch.zeros(heads)), "current", 1e-5, 256), None,
                  True, dim**-0.5)
 cache = torch.randn(blocks, kv_heads, block_size, 2 * dim)
 for case in json.loads(sys.argv[1]):
