@@ -56,13 +56,16 @@ def test_the_table_is_bucket_bias_by_head_and_bucket():
         torch.testing.assert_close(table[:, 39 - n], bucket_bias[:, reference.t5_bucket(n, 8, 12)])
 
 
-def test_a_kept_table_follows_a_changed_bucket_bias():
-    """Eager CPU inference keeps the table: changing one bucket's bias in place must change the next answer."""
-    model = tiny_model("sdpa", **T5)
+@pytest.mark.parametrize("prior_scope", ["global", "layer"])
+def test_a_kept_table_follows_a_changed_bucket_bias(prior_scope):
+    """Eager CPU inference keeps the table (a prior per layer: one for all layers, `layer_tables`): changing one
+    bucket's bias in place must change the next answer, as the eager implementation's materialized bias does."""
+    model = tiny_model("sdpa", prior_scope=prior_scope, **T5)
+    prior = model.model.prior if prior_scope == "global" else model.model.layers[1].self_attn.prior
     input_ids = torch.randint(0, 97, (1, 14))
     with torch.no_grad():
         before = model(input_ids).logits
-        model.model.prior.bucket_bias[1, 7] += 3.0  # the cap bucket of head 1: distances 10 .. 13 here
+        prior.bucket_bias[1, 7] += 3.0  # the cap bucket of head 1: distances 10 .. 13 here
         after = model(input_ids).logits
         model.set_attn_implementation("eager")
         eager = model(input_ids).logits
