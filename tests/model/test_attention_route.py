@@ -146,8 +146,11 @@ def assert_matches(actual, expected, tensors, trains, tolerance):
             )
 
 
+@pytest.mark.parametrize("family", ["ggd", "t5"])
 @pytest.mark.parametrize("path", list(PLANNED_CASES))
-def test_the_route_picks_each_planned_path_and_it_matches_the_float64_reference(monkeypatch, path):
+def test_the_route_picks_each_planned_path_and_it_matches_the_float64_reference(monkeypatch, path, family):
+    """With the GGD table of PARAMETERS, and with the table of a T5 prior (`BamPrior.table`: bucket_bias gathered by
+    bucket), bucket_bias trained where the case trains the prior (its gradient compared per head)."""
     case = PLANNED_CASES[path]
     if case.fused_kernel and not fused_cpu_available():
         pytest.skip("no C++ compiler to build the fused kernel")
@@ -155,19 +158,32 @@ def test_the_route_picks_each_planned_path_and_it_matches_the_float64_reference(
         monkeypatch.setattr(blocked_bam, "KEY_TILE", 4)
         monkeypatch.setattr(blocked_bam, "KEY_TILED_AFTER", 8)
     torch._dynamo.reset()
-    tensors, positions, key_valid, document_ids = case_inputs(case)
+    tensors, positions, key_valid, document_ids, trains, table, expected_of = planned_inputs(family, case)
     dropout_kwargs = {}
     if case.dropout:
-        keep = dropout_keep(case, tensors, positions, key_valid, document_ids, seed=21)
+        keep = dropout_keep(case, tensors, positions, key_valid, document_ids, seed=21, table=table)
         dropout_kwargs = dict(dropout=case.dropout, dropout_keep=keep)
     paths = route_path_calls(monkeypatch)
     torch.manual_seed(21)
     with torch.set_grad_enabled(bool(case.trains)):
-        actual = blocked_call(case, tensors, positions, key_valid, document_ids)
+        actual = blocked_call(case, tensors, positions, key_valid, document_ids, table=table)
     assert [name for name, _ in paths] == [path]
     tolerance = dict(atol=1e-5, rtol=1e-5) if case.dtype == torch.float64 else dict(atol=2e-5, rtol=1e-4)
-    expected = expected_attention(tensors, positions, key_valid, document_ids, **dropout_kwargs)
-    assert_matches(actual, expected, tensors, case.trains, tolerance)
+    expected = expected_of(tensors, positions, key_valid, document_ids, **dropout_kwargs)
+    assert_matches(actual, expected, tensors, trains, tolerance)
+
+
+def planned_inputs(family: str, case: Case):
+    """A planned case's tensors, positions, key_valid, document_ids, the inputs that train, the prior's table (None:
+    `blocked_call`'s GGD of the thetas) and the family's float64 reference."""
+    if family == "ggd":
+        tensors, positions, key_valid, document_ids = case_inputs(case)
+        return tensors, positions, key_valid, document_ids, case.trains, None, expected_attention
+    prior = t5_prior(trained="theta_alpha" in case.trains)
+    tensors, positions, key_valid, document_ids, trains = t5_tensors(case, prior)
+    with torch.set_grad_enabled(bool(case.trains)):
+        table = prior.table(int(positions[-1])).to(case.dtype)
+    return tensors, positions, key_valid, document_ids, trains, table, t5_expected
 
 
 def attention_module(ssmax=True):
@@ -193,30 +209,36 @@ def module_tensors(module, prior, case: Case):
     return tensors, positions, key_valid, document_ids
 
 
-def test_a_custom_4d_mask_takes_the_materialized_path(monkeypatch):
+@pytest.mark.parametrize("family", ["ggd", "t5"])
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_custom_4d_mask_takes_the_materialized_path(monkeypatch, implementation, family):
+    """The "sdpa" route's materialized path, and the "eager" implementation (which materializes the bias itself),
+    for the GGD prior of PARAMETERS and a T5 prior (`BamPrior.bias`), gradients included."""
     case = Case(torch.float32, padded=True, trains=EVERYTHING)
-    module, prior = attention_module()
-    tensors, positions, key_valid, _ = module_tensors(module, prior, case)
+    module, prior, tensors, positions, key_valid, trains, expected_of = prior_family(family, case)
     mask = reference.visible(positions, tensors["key"].shape[2], key_valid, batch=BATCH)[:, None]  # (B, 1, Lq, Lk)
     paths = route_path_calls(monkeypatch)
-    output, _ = bam_sdpa_attention_forward(
+    forward = bam_sdpa_attention_forward if implementation == "sdpa" else bam_eager_attention_forward
+    output, _ = forward(
         module, tensors["query"], tensors["key"], tensors["value"], mask, HEAD_DIM**-0.5, query_positions=positions,
         prior=prior, last_position=int(positions[-1]),
     )
-    assert [name for name, _ in paths] == ["materialized"]
-    expected = expected_attention(tensors, positions, key_valid, None)
-    assert_matches(output.transpose(1, 2), expected, tensors, EVERYTHING, dict(atol=2e-5, rtol=1e-4))
+    assert [name for name, _ in paths] == (["materialized"] if implementation == "sdpa" else [])
+    expected = expected_of(tensors, positions, key_valid, None)
+    assert_matches(output.transpose(1, 2), expected, tensors, trains, dict(atol=2e-5, rtol=1e-4))
 
 
-def test_a_compiled_static_cache_step_takes_the_traced_decode_step(monkeypatch):
+@pytest.mark.parametrize("family", ["ggd", "t5"])
+def test_a_compiled_static_cache_step_takes_the_traced_decode_step(monkeypatch, family):
     """One query at position 9 of a 16-slot cache, the position known only as a tensor: the route's operator reads
-    it and attends to slots 0..9 (the unfilled ones hold noise here)."""
+    it and attends to slots 0..9 (the unfilled ones hold noise here). The operator computes the prior from the three
+    thetas: a T5 prior's step stays materialized, attending to the filled slots only too."""
     monkeypatch.setattr(attention_route_bam, "TRACED_DECODE_MIN_SLOTS", 8)
     case = Case(torch.float32, queries=1, offset=15)
-    module, prior = attention_module()
-    tensors, _, _, _ = module_tensors(module, prior, case)
+    module, prior, tensors, _, _, _, expected_of = prior_family(family, case)
     positions = torch.tensor([9])
     graphs = []
+    paths = route_path_calls(monkeypatch)
 
     def recording_backend(graph_module, example_inputs):
         graphs.append(graph_module)
@@ -232,9 +254,10 @@ def test_a_compiled_static_cache_step_takes_the_traced_decode_step(monkeypatch):
     with torch.no_grad():
         output = step(tensors["query"], tensors["key"], tensors["value"])
     targets = {node.target for graph in graphs for node in graph.graph.nodes if node.op == "call_function"}
-    assert torch.ops.bam_llama.traced_decode_step.default in targets
+    assert (torch.ops.bam_llama.traced_decode_step.default in targets) == (family == "ggd")
+    assert [name for name, _ in paths] == ["traced_decode_step" if family == "ggd" else "materialized"]
     filled = {name: tensor[:, :, :10] if name in ("key", "value") else tensor for name, tensor in tensors.items()}
-    expected = expected_attention(filled, positions, None, None)
+    expected = expected_of(filled, positions, None, None)
     torch.testing.assert_close(output.transpose(1, 2).double(), expected, atol=2e-5, rtol=1e-4)
 
 
@@ -296,97 +319,24 @@ def t5_tensors(case: Case, prior: BamPrior, module=None):
     return tensors, positions, key_valid, document_ids, trains
 
 
+def prior_family(family: str, case: Case):
+    """A layer's attention with the GGD prior of PARAMETERS ("ggd") or a trained T5 prior ("t5"): (module, prior,
+    the case's tensors, positions, key_valid, the inputs that train, the float64 reference of the family)."""
+    module, prior = attention_module()
+    if family == "ggd":
+        tensors, positions, key_valid, _ = module_tensors(module, prior, case)
+        return module, prior, tensors, positions, key_valid, case.trains, expected_attention
+    prior = t5_prior(trained=True)
+    tensors, positions, key_valid, _, trains = t5_tensors(case, prior, module)
+    return module, prior, tensors, positions, key_valid, trains, t5_expected
+
+
 def t5_expected(tensors, positions, key_valid, document_ids, **dropout):
     return reference.bam_attention(
         tensors["query"], tensors["key"], tensors["value"], positions, None, None, None, formula="t5_buckets",
         bucket_bias=tensors["bucket_bias"], t5_max_distance=T5_BUCKETS["t5_max_distance"],
         ssmax_scale=tensors.get("ssmax_scale"), key_valid=key_valid, document_ids=document_ids, **dropout,
     )
-
-
-@pytest.mark.parametrize("path", list(PLANNED_CASES))
-def test_each_planned_path_runs_t5_buckets_from_the_prior_modules_table(monkeypatch, path):
-    """Each planned path's case on the table of a T5 prior (`BamPrior.table`: bucket_bias gathered by bucket), its
-    bucket_bias trained where the case trains the prior: output per element and gradients (bucket_bias's per head)
-    against the float64 reference's T5 buckets."""
-    case = PLANNED_CASES[path]
-    if case.fused_kernel and not fused_cpu_available():
-        pytest.skip("no C++ compiler to build the fused kernel")
-    if path == "key_tiles":
-        monkeypatch.setattr(blocked_bam, "KEY_TILE", 4)
-        monkeypatch.setattr(blocked_bam, "KEY_TILED_AFTER", 8)
-    torch._dynamo.reset()
-    prior = t5_prior(trained="theta_alpha" in case.trains)
-    tensors, positions, key_valid, document_ids, trains = t5_tensors(case, prior)
-    with torch.set_grad_enabled(bool(case.trains)):
-        table = prior.table(int(positions[-1])).to(case.dtype)
-    dropout_kwargs = {}
-    if case.dropout:
-        keep = dropout_keep(case, tensors, positions, key_valid, document_ids, seed=21, table=table)
-        dropout_kwargs = dict(dropout=case.dropout, dropout_keep=keep)
-    paths = route_path_calls(monkeypatch)
-    torch.manual_seed(21)
-    with torch.set_grad_enabled(bool(case.trains)):
-        actual = blocked_call(case, tensors, positions, key_valid, document_ids, table=table)
-    assert [name for name, _ in paths] == [path]
-    tolerance = dict(atol=1e-5, rtol=1e-5) if case.dtype == torch.float64 else dict(atol=2e-5, rtol=1e-4)
-    expected = t5_expected(tensors, positions, key_valid, document_ids, **dropout_kwargs)
-    assert_matches(actual, expected, tensors, trains, tolerance)
-
-
-def test_t5_buckets_in_eager_attention_match_the_float64_reference():
-    """The "eager" implementation's materialized T5 bias (`BamPrior.bias`), with padding, SSMax, GQA and
-    gradients, bucket_bias's included."""
-    case = Case(torch.float32, padded=True, trains=EVERYTHING)
-    module, prior = attention_module()[0], t5_prior(trained=True)
-    tensors, positions, key_valid, _, trains = t5_tensors(case, prior, module)
-    mask = reference.visible(positions, tensors["key"].shape[2], key_valid, batch=BATCH)[:, None]
-    output, _ = bam_eager_attention_forward(
-        module, tensors["query"], tensors["key"], tensors["value"], mask, HEAD_DIM**-0.5, query_positions=positions,
-        prior=prior,
-    )
-    expected = t5_expected(tensors, positions, key_valid, None)
-    assert_matches(output.transpose(1, 2), expected, tensors, trains, dict(atol=2e-5, rtol=1e-4))
-
-
-def test_t5_buckets_under_a_custom_4d_mask_take_the_materialized_path(monkeypatch):
-    case = Case(torch.float32, padded=True, trains=EVERYTHING)
-    module, prior = attention_module()[0], t5_prior(trained=True)
-    tensors, positions, key_valid, _, trains = t5_tensors(case, prior, module)
-    mask = reference.visible(positions, tensors["key"].shape[2], key_valid, batch=BATCH)[:, None]
-    paths = route_path_calls(monkeypatch)
-    output, _ = bam_sdpa_attention_forward(
-        module, tensors["query"], tensors["key"], tensors["value"], mask, HEAD_DIM**-0.5, query_positions=positions,
-        prior=prior, last_position=int(positions[-1]),
-    )
-    assert [name for name, _ in paths] == ["materialized"]
-    expected = t5_expected(tensors, positions, key_valid, None)
-    assert_matches(output.transpose(1, 2), expected, tensors, trains, dict(atol=2e-5, rtol=1e-4))
-
-
-def test_a_compiled_static_cache_step_of_t5_buckets_takes_the_materialized_path(monkeypatch):
-    """The traced decoding step computes the prior from the three thetas: a T5 prior's step stays materialized,
-    attending to the filled slots 0..9 only."""
-    monkeypatch.setattr(attention_route_bam, "TRACED_DECODE_MIN_SLOTS", 8)
-    case = Case(torch.float32, queries=1, offset=15)
-    module, prior = attention_module()[0], t5_prior(trained=False)
-    tensors, _, _, _, _ = t5_tensors(case, prior, module)
-    positions = torch.tensor([9])
-    paths = route_path_calls(monkeypatch)
-
-    @torch.compile(backend="eager", fullgraph=True)
-    def step(query, key, value):
-        return bam_sdpa_attention_forward(
-            module, query, key, value, None, HEAD_DIM**-0.5, query_positions=positions, prior=prior
-        )[0]
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        output = step(tensors["query"], tensors["key"], tensors["value"])
-    assert [name for name, _ in paths] == ["materialized"]
-    filled = {name: tensor[:, :, :10] if name in ("key", "value") else tensor for name, tensor in tensors.items()}
-    expected = t5_expected(filled, positions, None, None)
-    torch.testing.assert_close(output.transpose(1, 2).double(), expected, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
