@@ -44,6 +44,9 @@ def prior(init: str, trained: bool) -> dict:
     return {**PRIOR_INITS[init].config, "train_theta_alpha": trained, "train_theta_beta": trained}
 
 
+T5_BUCKETS = "t5_buckets"  # BamLlamaConfig.prior_formula of T5's bucketed relative bias (model/prior_bam.py's)
+
+
 class PositionalVariant(NamedTuple):
     """One positional encoding: BamLlama with `config`, or Transformers' `transformers_model` with `config`."""
 
@@ -60,6 +63,8 @@ class PositionalVariant(NamedTuple):
     @property
     def prior_trains(self) -> bool:
         """A BamLlama prior whose shape is learned (`bam-pretrain --frozen-prior-from` can give it another's)."""
+        if self.config.get("prior_formula") == T5_BUCKETS:
+            return self.config["train_bucket_bias"]
         return self.is_bam_llama and self.config["train_theta_beta"]
 
     @property
@@ -67,7 +72,7 @@ class PositionalVariant(NamedTuple):
         """A BamLlama prior that can tell distances apart: learned, or fixed with a slope (not flat)."""
         if not self.is_bam_llama:
             return False
-        return self.config["train_theta_beta"] or self.config["theta_beta_init"] != 0
+        return self.prior_trains or self.config["theta_beta_init"] != 0
 
 
 POSITIONAL_VARIANTS = {
@@ -79,6 +84,10 @@ POSITIONAL_VARIANTS = {
     "kerple": PositionalVariant(
         "KERPLE (log)", "KERPLE's learned log kernel -r1 ln(1 + r2 |i - j|) as the prior (r1 = r2 = 1 at the start)",
         {**prior("uniform", trained=True), "prior_formula": "kerple_log"},
+    ),
+    "t5": PositionalVariant(
+        "T5 buckets", "T5's learned bias per bucket of distances (32 buckets to 128 tokens, causal) as the prior, 0 at the start",
+        {"prior_formula": T5_BUCKETS, "train_bucket_bias": True},
     ),
     "rope": PositionalVariant("RoPE (Llama)", "Transformers' Llama", transformers_model="llama"),
     "rope-local": PositionalVariant(

@@ -98,8 +98,8 @@ def tiny_config(**overrides):
 
 
 def randomize_prior(model, seed: int = 0) -> None:
-    """Give every prior / SSMax tensor distinct non-trivial values (negative beta, non-zero mu included); those the
-    config freezes are buffers, hence the state dict."""
+    """Give every prior / SSMax tensor distinct non-trivial values (negative beta, non-zero mu, T5's bucket biases
+    included); those the config freezes are buffers, hence the state dict."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.state_dict(keep_vars=True).items():
@@ -112,6 +112,8 @@ def randomize_prior(model, seed: int = 0) -> None:
                 parameter.copy_(torch.rand(heads, generator=generator) - 0.5)
             elif name.endswith("ssmax.scale"):
                 parameter.copy_(0.8 + 0.4 * torch.rand(heads, generator=generator))
+            elif name.endswith("bucket_bias"):  # T5's buckets: (H, buckets)
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
 
 
 def tiny_model(attn_implementation: str = "eager", seed: int = 0, **overrides):

@@ -466,6 +466,10 @@ def read_bam_config(bam_dir: Path) -> BamLlamaConfig:
 
 def check_reference_compatible(config: BamLlamaConfig) -> None:
     problems = []
+    if config.prior_formula not in REFERENCE_FORMULAS:
+        problems.append(
+            f"prior_formula {config.prior_formula!r} (the reference code's prior is the GGD, {' or '.join(REFERENCE_FORMULAS)})"
+        )
     if config.head_dim * config.num_attention_heads != config.hidden_size:
         problems.append(f"head_dim {config.head_dim} x {config.num_attention_heads} heads != hidden_size {config.hidden_size}")
     if config.hidden_act != "silu":

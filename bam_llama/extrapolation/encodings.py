@@ -5,7 +5,7 @@ RoPE's own scaling (dynamic NTK, YaRN) set at evaluation. Encodings that differ 
 trained models (`Encoding.training`).
 
 Every encoding gets the same number of trials (`TRIALS_EACH`): learning rates and, where the encoding has a learned
-shape (BAM's prior, KERPLE's kernel), the two stages the paper's recipe uses (the shape learned, then fresh weights
+shape (BAM's prior, KERPLE's kernel, T5's bucket biases), the two stages the paper's recipe uses (the shape learned, then fresh weights
 trained under it frozen); an encoding with a fixed shape gets the same training compute as twice the steps instead.
 Every trial of a BamLlama encoding is also evaluated after the paper's context extension (`bam-finetune --full` at
 twice the training length), so each such encoding has twice as many candidates to choose from.
@@ -96,6 +96,7 @@ ENCODINGS = {
     "nope": Encoding("nope", "NoPE"),
     "nope-ssmax": Encoding("nope", "NoPE + SSMax", ssmax=True),
     "kerple": Encoding("kerple", "KERPLE (log)"),
+    "t5": Encoding("t5", "T5 buckets"),
     "rope": Encoding("rope", "RoPE"),
     "rope-ntk": Encoding("rope", "RoPE + NTK scaling", rope_scaling="dynamic"),
     "rope-yarn": Encoding("rope", "RoPE + YaRN", rope_scaling="yarn"),

@@ -23,7 +23,8 @@ from ..training.run import run_training
 from .encodings import Encoding, Trial
 from .settings import Study
 
-LEARNED = {"theta_alpha": "prior", "theta_beta": "prior", "theta_mu": "prior", "scale": "ssmax"}
+# what a stage learned, by tensor name: the module kind holding it (a prior holds the thetas or T5's bucket_bias)
+LEARNED = {"theta_alpha": "prior", "theta_beta": "prior", "theta_mu": "prior", "bucket_bias": "prior", "scale": "ssmax"}
 
 
 def pretrain_arguments(encoding: Encoding, trial: Trial, study: Study, seed: int, data: Path, tokenizer: Path,
@@ -71,12 +72,13 @@ def extend(folder: Path, trial: Trial, study: Study, seed: int, data: Path, outp
 
 
 def learned_values(model) -> dict[str, list[list[float]]]:
-    """Each BamLlama layer's prior and SSMax scales [layer][head] (a global prior: its one row); {} for other models."""
+    """Each BamLlama layer's prior and SSMax scales [layer][head] (T5's bucket_bias [layer][head][bucket]; a global
+    prior: its one row); {} for other models."""
     learned: dict[str, list[list[float]]] = {}
     for module in model.modules():
         if isinstance(module, (BamPrior, BamScalableSoftmax)):
             for name, kind in LEARNED.items():
-                if (kind == "prior") == isinstance(module, BamPrior):
+                if (kind == "prior") == isinstance(module, BamPrior) and hasattr(module, name):
                     learned.setdefault(name, []).append(getattr(module, name).detach().float().tolist())
     return learned
 

@@ -19,7 +19,7 @@ from ..evaluation.perplexity import PerplexityResults
 from ..evaluation.results import results_from_dict
 from ..files.outputs import staged_files
 from ..model.configuration_bam import BamLlamaConfig
-from ..model.prior_bam import PRIOR_PARAMETERS, prior_offset
+from ..model.prior_bam import THETA_PARAMETERS, prior_offset
 from ..positional_variants import POSITIONAL_VARIANTS
 
 TEMPLATE_NAME = "card_template.md"  # package data of bam_llama.hub, so wheels carry it
@@ -69,7 +69,7 @@ def read_shared_prior(model_dir: Path) -> dict:
     found = {}
     for weights in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(weights), framework="pt") as handle:
-            for name in PRIOR_PARAMETERS:
+            for name in THETA_PARAMETERS:
                 if f"model.prior.{name}" in handle.keys():
                     found[name] = handle.get_tensor(f"model.prior.{name}").float().flatten()
     return found if len(found) == 3 else {}

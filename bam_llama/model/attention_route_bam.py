@@ -32,7 +32,9 @@ ALL_ATTENTION_FUNCTIONS. Each path is a leaf module that only calls downward:
     replayed_blocks     blocked_bam.RecomputedBlock            eager, dropout with gradients
 
 A "written mask" is one that is not a view of the prior table: SSMax scaling the prior, padding, packed documents
-or dropout. Every path that reads a table gets it from the caller (`prior_tables_bam`: the model's, the prior
+or dropout. A prior of T5's buckets (`prior_bam.T5_BUCKETS`) reads its table like any other (a gather of its bucket
+biases, through which autograd takes the table's gradient); only "triton" and "traced_decode_step", which compute the
+prior from theta_alpha, theta_beta and theta_mu, never run it (`module_attention_call`). Every path that reads a table gets it from the caller (`prior_tables_bam`: the model's, the prior
 module's, or the one kept for compiled steps). The planned paths (decode_step and below) run on q, k, v in their
 compute dtype (`attention_compute_dtype`) with autocast off and return the query's dtype.
 
@@ -51,7 +53,7 @@ from .blocked_bam import (
 from .decode_step_bam import attend_single_query
 from .fused_cpu_path_bam import attend_fused_cpu, fused_kernel_runs
 from .prior_backward_bam import prior_gradient_attention
-from .prior_bam import attention_compute_dtype, autocast_off, exporting
+from .prior_bam import THETA_FORMULAS, attention_compute_dtype, autocast_off, exporting
 from .prior_tables_bam import kept_step_table
 from .reference_bam import bam_attention_sdpa, materialized_inputs
 from .triton_bam import ggd_attention, triton_usable
@@ -89,14 +91,17 @@ def module_attention_call(
     """The call of an attention function of `dispatch_bam` (`module`: the layer's attention, `prior`: its BamPrior).
     The prior table of a planned call (the last position known as an int, no custom 4D mask) is the model's where
     it computed one, else the prior module's; a compiled call with the position unknown reads the prior's parameters
-    (a module call: offload hooks run)."""
+    (a module call: offload hooks run). A prior of T5's buckets (not of THETA_FORMULAS' three parameters) never
+    takes the Triton kernels or the traced decoding step, which compute from the three parameters: "bam_triton" runs
+    the rows below "triton" and a compiled step with the position unknown the materialized path."""
     custom_mask = attention_mask is not None and attention_mask.dim() == 4
-    triton_kernels = implementation == "bam_triton" and triton_usable(query)
+    of_theta = prior.formula in THETA_FORMULAS  # T5's buckets: no Triton kernel, no traced step (see the table)
+    triton_kernels = implementation == "bam_triton" and of_theta and triton_usable(query)
     ssmax_scale = None if module.ssmax is None else module.ssmax()
     key_valid, table, prior_parameters = attention_mask, None, None
     if not _triton_takes(triton_kernels, custom_mask, dropout):
         step_mask = not custom_mask or _is_a_step_mask(attention_mask)
-        if last_position is None and step_mask and torch.compiler.is_compiling():
+        if last_position is None and step_mask and torch.compiler.is_compiling() and of_theta:
             key_valid = attention_mask[:, 0, 0] if custom_mask else attention_mask  # (B, Lk) or None
             prior_parameters = prior()
         elif last_position is not None and not custom_mask:

@@ -7,7 +7,7 @@ from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.utils import logging
 
-from .prior_bam import KERPLE_LOG, PRIOR_FORMULAS, SCALE_OUTSIDE_POWER
+from .prior_bam import KERPLE_LOG, PRIOR_FORMULAS, SCALE_OUTSIDE_POWER, T5_BUCKETS, T5_MAX_DISTANCE, T5_NUM_BUCKETS
 
 logger = logging.get_logger(__name__)
 
@@ -47,7 +47,14 @@ class BamLlamaConfig(PreTrainedConfig):
         prior_formula (`str`, defaults to `"current"`): `"current"` is the formula above; `"legacy"` is the
             reference code's pre-May-2025 form `-(|((j - i) - mu) * exp(theta_alpha)| + eps) ** theta_beta`,
             needed by checkpoints trained with it; `"kerple_log"` is the KERPLE baseline's log kernel of the same
-            parameters, `-exp(theta_alpha) * ln(1 + exp(theta_beta) * |(j - i) - mu|)`.
+            parameters, `-exp(theta_alpha) * ln(1 + exp(theta_beta) * |(j - i) - mu|)`; `"t5_buckets"` is T5's
+            bucketed relative bias (causal): a learned `bucket_bias[h, bucket(i - j)]` in place of the three
+            parameters, bucket(n) = n below `t5_num_buckets // 2`, then logarithmic up to `t5_max_distance`, where
+            the last bucket takes every longer distance.
+        t5_num_buckets (`int`, defaults to 32) / t5_max_distance (`int`, defaults to 128): T5's buckets, read under
+            `"t5_buckets"` only.
+        train_bucket_bias (`bool`, defaults to `True`): whether T5's bucket biases train (they start at 0: no
+            positional preference).
         theta_alpha_init (`float` or `"alibi"`): initial log-multiplier; `"alibi"` uses log ALiBi slopes.
         theta_beta_init (`float` or `"linear"`): initial exponent; `"linear"` spreads the heads over [0, 1].
         theta_mu_init (`float`): initial offset parameter (mu = 2 sinh(theta_mu)).
@@ -98,6 +105,9 @@ class BamLlamaConfig(PreTrainedConfig):
         train_theta_alpha: bool = True,
         train_theta_beta: bool = True,
         train_theta_mu: bool = False,
+        t5_num_buckets: int = T5_NUM_BUCKETS,
+        t5_max_distance: int = T5_MAX_DISTANCE,
+        train_bucket_bias: bool = True,
         prior_eps: float = 1e-5,
         ssmax: bool = False,
         ssmax_prior: bool = True,
@@ -129,6 +139,9 @@ class BamLlamaConfig(PreTrainedConfig):
         self.train_theta_alpha = train_theta_alpha
         self.train_theta_beta = train_theta_beta
         self.train_theta_mu = train_theta_mu
+        self.t5_num_buckets = t5_num_buckets
+        self.t5_max_distance = t5_max_distance
+        self.train_bucket_bias = train_bucket_bias
         self.prior_eps = prior_eps
         self.ssmax = ssmax
         self.ssmax_prior = ssmax_prior
@@ -189,6 +202,7 @@ class BamLlamaConfig(PreTrainedConfig):
             raise ValueError(f"prior_scope must be one of {PRIOR_SCOPES}, got {self.prior_scope!r}")
         if self.prior_formula not in PRIOR_FORMULAS:
             raise ValueError(f"prior_formula must be one of {PRIOR_FORMULAS}, got {self.prior_formula!r}")
+        self._check_t5_buckets()
         _check_init("theta_alpha_init", self.theta_alpha_init, THETA_ALPHA_SCHEMES)
         _check_init("theta_beta_init", self.theta_beta_init, THETA_BETA_SCHEMES)
         _check_init("theta_mu_init", self.theta_mu_init, ())
@@ -209,10 +223,25 @@ class BamLlamaConfig(PreTrainedConfig):
             )
         self._check_initial_prior_is_finite()
 
+    def _check_t5_buckets(self) -> None:
+        """T5's buckets: at least 2 (half of them exact), reaching past the exact ones."""
+        if not _is_positive_int(self.t5_num_buckets) or self.t5_num_buckets < 2:
+            raise ValueError(f"t5_num_buckets must be an integer >= 2, got {self.t5_num_buckets!r}")
+        exact = self.t5_num_buckets // 2
+        if not _is_positive_int(self.t5_max_distance) or self.t5_max_distance <= exact:
+            raise ValueError(
+                f"t5_max_distance must be an integer above t5_num_buckets // 2 = {exact} (the exact buckets), got "
+                f"{self.t5_max_distance!r}"
+            )
+        if not isinstance(self.train_bucket_bias, bool):
+            raise ValueError(f"train_bucket_bias must be True or False, got {self.train_bucket_bias!r}")
+
     def _check_initial_prior_is_finite(self) -> None:
         """The initial prior times the SSMax factor must stay finite in float32 at every distance the model may
         see: up to PRIOR_FINITE_HORIZON, or max_position_embeddings / train_context_length when longer. An infinite
-        bias makes eager, SDPA and Triton disagree (or give NaN)."""
+        bias makes eager, SDPA and Triton disagree (or give NaN). T5's bucket biases start at 0."""
+        if self.prior_formula == T5_BUCKETS:
+            return
         longest = max(PRIOR_FINITE_HORIZON, self.max_position_embeddings, self.train_context_length)
         alpha = 0.0 if self.theta_alpha_init == "alibi" else float(self.theta_alpha_init)  # ALiBi: log slopes <= 0
         betas = (0.0, 1.0) if self.theta_beta_init == "linear" else (float(self.theta_beta_init),)

@@ -424,7 +424,9 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
             return no_table
         parameters = [layer.self_attn.prior() for layer in self.layers]  # module calls: offload hooks run
         config = self.config
-        tables = layer_tables(parameters, config.prior_formula, config.prior_eps, last_position, self._layer_tables)
+        tables = layer_tables(
+            parameters, config.prior_formula, config.prior_eps, last_position, self._layer_tables, config.t5_max_distance
+        )
         return no_table if tables is None else tables
 
     def _positions_and_mask(self, inputs_embeds, attention_mask, position_ids, cache, sequence_parallel):

@@ -1,4 +1,5 @@
-"""GGD-BAM's positional terms, in plain PyTorch: the Generalized-Gaussian prior, ALiBi's slopes (an init scheme),
+"""GGD-BAM's positional terms, in plain PyTorch: the Generalized-Gaussian prior and the baseline prior families beside
+it (KERPLE's log kernel, T5's bucketed relative bias), ALiBi's slopes (an init scheme),
 Scalable Softmax, and what they read from positions: distances, visibility and visible-key counts.
 
 Shapes: B batch, H query heads, Lq queries, Lk keys. Positions are absolute token positions in the sequence (cache
@@ -11,7 +12,9 @@ import math
 import torch
 
 # The parameters the model keeps per head, and the submodules holding them (`modules_to_save=["prior", "ssmax"]`).
-PRIOR_PARAMETERS = ("theta_alpha", "theta_beta", "theta_mu")  # BamPrior
+THETA_PARAMETERS = ("theta_alpha", "theta_beta", "theta_mu")  # BamPrior of a formula of three scalars a head
+BUCKET_BIAS = "bucket_bias"  # BamPrior of T5's buckets: (H, num_buckets)
+PRIOR_PARAMETERS = (*THETA_PARAMETERS, BUCKET_BIAS)
 SSMAX_PARAMETER = "scale"  # BamScalableSoftmax
 PRIOR_MODULES = ("prior", "ssmax")
 
@@ -23,7 +26,13 @@ SCALE_INSIDE_POWER = "legacy"
 # -exp(theta_alpha) * ln(1 + exp(theta_beta) * |d - mu|): KERPLE's logarithmic kernel (Chi et al., 2022), its two
 # positive parameters r1 = exp(theta_alpha), r2 = exp(theta_beta); a baseline prior family, not BAM's
 KERPLE_LOG = "kerple_log"
-PRIOR_FORMULAS = (SCALE_OUTSIDE_POWER, SCALE_INSIDE_POWER, KERPLE_LOG)
+THETA_FORMULAS = (SCALE_OUTSIDE_POWER, SCALE_INSIDE_POWER, KERPLE_LOG)  # of theta_alpha, theta_beta, theta_mu
+# bucket_bias[h, bucket(i - j)]: T5's bucketed relative bias (Raffel et al., 2020; causal), a learned bias per head
+# and bucket of distances, not a formula of the three parameters: a baseline prior family, not BAM's
+T5_BUCKETS = "t5_buckets"
+PRIOR_FORMULAS = (*THETA_FORMULAS, T5_BUCKETS)
+T5_NUM_BUCKETS = 32  # T5's defaults
+T5_MAX_DISTANCE = 128
 REFERENCE_FORMULAS = (SCALE_OUTSIDE_POWER, SCALE_INSIDE_POWER)  # the ones reference GGD-BAM runs were trained with
 
 
@@ -76,14 +85,53 @@ def ggd_bias(
         return -((shifted * torch.exp(alpha)).abs() + eps).pow(beta)
     if formula == KERPLE_LOG:
         return -torch.exp(alpha) * torch.log1p(torch.exp(beta) * shifted.abs())
+    if formula == T5_BUCKETS:
+        raise ValueError(
+            "prior formula 't5_buckets' is a table of bucket biases (bucket_bias), not a formula of theta_alpha, "
+            "theta_beta and theta_mu: read it through prior_bam.distance_bias or prior_table"
+        )
     raise ValueError(f"unknown prior formula {formula!r}; expected {' or '.join(map(repr, PRIOR_FORMULAS))}")
 
 
-def prior_table(length: int, theta_alpha, theta_beta, theta_mu, formula: str, eps: float) -> torch.Tensor:
+def t5_bucket(distance_back: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
+    """T5's causal bucket (int64) of distances n = i - j >= 0 back from the query (int64): n itself below
+    exact = num_buckets // 2, then exact + floor(ln(n / exact) / ln(max_distance / exact) * (num_buckets - exact)),
+    capped at num_buckets - 1. The logarithm is computed in float32, as T5 computes it."""
+    exact = num_buckets // 2
+    far = distance_back.clamp(min=exact).float()  # the log only where it is read: n >= exact
+    scaled = torch.log(far / exact) / math.log(max_distance / exact) * (num_buckets - exact)
+    far_bucket = (exact + scaled.to(torch.int64)).clamp(max=num_buckets - 1)
+    return torch.where(distance_back < exact, distance_back, far_bucket)
+
+
+def t5_bias(distance: torch.Tensor, bucket_bias: torch.Tensor, max_distance: int) -> torch.Tensor:
+    """(H, ...) float32 T5 bias at key-minus-query distances (...), float or int, j - i <= 0 for visible keys (a
+    future key reads bucket 0, as in T5's causal attention): bucket_bias (H, num_buckets) gathered by bucket."""
+    distance_back = (-distance).round().to(torch.int64).clamp(min=0)
+    buckets = t5_bucket(distance_back, bucket_bias.shape[-1], max_distance)
+    return bucket_bias.float()[:, buckets.flatten()].view(-1, *distance.shape)
+
+
+def distance_bias(
+    distance: torch.Tensor, parameters: tuple[torch.Tensor, ...], formula: str, eps: float,
+    max_distance: int = T5_MAX_DISTANCE,
+) -> torch.Tensor:
+    """(H, ...) float32 prior of any family at key-minus-query distances (...): `parameters` are a prior module's
+    (`BamPrior.forward`): (theta_alpha, theta_beta, theta_mu) of a formula of THETA_FORMULAS, or (bucket_bias,)
+    of T5_BUCKETS, whose buckets reach `max_distance`."""
+    if formula == T5_BUCKETS:
+        (bucket_bias,) = parameters
+        return t5_bias(distance, bucket_bias, max_distance)
+    return ggd_bias(distance, *parameters, formula, eps)
+
+
+def prior_table(
+    length: int, parameters: tuple[torch.Tensor, ...], formula: str, eps: float, max_distance: int = T5_MAX_DISTANCE
+) -> torch.Tensor:
     """(H, length) float32 prior at distances -(length - 1), ..., 0: row i of the bias of queries at positions
-    <= length - 1 is a window of it (the prior depends on j - i only)."""
-    distance = torch.arange(1 - length, 1, device=theta_alpha.device, dtype=torch.float32)
-    return ggd_bias(distance, theta_alpha, theta_beta, theta_mu, formula, eps)
+    <= length - 1 is a window of it (the prior depends on j - i only). `parameters`: see `distance_bias`."""
+    distance = torch.arange(1 - length, 1, device=parameters[0].device, dtype=torch.float32)
+    return distance_bias(distance, parameters, formula, eps, max_distance)
 
 
 KEPT_TABLE_MIN = 1024  # the shortest table `KeptPriorTable` keeps: 4 KiB a head
@@ -99,16 +147,20 @@ class KeptPriorTable:
     def __init__(self):
         self._kept: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # (setting, parameter values, table)
 
-    def window(self, last_position: int, theta_alpha, theta_beta, theta_mu, formula: str, eps: float) -> torch.Tensor:
-        """(H, P + 1) float32, P = last_position; computed again only when the kept one does not hold it."""
+    def window(
+        self, last_position: int, parameters: tuple[torch.Tensor, ...], formula: str, eps: float,
+        max_distance: int = T5_MAX_DISTANCE,
+    ) -> torch.Tensor:
+        """(H, P + 1) float32, P = last_position; computed again only when the kept one does not hold it.
+        `parameters`: see `distance_bias` (T5's whole bucket_bias table is compared)."""
         with torch.no_grad():
-            values = torch.stack((theta_alpha, theta_beta, theta_mu))  # (3, H)
-            setting = (formula, eps, values.device, torch.is_inference_mode_enabled())
+            values = torch.stack(parameters)  # (3, H), or (1, H, num_buckets)
+            setting = (formula, eps, max_distance, values.device, torch.is_inference_mode_enabled())
             kept = self._kept
             stale = kept is None or kept[0] != setting or kept[2].shape[-1] <= last_position
             if stale or not torch.equal(kept[1], values):
                 length = max(KEPT_TABLE_MIN, 1 << last_position.bit_length())  # > P: the next power of two
-                table = prior_table(length, theta_alpha, theta_beta, theta_mu, formula, eps)
+                table = prior_table(length, parameters, formula, eps, max_distance)
                 kept = self._kept = (setting, values, table)
         table = kept[2]
         return table[:, table.shape[-1] - 1 - last_position :]

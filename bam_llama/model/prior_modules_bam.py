@@ -7,7 +7,10 @@ import torch
 from torch import nn
 
 from .configuration_bam import BamLlamaConfig
-from .prior_bam import SSMAX_PARAMETER, KeptPriorTable, alibi_slopes, ggd_bias, relative_distance, ssmax_factor
+from .prior_bam import (
+    BUCKET_BIAS, SSMAX_PARAMETER, T5_BUCKETS, KeptPriorTable, alibi_slopes, distance_bias, relative_distance,
+    ssmax_factor,
+)
 from .prior_tables_bam import module_table
 
 try:
@@ -17,8 +20,12 @@ except ImportError:  # older 5.x releases
 
 
 def initial_prior_values(config: BamLlamaConfig) -> dict[str, torch.Tensor]:
-    """Per-head initial theta_alpha / theta_beta / theta_mu from the config's init schemes."""
+    """Per-head initial theta_alpha / theta_beta / theta_mu from the config's init schemes; under T5's buckets,
+    bucket_bias (H, t5_num_buckets) at 0 (every distance alike, as the GGD's uniform init; T5 itself draws them
+    at random like its other weights)."""
     heads = config.num_attention_heads
+    if config.prior_formula == T5_BUCKETS:
+        return {BUCKET_BIAS: torch.zeros(heads, config.t5_num_buckets)}
     if config.theta_alpha_init == "alibi":
         theta_alpha = alibi_slopes(heads).log()
     else:
@@ -47,7 +54,8 @@ class KeptInFloat32(nn.Module):
 
 
 class BamPrior(KeptInFloat32):
-    """The per-head GGD positional prior: three scalars per head.
+    """The per-head positional prior: three scalars per head (the GGD, KERPLE), or T5's bucket biases (H,
+    num_buckets), as the config's `prior_formula` says (`names`: its tensors, in the order `forward` returns them).
 
     A parameter the config freezes (`train_theta_mu=False` by default) is a buffer, not a Parameter: no wrapper
     (PEFT's `modules_to_save`, TRL, Trainer, `requires_grad_(True)`) can make it trainable. It is saved and loaded
@@ -56,11 +64,13 @@ class BamPrior(KeptInFloat32):
 
     def __init__(self, config: BamLlamaConfig):
         super().__init__()
-        heads = config.num_attention_heads
         self.formula = config.prior_formula
         self.eps = config.prior_eps
+        self.max_distance = config.t5_max_distance  # T5's buckets only
+        initial = initial_prior_values(config)
         for name, trainable in prior_trainability(config).items():
-            _register_prior_tensor(self, name, torch.zeros(heads, dtype=torch.float32), trainable)
+            _register_prior_tensor(self, name, torch.zeros_like(initial[name], dtype=torch.float32), trainable)
+        self.names = tuple(prior_trainability(config))
         self._kept_table = KeptPriorTable()  # see `table`
         self.reset_parameters(config)
 
@@ -69,25 +79,28 @@ class BamPrior(KeptInFloat32):
         for name, value in initial_prior_values(config).items():
             _copy_init(getattr(self, name), value)
 
-    def forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(theta_alpha, theta_beta, theta_mu), each (H,), on the device the prior computes on. Every use of the
-        prior reads them through this call, so that the hooks that bring offloaded or sharded weights in
-        (Accelerate's `device_map` offload, DeepSpeed ZeRO-3) run."""
-        return self.theta_alpha, self.theta_beta, self.theta_mu
+    def forward(self) -> tuple[torch.Tensor, ...]:
+        """(theta_alpha, theta_beta, theta_mu), each (H,), or (bucket_bias,) (H, num_buckets), on the device the
+        prior computes on. Every use of the prior reads them through this call, so that the hooks that bring
+        offloaded or sharded weights in (Accelerate's `device_map` offload, DeepSpeed ZeRO-3) run."""
+        return tuple(getattr(self, name) for name in self.names)
 
     def table(self, last_position: int) -> torch.Tensor:
         """(H, P + 1) float32 prior at distances -P, ..., 0: every row of the bias is a window of it. On CPU without
         gradients (eager code) the table is kept for reuse (`prior_tables_bam.module_table`)."""
-        return module_table(self(), self.formula, self.eps, last_position, self._kept_table)
+        return module_table(self(), self.formula, self.eps, last_position, self._kept_table, self.max_distance)
 
     def bias(self, query_positions: torch.Tensor, key_length: int) -> torch.Tensor:
         """(1, H, Lq, Lk) float32 prior for queries at absolute positions (Lq,) and keys 0..Lk-1."""
-        theta_alpha, theta_beta, theta_mu = self()
-        distance = relative_distance(query_positions.to(theta_alpha.device), key_length)
-        return ggd_bias(distance, theta_alpha, theta_beta, theta_mu, self.formula, self.eps)[None]
+        parameters = self()
+        distance = relative_distance(query_positions.to(parameters[0].device), key_length)
+        return distance_bias(distance, parameters, self.formula, self.eps, self.max_distance)[None]
 
     def extra_repr(self) -> str:
-        return f"heads={self.theta_alpha.numel()}, formula={self.formula}, eps={self.eps}"
+        first = self()[0]
+        if self.formula == T5_BUCKETS:
+            return f"heads={first.shape[0]}, formula={self.formula}, buckets={first.shape[1]}, max_distance={self.max_distance}"
+        return f"heads={first.numel()}, formula={self.formula}, eps={self.eps}"
 
 
 class BamScalableSoftmax(KeptInFloat32):
@@ -115,7 +128,9 @@ class BamScalableSoftmax(KeptInFloat32):
 
 
 def prior_trainability(config: BamLlamaConfig) -> dict[str, bool]:
-    """Which prior parameters the config trains."""
+    """The prior's tensors under the config's formula, and which of them it trains."""
+    if config.prior_formula == T5_BUCKETS:
+        return {BUCKET_BIAS: config.train_bucket_bias}
     return {
         "theta_alpha": config.train_theta_alpha,
         "theta_beta": config.train_theta_beta,

@@ -10,7 +10,7 @@ included) and the request's keys j <= p:
              = q_p.k_j * scaling + b_h(j - p)             (no SSMax),      c_p = s_h * ln(p + 1)
 
 b_h is read from one table per head over distances -(T-1), ..., 0 (T: the longest sequence served), built once from
-the checkpoint's prior (`prior_table`, the package's own `ggd_bias`, either formula). Query head h reads key/value
+the checkpoint's prior (`prior_table`, the package's own, any formula or T5's buckets). Query head h reads key/value
 head h // (H / Hkv).
 
 The cache of one layer is vLLM's (blocks, Hkv, block_size, 2 * D) view: a token's key in the first D channels of its
@@ -31,6 +31,7 @@ from functools import cached_property
 
 import torch
 
+from ..model.prior_bam import BUCKET_BIAS, T5_BUCKETS, T5_MAX_DISTANCE, THETA_PARAMETERS
 from ..model.prior_bam import prior_table as model_prior_table
 
 
@@ -120,8 +121,20 @@ class BamTerms:
         return torch.addcmul(bias, qk, factor * self.scaling)
 
 
-def prior_table(theta_alpha, theta_beta, theta_mu, formula: str, eps: float, max_len: int) -> torch.Tensor:
-    """(H, max_len) float32 GGD prior at distances -(max_len-1), ..., 0: the model's own table
-    (`prior_bam.prior_table`, which every path of the Transformers model reads through `prior_tables_bam`)."""
-    return model_prior_table(max_len, theta_alpha, theta_beta, theta_mu, formula, eps).contiguous()
+def prior_parameter_shapes(config) -> dict[str, tuple[int, ...]]:
+    """A prior module's tensors in the checkpoint, for all heads: theta_alpha, theta_beta, theta_mu (H,), or T5's
+    bucket_bias (H, num_buckets)."""
+    heads = config.num_attention_heads
+    if config.prior_formula == T5_BUCKETS:
+        return {BUCKET_BIAS: (heads, config.t5_num_buckets)}
+    return {name: (heads,) for name in THETA_PARAMETERS}
+
+
+def prior_table(
+    parameters: tuple[torch.Tensor, ...], formula: str, eps: float, max_len: int, max_distance: int = T5_MAX_DISTANCE
+) -> torch.Tensor:
+    """(H, max_len) float32 prior at distances -(max_len-1), ..., 0 of a prior module's tensors (in the order of
+    `prior_parameter_shapes`): the model's own table (`prior_bam.prior_table`, which every path of the Transformers
+    model reads through `prior_tables_bam`), T5's buckets included."""
+    return model_prior_table(max_len, parameters, formula, eps, max_distance).contiguous()
 

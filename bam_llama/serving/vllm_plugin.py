@@ -46,7 +46,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout
 
 from ..registration import register_config
 from .paged_attention import paged_attention, write_cache
-from .paged_batch import BamTerms, PagedBatch, prior_table
+from .paged_batch import BamTerms, PagedBatch, prior_parameter_shapes, prior_table
 
 ARCHITECTURE = "BamLlamaForCausalLM"
 ATTENTION_OP = "vllm::bam_paged_attention"
@@ -224,21 +224,23 @@ def split_graphs_at_bam_attention(compilation) -> None:
 
 
 class BamPriorParameters(nn.Module):
-    """theta_alpha / theta_beta / theta_mu for all heads (the checkpoint's shape); this rank uses its own heads."""
+    """A prior module's tensors for all heads (the checkpoint's shapes, `prior_parameter_shapes`: theta_alpha /
+    theta_beta / theta_mu, or T5's bucket_bias); this rank uses its own heads."""
 
-    def __init__(self, total_heads: int, heads: slice):
+    def __init__(self, config, heads: slice):
         super().__init__()
         self.heads = heads
-        self.theta_alpha = nn.Parameter(torch.zeros(total_heads, dtype=torch.float32), requires_grad=False)
-        self.theta_beta = nn.Parameter(torch.zeros(total_heads, dtype=torch.float32), requires_grad=False)
-        self.theta_mu = nn.Parameter(torch.zeros(total_heads, dtype=torch.float32), requires_grad=False)
+        shapes = prior_parameter_shapes(config)
+        self.names = tuple(shapes)
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.zeros(shape, dtype=torch.float32), requires_grad=False))
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.theta_alpha[self.heads], self.theta_beta[self.heads], self.theta_mu[self.heads]
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, name)[self.heads] for name in self.names)
 
     def table(self, config, max_len: int) -> torch.Tensor:
         """(this rank's H, max_len) prior at distances -(max_len-1)..0 (paged_batch.prior_table)."""
-        return prior_table(*self.tensors(), config.prior_formula, config.prior_eps, max_len)
+        return prior_table(self.tensors(), config.prior_formula, config.prior_eps, max_len, config.t5_max_distance)
 
 
 class BamScalableSoftmaxScale(nn.Module):
@@ -285,7 +287,7 @@ class BamAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             total_heads * self.head_dim, config.hidden_size, bias=False, prefix=f"{prefix}.o_proj"
         )
-        self.prior = BamPriorParameters(total_heads, heads) if config.prior_scope == "layer" else None
+        self.prior = BamPriorParameters(config, heads) if config.prior_scope == "layer" else None
         self.ssmax = BamScalableSoftmaxScale(total_heads, heads) if config.ssmax else None
         self.attn = BamPagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, vllm_config, prefix=f"{prefix}.attn"
@@ -347,7 +349,7 @@ class BamLlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         heads = config.num_attention_heads
-        self.prior = BamPriorParameters(heads, rank_heads(heads)) if config.prior_scope == "global" else None
+        self.prior = BamPriorParameters(config, rank_heads(heads)) if config.prior_scope == "global" else None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -36,7 +36,7 @@ from ..files.outputs import staged_output_dir
 from ..hub.card import write_model_card
 from ..model.configuration_bam import BamLlamaConfig
 from ..model.modeling_bam import BamLlamaForCausalLM, BamPrior, BamScalableSoftmax
-from ..model.prior_bam import PRIOR_PARAMETERS, SSMAX_PARAMETER
+from ..model.prior_bam import SSMAX_PARAMETER
 from ..registration import register
 from .arguments import FinetuneArguments
 from .output_hold import OutputDirHold
@@ -160,7 +160,7 @@ def prior_values(model: torch.nn.Module, state_dict: dict | None = None) -> dict
     for name, module in model.named_modules():
         if not isinstance(module, (BamPrior, BamScalableSoftmax)) or ".original_module" in name:
             continue
-        parameters = PRIOR_PARAMETERS if isinstance(module, BamPrior) else (SSMAX_PARAMETER,)
+        parameters = module.names if isinstance(module, BamPrior) else (SSMAX_PARAMETER,)
         read = (lambda key: getattr(module, key)) if state_dict is None else (lambda key: state_dict[f"{name}.{key}"])
         values[re.sub(r"\.modules_to_save\.[^.]+$", "", name).removeprefix("base_model.model.")] = {
             key: read(key).detach().float().cpu().tolist() for key in parameters

@@ -1,10 +1,10 @@
 """`bam-pretrain --frozen-prior-from MODEL`, the second stage of two: a fresh BamLlama takes the prior a saved one
-learned (every prior module's theta_alpha, theta_beta and theta_mu, read from MODEL's safetensors files) and trains
-with it frozen; with `--frozen-ssmax` it takes MODEL's Scalable-Softmax scales too, frozen. The config saved with the
+learned (every prior module's theta_alpha, theta_beta and theta_mu, or under T5's buckets its bucket_bias, read from
+MODEL's safetensors files) and trains with it frozen; with `--frozen-ssmax` it takes MODEL's Scalable-Softmax scales too, frozen. The config saved with the
 model says so (`FROZEN_PRIOR`, `FROZEN_SSMAX`), and the frozen tensors are buffers, which no optimizer sees.
 
-MODEL must have the fresh model's layers, heads, prior scope (global or per layer), prior formula and eps (and, for
-its scales, Scalable Softmax in the same order): what it learned then means the same thing in the new model.
+MODEL must have the fresh model's layers, heads, prior scope (global or per layer), prior formula and eps, T5's
+buckets (and, for its scales, Scalable Softmax in the same order): what it learned then means the same thing in the new model.
 """
 
 from __future__ import annotations
@@ -16,11 +16,14 @@ import torch
 from safetensors import safe_open
 
 from ..model.configuration_bam import BamLlamaConfig
+from ..model.prior_bam import BUCKET_BIAS, T5_BUCKETS, THETA_PARAMETERS
 from .arguments import saved_bam_llama_config
 
-FROZEN_PRIOR = {"train_theta_alpha": False, "train_theta_beta": False, "train_theta_mu": False}
+FROZEN_PRIOR = {"train_theta_alpha": False, "train_theta_beta": False, "train_theta_mu": False,
+                "train_bucket_bias": False}
 FROZEN_SSMAX = {"train_ssmax_scale": False}
-PRIOR_TENSOR = re.compile(r"(^|\.)prior\.theta_(alpha|beta|mu)$")  # a global prior's and each layer's
+# a global prior's and each layer's
+PRIOR_TENSOR = re.compile(r"(^|\.)prior\.(theta_alpha|theta_beta|theta_mu|bucket_bias)$")
 SSMAX_TENSOR = re.compile(r"(^|\.)ssmax\.scale$")
 
 
@@ -31,6 +34,8 @@ def check_prior_source(folder: str, fresh: BamLlamaConfig, with_ssmax: bool = Fa
     default = BamLlamaConfig()
     expected = {"num_hidden_layers": "layers", "num_attention_heads": "heads", "prior_scope": "prior scope",
                 "prior_formula": "prior formula", "prior_eps": "prior eps"}
+    if fresh.prior_formula == T5_BUCKETS:
+        expected.update(t5_num_buckets="T5 buckets", t5_max_distance="T5 max distance")
     if with_ssmax:
         expected.update(ssmax="Scalable Softmax", ssmax_prior="Scalable Softmax order (ssmax_prior)")
     for field, what in expected.items():
@@ -38,8 +43,9 @@ def check_prior_source(folder: str, fresh: BamLlamaConfig, with_ssmax: bool = Fa
         if saved != value:
             raise ValueError(f"{folder}: {what} {saved!r}, the model to train has {value!r}; what it learned would not fit")
     names = {PRIOR_TENSOR.search(name).group(2) for name in saved_tensors(folder, PRIOR_TENSOR)}
-    if names != {"alpha", "beta", "mu"}:
-        raise ValueError(f"{folder}: its weights hold no prior (prior.theta_alpha, theta_beta and theta_mu)")
+    wanted = {BUCKET_BIAS} if fresh.prior_formula == T5_BUCKETS else set(THETA_PARAMETERS)
+    if names != wanted:
+        raise ValueError(f"{folder}: its weights hold no prior ({', '.join(f'prior.{name}' for name in sorted(wanted))})")
     if with_ssmax and not saved_tensors(folder, SSMAX_TENSOR):
         raise ValueError(f"{folder}: its weights hold no Scalable-Softmax scales (ssmax.scale)")
 

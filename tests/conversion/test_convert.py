@@ -17,6 +17,7 @@ from helpers import (
     require_reference_fixtures,
     small_tmpfs,
     snapshot,
+    tiny_model,
     unwritable,
 )
 from safetensors.torch import load_file, save_file
@@ -832,3 +833,13 @@ def test_ctrl_c_during_bam_convert_is_one_line_and_keeps_the_earlier_output(tmp_
     assert status == 130, stderr
     assert stderr.strip().splitlines()[-1].startswith("bam-convert: interrupted") and "Traceback" not in stderr
     assert snapshot(tmp_path / "out") == before
+
+
+@pytest.mark.parametrize("formula", ["t5_buckets", "kerple_log"])
+def test_a_prior_the_reference_code_lacks_is_refused_before_anything_is_written(tmp_path, formula):
+    """The reference code's prior is the GGD: T5's buckets (no thetas at all) and KERPLE's kernel (the thetas of
+    another formula) would not be the same model there."""
+    tiny_model("sdpa", prior_formula=formula).save_pretrained(tmp_path / "bam")
+    with pytest.raises(ConversionError, match=f"prior_formula '{formula}' \\(the reference code's prior is the GGD"):
+        convert_bam_to_reference(tmp_path / "bam", tmp_path / "run", verbose=False)
+    assert not (tmp_path / "run").exists()

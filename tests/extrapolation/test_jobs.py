@@ -123,3 +123,18 @@ def test_a_two_stage_test_job_trains_its_stage_one_itself_and_freezes_what_it_le
         assert learned[name] == learned_first[name], name
     assert any(value != 1.0 for row in learned_first["scale"] for value in row)  # stage one did train its scales
     assert list(entry["results"]) == ["bam-ssmax"] and list(entry["results"]["bam-ssmax"]) == ["trained"]
+
+
+def test_a_two_stage_t5_job_freezes_the_bucket_biases_its_stage_one_learned(tmp_path):
+    """T5's buckets: stage one learns each layer's bucket_bias [head][bucket] from 0, stage two keeps them exactly
+    (through the folder rebuilt from results.json's values, `stages.stage_one_folder`)."""
+    data = runs.phase_data(TEST, STUDY, tmp_path)
+    chosen = {"t5": {"trial": "two-stage", "candidate": "trained", "goes_long": False}}
+    job = runs.make_job(TEST, ("t5", "two-stage", STUDY.test_seeds[0], chosen), STUDY, data)
+    _, entry = jobs.run_job(job)
+    learned_first, learned = entry["stages"]["stage_one"]["learned"], entry["stages"]["trained"]["learned"]
+    assert set(learned_first) == set(learned) == {"bucket_bias"}
+    assert learned["bucket_bias"] == learned_first["bucket_bias"]
+    rows = [value for layer in learned_first["bucket_bias"] for head in layer for value in head]
+    assert len(rows) == STUDY.layers * STUDY.heads * 32 and any(value != 0.0 for value in rows)  # stage one trained
+    assert list(entry["results"]["t5"]) == ["trained"]

@@ -14,7 +14,9 @@ from helpers import route_path_calls, tiny_config
 
 from bam_llama.model import attention_route_bam, blocked_bam
 from bam_llama.model.attention_route_bam import ATTENTION_PATHS, bam_attention_blocked
-from bam_llama.model.dispatch_bam import bam_sdpa_attention_forward, bam_triton_attention_forward
+from bam_llama.model.dispatch_bam import (
+    bam_eager_attention_forward, bam_sdpa_attention_forward, bam_triton_attention_forward,
+)
 from bam_llama.model.fused_cpu_bam import fused_cpu_available
 from bam_llama.model.modeling_bam import BamAttention
 from bam_llama.model.prior_bam import ggd_bias
@@ -94,10 +96,12 @@ def expected_attention(tensors, positions, key_valid, document_ids, ssmax_prior=
     )
 
 
-def blocked_call(case: Case, tensors, positions, key_valid, document_ids, value=None):
-    """`bam_attention_blocked` on the case's inputs (compiled with dynamo only where the case says): (B, H, Lq, D)."""
-    parameters = (tensors[name] for name in ("theta_alpha", "theta_beta", "theta_mu"))
-    table = ggd_bias(torch.arange(-int(positions[-1]), 1), *parameters)
+def blocked_call(case: Case, tensors, positions, key_valid, document_ids, value=None, table=None):
+    """`bam_attention_blocked` on the case's inputs (compiled with dynamo only where the case says): (B, H, Lq, D).
+    The prior's table is the GGD's of the case's thetas unless given."""
+    if table is None:
+        parameters = (tensors[name] for name in ("theta_alpha", "theta_beta", "theta_mu"))
+        table = ggd_bias(torch.arange(-int(positions[-1]), 1), *parameters)
 
     def attend(query, key, value, table):
         return bam_attention_blocked(
@@ -109,19 +113,20 @@ def blocked_call(case: Case, tensors, positions, key_valid, document_ids, value=
     return attend(tensors["query"], tensors["key"], tensors["value"] if value is None else value, table.to(case.dtype))
 
 
-def dropout_keep(case: Case, tensors, positions, key_valid, document_ids, seed) -> torch.Tensor:
+def dropout_keep(case: Case, tensors, positions, key_valid, document_ids, seed, table=None) -> torch.Tensor:
     """Which probabilities the path's dropout kept, (B, H, Lq, Lk): the same call under the same seed with values
     one-hot per key, so that its output is the dropped probability matrix."""
     keys = tensors["key"].shape[2]
     one_hot = torch.eye(keys, dtype=case.dtype).expand(BATCH, KV_HEADS, keys, keys)
     torch.manual_seed(seed)
     with torch.no_grad():
-        return blocked_call(case, tensors, positions, key_valid, document_ids, value=one_hot) != 0
+        table = None if table is None else table.detach()
+        return blocked_call(case, tensors, positions, key_valid, document_ids, value=one_hot, table=table) != 0
 
 
 def assert_matches(actual, expected, tensors, trains, tolerance):
     """Output per element, then the gradients of a random projection for every input that trains: q, k, v per
-    element, each (H,) parameter per head."""
+    element, each prior parameter per head ((H,), or T5's (H, buckets) by head)."""
     torch.testing.assert_close(actual.double(), expected, **tolerance)
     inputs = [tensors[name] for name in trains if name in tensors]
     if not inputs:
@@ -131,7 +136,7 @@ def assert_matches(actual, expected, tensors, trains, tolerance):
     expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
     for name, got, want in zip([n for n in trains if n in tensors], actual_grads, expected_grads):
         got, want = got.double(), want.double()
-        if got.dim() > 1:
+        if name in ("query", "key", "value"):
             torch.testing.assert_close(got, want, **tolerance, msg=lambda m: f"gradient of {name}: {m}")
             continue
         atol = tolerance["atol"] * (1 + float(want.abs().max()))  # a parameter's gradient sums every score's
@@ -141,8 +146,11 @@ def assert_matches(actual, expected, tensors, trains, tolerance):
             )
 
 
+@pytest.mark.parametrize("family", ["ggd", "t5"])
 @pytest.mark.parametrize("path", list(PLANNED_CASES))
-def test_the_route_picks_each_planned_path_and_it_matches_the_float64_reference(monkeypatch, path):
+def test_the_route_picks_each_planned_path_and_it_matches_the_float64_reference(monkeypatch, path, family):
+    """With the GGD table of PARAMETERS, and with the table of a T5 prior (`BamPrior.table`: bucket_bias gathered by
+    bucket), bucket_bias trained where the case trains the prior (its gradient compared per head)."""
     case = PLANNED_CASES[path]
     if case.fused_kernel and not fused_cpu_available():
         pytest.skip("no C++ compiler to build the fused kernel")
@@ -150,19 +158,32 @@ def test_the_route_picks_each_planned_path_and_it_matches_the_float64_reference(
         monkeypatch.setattr(blocked_bam, "KEY_TILE", 4)
         monkeypatch.setattr(blocked_bam, "KEY_TILED_AFTER", 8)
     torch._dynamo.reset()
-    tensors, positions, key_valid, document_ids = case_inputs(case)
+    tensors, positions, key_valid, document_ids, trains, table, expected_of = planned_inputs(family, case)
     dropout_kwargs = {}
     if case.dropout:
-        keep = dropout_keep(case, tensors, positions, key_valid, document_ids, seed=21)
+        keep = dropout_keep(case, tensors, positions, key_valid, document_ids, seed=21, table=table)
         dropout_kwargs = dict(dropout=case.dropout, dropout_keep=keep)
     paths = route_path_calls(monkeypatch)
     torch.manual_seed(21)
     with torch.set_grad_enabled(bool(case.trains)):
-        actual = blocked_call(case, tensors, positions, key_valid, document_ids)
+        actual = blocked_call(case, tensors, positions, key_valid, document_ids, table=table)
     assert [name for name, _ in paths] == [path]
     tolerance = dict(atol=1e-5, rtol=1e-5) if case.dtype == torch.float64 else dict(atol=2e-5, rtol=1e-4)
-    expected = expected_attention(tensors, positions, key_valid, document_ids, **dropout_kwargs)
-    assert_matches(actual, expected, tensors, case.trains, tolerance)
+    expected = expected_of(tensors, positions, key_valid, document_ids, **dropout_kwargs)
+    assert_matches(actual, expected, tensors, trains, tolerance)
+
+
+def planned_inputs(family: str, case: Case):
+    """A planned case's tensors, positions, key_valid, document_ids, the inputs that train, the prior's table (None:
+    `blocked_call`'s GGD of the thetas) and the family's float64 reference."""
+    if family == "ggd":
+        tensors, positions, key_valid, document_ids = case_inputs(case)
+        return tensors, positions, key_valid, document_ids, case.trains, None, expected_attention
+    prior = t5_prior(trained="theta_alpha" in case.trains)
+    tensors, positions, key_valid, document_ids, trains = t5_tensors(case, prior)
+    with torch.set_grad_enabled(bool(case.trains)):
+        table = prior.table(int(positions[-1])).to(case.dtype)
+    return tensors, positions, key_valid, document_ids, trains, table, t5_expected
 
 
 def attention_module(ssmax=True):
@@ -188,30 +209,36 @@ def module_tensors(module, prior, case: Case):
     return tensors, positions, key_valid, document_ids
 
 
-def test_a_custom_4d_mask_takes_the_materialized_path(monkeypatch):
+@pytest.mark.parametrize("family", ["ggd", "t5"])
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_custom_4d_mask_takes_the_materialized_path(monkeypatch, implementation, family):
+    """The "sdpa" route's materialized path, and the "eager" implementation (which materializes the bias itself),
+    for the GGD prior of PARAMETERS and a T5 prior (`BamPrior.bias`), gradients included."""
     case = Case(torch.float32, padded=True, trains=EVERYTHING)
-    module, prior = attention_module()
-    tensors, positions, key_valid, _ = module_tensors(module, prior, case)
+    module, prior, tensors, positions, key_valid, trains, expected_of = prior_family(family, case)
     mask = reference.visible(positions, tensors["key"].shape[2], key_valid, batch=BATCH)[:, None]  # (B, 1, Lq, Lk)
     paths = route_path_calls(monkeypatch)
-    output, _ = bam_sdpa_attention_forward(
+    forward = bam_sdpa_attention_forward if implementation == "sdpa" else bam_eager_attention_forward
+    output, _ = forward(
         module, tensors["query"], tensors["key"], tensors["value"], mask, HEAD_DIM**-0.5, query_positions=positions,
         prior=prior, last_position=int(positions[-1]),
     )
-    assert [name for name, _ in paths] == ["materialized"]
-    expected = expected_attention(tensors, positions, key_valid, None)
-    assert_matches(output.transpose(1, 2), expected, tensors, EVERYTHING, dict(atol=2e-5, rtol=1e-4))
+    assert [name for name, _ in paths] == (["materialized"] if implementation == "sdpa" else [])
+    expected = expected_of(tensors, positions, key_valid, None)
+    assert_matches(output.transpose(1, 2), expected, tensors, trains, dict(atol=2e-5, rtol=1e-4))
 
 
-def test_a_compiled_static_cache_step_takes_the_traced_decode_step(monkeypatch):
+@pytest.mark.parametrize("family", ["ggd", "t5"])
+def test_a_compiled_static_cache_step_takes_the_traced_decode_step(monkeypatch, family):
     """One query at position 9 of a 16-slot cache, the position known only as a tensor: the route's operator reads
-    it and attends to slots 0..9 (the unfilled ones hold noise here)."""
+    it and attends to slots 0..9 (the unfilled ones hold noise here). The operator computes the prior from the three
+    thetas: a T5 prior's step stays materialized, attending to the filled slots only too."""
     monkeypatch.setattr(attention_route_bam, "TRACED_DECODE_MIN_SLOTS", 8)
     case = Case(torch.float32, queries=1, offset=15)
-    module, prior = attention_module()
-    tensors, _, _, _ = module_tensors(module, prior, case)
+    module, prior, tensors, _, _, _, expected_of = prior_family(family, case)
     positions = torch.tensor([9])
     graphs = []
+    paths = route_path_calls(monkeypatch)
 
     def recording_backend(graph_module, example_inputs):
         graphs.append(graph_module)
@@ -227,9 +254,10 @@ def test_a_compiled_static_cache_step_takes_the_traced_decode_step(monkeypatch):
     with torch.no_grad():
         output = step(tensors["query"], tensors["key"], tensors["value"])
     targets = {node.target for graph in graphs for node in graph.graph.nodes if node.op == "call_function"}
-    assert torch.ops.bam_llama.traced_decode_step.default in targets
+    assert (torch.ops.bam_llama.traced_decode_step.default in targets) == (family == "ggd")
+    assert [name for name, _ in paths] == ["traced_decode_step" if family == "ggd" else "materialized"]
     filled = {name: tensor[:, :, :10] if name in ("key", "value") else tensor for name, tensor in tensors.items()}
-    expected = expected_attention(filled, positions, None, None)
+    expected = expected_of(filled, positions, None, None)
     torch.testing.assert_close(output.transpose(1, 2).double(), expected, atol=2e-5, rtol=1e-4)
 
 
@@ -256,3 +284,74 @@ def test_bam_triton_takes_the_triton_kernels_where_they_run(monkeypatch):
             query_positions=positions, prior=prior, last_position=int(positions[-1]),
         )
     assert paths[-1][0] != "triton"
+
+
+# ---------------------------------------------------------------------------------------------- T5's buckets
+
+# 4 exact buckets (distances 0-3), then wider ones: 4-5, 6, 7-9, and the last from 10 on (the cases see up to 15)
+T5_BUCKETS = dict(prior_formula="t5_buckets", t5_num_buckets=8, t5_max_distance=12)
+THETAS = ("theta_alpha", "theta_beta", "theta_mu")
+
+
+def t5_prior(trained: bool) -> BamPrior:
+    """A prior of T5's buckets (float32), its bucket_bias random and trained where asked."""
+    config = tiny_config(
+        hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        train_bucket_bias=trained, **T5_BUCKETS,
+    )
+    prior = BamPrior(config)
+    with torch.no_grad():
+        prior.bucket_bias.copy_(torch.randn(HEADS, 8, generator=torch.Generator().manual_seed(5)) * 2)
+    return prior
+
+
+def t5_tensors(case: Case, prior: BamPrior, module=None):
+    """The case's inputs with the T5 prior's bucket_bias in place of the thetas (and `module`'s SSMax scale), and
+    the inputs that train: bucket_bias where the case trains the prior."""
+    tensors, positions, key_valid, document_ids = case_inputs(case)
+    for name in THETAS:
+        del tensors[name]
+    tensors["bucket_bias"] = prior.bucket_bias
+    if module is not None:
+        tensors["ssmax_scale"] = module.ssmax.scale
+    trains = tuple(name for name in case.trains if name not in THETAS)
+    trains += ("bucket_bias",) if prior.bucket_bias.requires_grad else ()
+    return tensors, positions, key_valid, document_ids, trains
+
+
+def prior_family(family: str, case: Case):
+    """A layer's attention with the GGD prior of PARAMETERS ("ggd") or a trained T5 prior ("t5"): (module, prior,
+    the case's tensors, positions, key_valid, the inputs that train, the float64 reference of the family)."""
+    module, prior = attention_module()
+    if family == "ggd":
+        tensors, positions, key_valid, _ = module_tensors(module, prior, case)
+        return module, prior, tensors, positions, key_valid, case.trains, expected_attention
+    prior = t5_prior(trained=True)
+    tensors, positions, key_valid, _, trains = t5_tensors(case, prior, module)
+    return module, prior, tensors, positions, key_valid, trains, t5_expected
+
+
+def t5_expected(tensors, positions, key_valid, document_ids, **dropout):
+    return reference.bam_attention(
+        tensors["query"], tensors["key"], tensors["value"], positions, None, None, None, formula="t5_buckets",
+        bucket_bias=tensors["bucket_bias"], t5_max_distance=T5_BUCKETS["t5_max_distance"],
+        ssmax_scale=tensors.get("ssmax_scale"), key_valid=key_valid, document_ids=document_ids, **dropout,
+    )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_bam_triton_hands_t5_buckets_to_the_sdpa_paths(monkeypatch):
+    """Triton's kernels compute the prior from the three thetas: where they would run, a T5 prior takes the rows
+    below "triton" (here the prior's gradient, over its table), with the same result as the reference."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    case = Case(torch.float32, queries=5, offset=2, padded=True, trains=EVERYTHING)
+    module, prior = attention_module()[0], t5_prior(trained=True)
+    tensors, positions, key_valid, _, trains = t5_tensors(case, prior, module)
+    paths = route_path_calls(monkeypatch)
+    output, _ = bam_triton_attention_forward(
+        module, tensors["query"], tensors["key"], tensors["value"], key_valid.bool(), HEAD_DIM**-0.5,
+        query_positions=positions, prior=prior, last_position=int(positions[-1]),
+    )
+    assert [name for name, _ in paths] != ["triton"] and len(paths) == 1
+    expected = t5_expected(tensors, positions, key_valid, None)
+    assert_matches(output.transpose(1, 2), expected, tensors, trains, dict(atol=2e-5, rtol=1e-4))

@@ -22,6 +22,7 @@ EXPECTED = {
     "alibi": (BamLlamaForCausalLM, "ALiBi", "fixed alibi"),
     "nope": (BamLlamaForCausalLM, "NoPE", "fixed flat"),
     "kerple": (BamLlamaForCausalLM, "KERPLE (log)", "learned kerple"),
+    "t5": (BamLlamaForCausalLM, "T5 buckets", "learned t5"),
     "rope": (LlamaForCausalLM, "RoPE (Llama)", None),
     "rope-local": (MistralForCausalLM, "RoPE local", None),
 }
@@ -60,6 +61,12 @@ def test_each_variant_builds_the_attention_its_name_says(name):
         assert getattr(model.config, "sliding_window", None) == (TRAIN_LENGTH if name == "rope-local" else None)
         return
     assert not hasattr(model.model, "rotary_emb")
+    if prior == "learned t5":  # T5's 32 buckets to 128 tokens, each bias 0 at the start (every distance alike), trained
+        assert (model.config.prior_formula, model.config.t5_num_buckets, model.config.t5_max_distance) == (
+            "t5_buckets", 32, 128)
+        assert torch.equal(model.model.prior.bucket_bias, torch.zeros(HEADS, 32))
+        assert trained_prior_parameters(model) == {"bucket_bias"}
+        return
     bias = prior_bias(model.model.prior)
     if prior == "learned kerple":  # -ln(1 + |d|) at the start, computed by the model's own prior; both trained
         positions = torch.tensor([40])
@@ -80,7 +87,7 @@ def test_each_variant_builds_the_attention_its_name_says(name):
 
 def test_a_prior_carries_position_only_where_it_can_tell_distances_apart():
     carries = {name for name, variant in POSITIONAL_VARIANTS.items() if variant.prior_carries_position}
-    assert carries == {"bam", "alibi", "kerple"}
+    assert carries == {"bam", "alibi", "kerple", "t5"}
 
 
 @pytest.mark.parametrize("init", ["uniform", "alibi"])

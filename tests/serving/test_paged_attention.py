@@ -72,7 +72,7 @@ def make_terms(heads=HEADS, formula="current", ssmax=None, max_len=MAX_LEN, seed
     theta_beta = torch.cat([torch.tensor([-0.4]), torch.rand(heads - 1, generator=generator)])
     theta_mu = (torch.rand(heads, generator=generator) - 0.5) * 1.2
     scale = torch.rand(heads, generator=generator) + 0.5 if ssmax else None
-    table = prior_table(theta_alpha, theta_beta, theta_mu, formula, 1e-5, max_len)
+    table = prior_table((theta_alpha, theta_beta, theta_mu), formula, 1e-5, max_len)
     terms = BamTerms(table, scale, ssmax == "prior", head_dim**-0.5)
     witness = dict(theta_alpha=theta_alpha, theta_beta=theta_beta, theta_mu=theta_mu, formula=formula,
                    ssmax_scale=scale, ssmax_prior=ssmax == "prior", scaling=head_dim**-0.5)
@@ -345,7 +345,7 @@ from bam_llama.serving.paged_cpu_path import paged_attention_cpu
 
 heads, kv_heads, dim, block_size, blocks = 4, 2, 32, 16, 8
 assert paged_cpu_available(), "the C++ kernels did not load in the child"
-terms = BamTerms(prior_table(torch.zeros(heads), torch.ones(heads), torch.zeros(heads), "current", 1e-5, 256), None,
+terms = BamTerms(prior_table((torch.zeros(heads), torch.ones(heads), torch.zeros(heads)), "current", 1e-5, 256), None,
                  True, dim**-0.5)
 cache = torch.randn(blocks, kv_heads, block_size, 2 * dim)
 for case in json.loads(sys.argv[1]):
@@ -478,3 +478,19 @@ def test_write_cache_puts_each_token_in_its_slot(path, value_rows, dtype, monkey
             expected[slot // block_size, :, slot % block_size] = torch.cat(
                 [key[token].view(kv_heads, HEAD_DIM), value[token].view(kv_heads, HEAD_DIM)], -1)
     assert torch.equal(cache, expected)
+
+
+def test_a_t5_prior_s_serving_table_is_its_bucket_bias_by_bucket():
+    """vLLM's plugin builds a layer's table from the checkpoint's tensors (`prior_parameter_shapes`): under T5's
+    buckets, bucket_bias (H, buckets), whose table at distance -n is bucket_bias[:, bucket(n)] (the reference's)."""
+    from helpers import tiny_config
+
+    from bam_llama.serving.paged_batch import prior_parameter_shapes
+
+    config = tiny_config(prior_formula="t5_buckets", t5_num_buckets=8, t5_max_distance=12)
+    assert prior_parameter_shapes(config) == {"bucket_bias": (4, 8)}
+    assert prior_parameter_shapes(tiny_config()) == {name: (4,) for name in ("theta_alpha", "theta_beta", "theta_mu")}
+    bucket_bias = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    table = prior_table((bucket_bias,), "t5_buckets", 1e-5, 300, 12)  # distances -299 .. 0
+    expected = reference.t5_prior(torch.arange(-299, 1), bucket_bias, 12)
+    torch.testing.assert_close(table.double(), expected, atol=0, rtol=0)

@@ -183,3 +183,43 @@ def test_a_prior_fits_by_its_heads_whatever_the_key_value_heads(tmp_path, capsys
     else:
         assert "--frozen-prior-from" in line and said in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_the_second_stage_of_t5_buckets_keeps_stage_one_s_bucket_bias(data, tmp_path):
+    """--positional t5: stage two takes every layer's bucket_bias (H, 32) exactly and never trains it."""
+    source = stage_one_folder(tmp_path / "stage-1", prior_scope="layer", prior_formula="t5_buckets")
+    bucket_name = re.compile(r"prior\.bucket_bias$")
+    reference = {name: tensor for name, tensor in load_file(source / "model.safetensors").items()
+                 if bucket_name.search(name)}
+    assert len(reference) == SIZES["num_hidden_layers"] and all(t.shape == (4, 32) and t.abs().min() > 0
+                                                                  for t in reference.values())
+    args = PretrainArguments(data=str(data), output_dir=str(tmp_path / "stage-2"), context_length=64, max_steps=3,
+                             save_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, eval_rows=4,
+                             disable_progress_bars=True, prior_scope="layer", positional="t5",
+                             frozen_prior_from=str(source), num_key_value_heads=4, **SIZES)
+    _, model, _ = run_pretraining(args)
+    folder = tmp_path / "stage-2" / "model"
+    trained = load_file(folder / "model.safetensors")
+    assert {name for name in trained if bucket_name.search(name)} == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(trained[name], tensor), name
+    assert not any("prior" in name for name, _ in model.named_parameters())
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["prior_formula"], config["train_bucket_bias"]) == ("t5_buckets", False)
+
+
+@pytest.mark.parametrize(
+    "stage_one, said",
+    [
+        (dict(), "prior formula 'current', the model to train has 't5_buckets'"),
+        (dict(prior_formula="t5_buckets", t5_num_buckets=16), "T5 buckets 16, the model to train has 32"),
+        (dict(prior_formula="t5_buckets", t5_max_distance=64), "T5 max distance 64, the model to train has 128"),
+    ],
+    ids=["ggd-to-t5", "other-buckets", "other-max-distance"],
+)
+def test_a_prior_that_would_not_fit_t5_buckets_is_refused_in_one_line(tmp_path, capsys, stage_one, said):
+    source = stage_one_folder(tmp_path / "stage-1", **stage_one)
+    code = main(["--data", str(tmp_path / "no-such-data.txt"), "--output-dir", str(tmp_path / "out"), "--hidden-size",
+                 "32", "--layers", "2", "--heads", "4", "--positional", "t5", "--frozen-prior-from", str(source)])
+    line = one_error_line(capsys.readouterr().err, "bam-pretrain")
+    assert code == 2 and "--frozen-prior-from" in line and said in line, line
