@@ -230,7 +230,7 @@ def test_a_prior_per_layer_trains_each_layer_apart_or_stays_fixed(data, tmp_path
 @pytest.mark.parametrize(
     "argv,named",
     [
-        (["--positional", "sinusoidal"], "--positional"),
+        (["--positional", "no-such-encoding"], "--positional"),
         (["--preset", "l99"], "--preset"),
         (["--positional", "rope", "--ssmax"], "--ssmax"),
         (["--no-ssmax-prior"], "--ssmax-prior"),  # a Scalable Softmax setting without --ssmax
