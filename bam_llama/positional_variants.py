@@ -69,7 +69,8 @@ class PositionalVariant(NamedTuple):
 
     @property
     def prior_carries_position(self) -> bool:
-        """A BamLlama prior that can tell distances apart: learned, or fixed with a slope (not flat)."""
+        """A BamLlama prior that can tell distances apart: learned, or fixed with a slope (not flat). Only the prior:
+        `sinusoidal`'s flat prior carries none, its position embedding all."""
         if not self.is_bam_llama:
             return False
         return self.prior_trains or self.config["theta_beta_init"] != 0
@@ -93,6 +94,10 @@ POSITIONAL_VARIANTS = {
     "rope-local": PositionalVariant(
         "RoPE local", "RoPE with a sliding window of the training length (Transformers' Mistral)",
         transformers_model="mistral", sliding_window=True,
+    ),
+    "sinusoidal": PositionalVariant(
+        "Sinusoidal", "Vaswani et al.'s fixed sinusoidal position embedding added to the token embeddings, the prior "
+        "fixed flat", {**prior("uniform", trained=False), "absolute_positions": "sinusoidal"},
     ),
 }
 

@@ -1,8 +1,8 @@
 """Train short, test long on real text: the paper's comparison of positional encodings (its Figures 2 and 3) on the
 CPU, to 512x the training length (`bam_llama.extrapolation`).
 
-Every encoding (BAM, BAM + Scalable Softmax, ALiBi, NoPE, RoPE with and without NTK / YaRN scaling, RoPE local, ...)
-is trained at 128 tokens on the no-download Python corpus with synthetic passkey documents. Two phases:
+Every encoding (BAM, BAM + Scalable Softmax, ALiBi, NoPE, Sinusoidal, RoPE with and without NTK / YaRN scaling, RoPE
+local, ...) is trained at 128 tokens on the no-download Python corpus with synthetic passkey documents. Two phases:
 
     # 1. validation: every trial of each encoding (learning rates, stages or steps; each BamLlama trial also after
     #    the context extension) on the validation seeds, 1x-64x; each encoding's recipe is chosen here

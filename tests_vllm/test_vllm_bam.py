@@ -25,8 +25,8 @@ MAX_MODEL_LEN = 8_192
 
 CASES = {
     # name: (model overrides, engine overrides)
-    "layer-prior_ssmax-scales-prior_gqa_chunked_compiled": (
-        dict(prior_scope="layer", ssmax=True, ssmax_prior=True, num_key_value_heads=2),
+    "layer-prior_ssmax-scales-prior_gqa_sinusoidal-positions_chunked_compiled": (
+        dict(prior_scope="layer", ssmax=True, ssmax_prior=True, num_key_value_heads=2, absolute_positions="sinusoidal"),
         dict(max_num_batched_tokens=100, block_size=16, enforce_eager=False),
     ),
     "global-prior_ssmax-after-prior_legacy-formula_mha_tied-embeddings_chunked": (

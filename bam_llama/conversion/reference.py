@@ -474,6 +474,9 @@ def check_reference_compatible(config: BamLlamaConfig) -> None:
         problems.append(f"head_dim {config.head_dim} x {config.num_attention_heads} heads != hidden_size {config.hidden_size}")
     if config.hidden_act != "silu":
         problems.append(f"hidden_act {config.hidden_act!r} (the reference FeedForward is SwiGLU with silu)")
+    if config.absolute_positions is not None:
+        problems.append(f"absolute_positions {config.absolute_positions!r} (the reference BAM model adds no absolute "
+                        "position embedding to its token embeddings)")
     if problems:
         raise ConversionError("the reference code cannot represent this model: " + "; ".join(problems))
 

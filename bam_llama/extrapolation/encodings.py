@@ -101,6 +101,8 @@ ENCODINGS = {
     "rope-ntk": Encoding("rope", "RoPE + NTK scaling", rope_scaling="dynamic"),
     "rope-yarn": Encoding("rope", "RoPE + YaRN", rope_scaling="yarn"),
     "rope-local": Encoding("rope-local", "RoPE local"),
+    "sinusoidal": Encoding("sinusoidal", "Sinusoidal"),
+    "sinusoidal-ssmax": Encoding("sinusoidal", "Sinusoidal + SSMax", ssmax=True),
 }
 
 

@@ -7,6 +7,7 @@ from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.utils import logging
 
+from .absolute_positions_bam import ABSOLUTE_POSITIONS
 from .prior_bam import KERPLE_LOG, PRIOR_FORMULAS, SCALE_OUTSIDE_POWER, T5_BUCKETS, T5_MAX_DISTANCE, T5_NUM_BUCKETS
 
 logger = logging.get_logger(__name__)
@@ -33,8 +34,9 @@ class BamLlamaConfig(PreTrainedConfig):
     r"""
     Configuration for [`BamLlamaModel`] and [`BamLlamaForCausalLM`].
 
-    The Llama fields keep their Transformers meaning. There is no RoPE: position enters only through the
-    Generalized-Gaussian prior added to every attention logit,
+    The Llama fields keep their Transformers meaning. There is no RoPE: position enters through the
+    Generalized-Gaussian prior added to every attention logit (and, with `absolute_positions`, an embedding of each
+    token's absolute position added to its token embedding),
 
         b_h(i, j) = -exp(theta_alpha_h) * (|(j - i) - mu_h| + prior_eps) ** theta_beta_h,
         mu_h = exp(theta_mu_h) - exp(-theta_mu_h),
@@ -64,6 +66,10 @@ class BamLlamaConfig(PreTrainedConfig):
         ssmax_prior (`bool`, defaults to `True`): the SSMax factor also scales the prior
             (`c_i * (q.k / sqrt(d) + b)`); `False` gives `c_i * q.k / sqrt(d) + b`.
         ssmax_scale_init (`float`) / train_ssmax_scale (`bool`): the per-head SSMax scale `s_h`.
+        absolute_positions (`str`, optional): `"sinusoidal"` adds Vaswani et al.'s fixed sinusoidal embedding of each
+            token's absolute position (`position_ids` where given, else the count of real tokens before it in a 2D
+            attention mask, else cache length plus index) to its token embedding, unscaled; `None` (default) adds
+            nothing. The "Sinusoidal" baseline pairs it with a flat, fixed prior.
         train_context_length (`int`): the length the model was (or will be) trained at; informational, never
             used to truncate.
         max_position_embeddings (`int`, defaults to `max(train_context_length, 65536)`): the length the model
@@ -113,6 +119,7 @@ class BamLlamaConfig(PreTrainedConfig):
         ssmax_prior: bool = True,
         ssmax_scale_init: float = 1.0,
         train_ssmax_scale: bool = True,
+        absolute_positions: str | None = None,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -147,6 +154,7 @@ class BamLlamaConfig(PreTrainedConfig):
         self.ssmax_prior = ssmax_prior
         self.ssmax_scale_init = ssmax_scale_init
         self.train_ssmax_scale = train_ssmax_scale
+        self.absolute_positions = absolute_positions
         self.pad_token_id = pad_token_id
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -203,6 +211,11 @@ class BamLlamaConfig(PreTrainedConfig):
         if self.prior_formula not in PRIOR_FORMULAS:
             raise ValueError(f"prior_formula must be one of {PRIOR_FORMULAS}, got {self.prior_formula!r}")
         self._check_t5_buckets()
+        if self.absolute_positions is not None and self.absolute_positions not in ABSOLUTE_POSITIONS:
+            raise ValueError(
+                f"absolute_positions must be None (no absolute position embedding) or one of {ABSOLUTE_POSITIONS}, "
+                f"got {self.absolute_positions!r}"
+            )
         _check_init("theta_alpha_init", self.theta_alpha_init, THETA_ALPHA_SCHEMES)
         _check_init("theta_beta_init", self.theta_beta_init, THETA_BETA_SCHEMES)
         _check_init("theta_mu_init", self.theta_mu_init, ())

@@ -59,6 +59,14 @@ class PagedRequests:
         """The largest query position of the step: the prior table of every request is a window of one this long."""
         return max(keys.stop - keys.start for _, keys in self.spans()) - 1
 
+    def token_positions(self, token_count: int, device: torch.device) -> torch.Tensor:
+        """(1, token_count) absolute positions of the step's packed tokens, each request's as its attention sees
+        them; padding tokens at 0."""
+        positions = torch.zeros(1, token_count, dtype=torch.long, device=device)
+        for queries, keys in self.spans():
+            positions[0, queries] = _request_positions(queries, keys, device)
+        return positions
+
     def update_cache(self, cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: dict):
         """Write this step's (1, Hkv, T, D) keys and values into the cache; every request's keys and values back."""
         if _update_takes_kwargs(type(cache)):  # Transformers >= 5.24
@@ -76,7 +84,7 @@ class PagedRequests:
             output = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
             for queries, keys in self.spans():
                 length = keys.stop - keys.start
-                positions = torch.arange(length - (queries.stop - queries.start), length, device=query.device)
+                positions = _request_positions(queries, keys, query.device)
                 table = None if prior_table is None else prior_table[:, prior_table.shape[1] - length:]
                 output[:, queries] = attention(
                     module, query[:, :, queries], key[:, :, keys], value[:, :, keys], None,
@@ -85,6 +93,12 @@ class PagedRequests:
             return output, None
 
         return paged_attention
+
+
+def _request_positions(queries: slice, keys: slice, device: torch.device) -> torch.Tensor:
+    """A request's query positions: its last (queries) of the (keys) positions the cache holds for it."""
+    length = keys.stop - keys.start
+    return torch.arange(length - (queries.stop - queries.start), length, device=device)
 
 
 def _full_attention(lengths):

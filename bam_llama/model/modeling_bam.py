@@ -7,7 +7,8 @@ Attention logit for query i (absolute position p_i) and key j, head h:
 
 with c_i = s_h * ln(n_i) under Scalable Softmax (n_i = keys visible to query i), else 1. The attention names the
 config keeps ("eager", "sdpa", "bam_triton") select BAM's own implementations, dispatched in dispatch_bam.py. The
-prior's and Scalable Softmax's modules are prior_modules_bam.py's.
+prior's and Scalable Softmax's modules are prior_modules_bam.py's. A config with `absolute_positions` adds an absolute
+position embedding (absolute_positions_bam.py) to the token embeddings, at the positions the attention uses.
 """
 
 import importlib
@@ -33,6 +34,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .absolute_positions_bam import add_absolute_positions, positions_from_padding
 from .configuration_bam import BamLlamaConfig
 from .continuous_batching_bam import CONTINUOUS_BATCHING_ATTENTION, PagedRequests, is_paged_cache
 from .dispatch_bam import (
@@ -374,6 +376,7 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         if is_paged_cache(cache):  # continuous batching: positions come from what the cache holds for each request
             return self._paged_forward(inputs_embeds, cache, **kwargs)
         kwargs.pop("cache_position", None)  # positions come from the cache length (`_positions_and_mask`)
+        inputs_embeds = self._add_absolute_positions(inputs_embeds, attention_mask, position_ids, cache)
         sequence_parallel = active_sequence_parallel(self)
         if sequence_parallel is not None:  # training only: no cache
             kwargs["sequence_parallel"], use_cache = sequence_parallel, False
@@ -403,12 +406,32 @@ class BamLlamaModel(BamLlamaPreTrainedModel):
         attending at its own positions (continuous_batching_bam.py). A layer's table is computed once, for the longest
         request (`_prior_tables`); every request's is a window of it."""
         requests = PagedRequests.from_kwargs(kwargs)
-        hidden_states = inputs_embeds
+        positions = requests.token_positions(inputs_embeds.shape[1], inputs_embeds.device)
+        hidden_states = add_absolute_positions(self.config.absolute_positions, inputs_embeds, positions)
         for decoder_layer, prior_table in zip(self.layers, self._prior_tables(requests.last_position)):
             hidden_states = decoder_layer(
                 hidden_states, None, prior_table, shared_prior=self.prior, paged_requests=requests, cache=cache, **kwargs
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
+
+    def _add_absolute_positions(self, inputs_embeds, attention_mask, position_ids, cache) -> torch.Tensor:
+        """The token embeddings plus the config's absolute position embedding (`absolute_positions`), if any, at
+        each token's absolute position: `position_ids` where given (packed documents restart at 0; `generate`
+        numbers them from the padding mask; under sequence parallelism, this rank's chunk), else the real tokens
+        before it in a 2D padding mask (a left-padded row's first real token at 0), else the cache length plus its
+        index, the positions the attention gives the queries (`_positions_and_mask`)."""
+        kind = self.config.absolute_positions
+        if kind is None:
+            return inputs_embeds
+        length = inputs_embeds.shape[1]
+        if position_ids is not None:
+            positions = position_ids
+        elif attention_mask is not None and attention_mask.dim() == 2:
+            positions = positions_from_padding(attention_mask, length)
+        else:
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            positions = torch.arange(length, device=inputs_embeds.device) + past_seen_tokens
+        return add_absolute_positions(kind, inputs_embeds, positions)
 
     def _prior_tables(self, last_position: int | None) -> list[torch.Tensor | None]:
         """The (H, P + 1) prior table of each layer, where one computation serves several layers (None: the layer's

@@ -44,6 +44,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout
 
+from ..model.absolute_positions_bam import add_absolute_positions
 from ..registration import register_config
 from .paged_attention import paged_attention, write_cache
 from .paged_batch import BamTerms, PagedBatch, prior_parameter_shapes, prior_table
@@ -344,6 +345,7 @@ class BamLlamaModel(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.absolute_positions = config.absolute_positions
         self.layers = nn.ModuleList(
             [BamDecoderLayer(config, vllm_config, prefix=f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)]
         )
@@ -361,9 +363,11 @@ class BamLlamaModel(nn.Module):
         intermediate_tensors=None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`positions` are not needed: the attention reads every request's absolute positions from its metadata
-        (a request's queries are the last query_length of its seq_len positions)."""
+        """`positions` (T,), each token's absolute position in its request, place the absolute position embedding
+        where the config has one; the attention reads them from its metadata (a request's queries are the last
+        query_length of its seq_len positions)."""
         hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        hidden_states = add_absolute_positions(self.absolute_positions, hidden_states, positions)
         for layer in self.layers:
             hidden_states = layer(hidden_states)
         return self.norm(hidden_states)

@@ -14,7 +14,9 @@ same run as `bam-finetune` (`training.run`), with one recipe for every positiona
 * `rope`: Transformers' `LlamaForCausalLM` of the same sizes (RoPE base 500,000 as in the reference's baselines);
 * `rope-local`: the paper's "RoPE local", Transformers' `MistralForCausalLM` (Llama's architecture with a sliding
   window) whose window is the training length: trained like `rope`, but at any length each query sees only the last
-  context-length tokens, the distances it trained on.
+  context-length tokens, the distances it trained on;
+* `sinusoidal`: `nope`'s BamLlama plus Vaswani et al.'s fixed sinusoidal position embedding added to the token
+  embeddings (`absolute_positions="sinusoidal"`); with `--ssmax`, "Sinusoidal + SSMax".
 
 Sizes: the paper's presets (`--preset l6 ... l24`: SwiGLU width 2x hidden, multi-head attention, untied output),
 each field overridable by the size flags. Tokenizer: `byte` (built in), `bpe` (trained on the training documents
@@ -201,8 +203,8 @@ def special_token_ids(tokenizer) -> dict[str, int | None]:
 
 
 def build_config(args: PretrainArguments, vocab_size: int, token_ids: dict[str, int | None]) -> PretrainedConfig:
-    """A fresh config of the run's positional variant and sizes: BamLlamaConfig (bam, alibi, nope), LlamaConfig
-    (rope) or MistralConfig (rope-local)."""
+    """A fresh config of the run's positional variant and sizes: BamLlamaConfig (bam, alibi, nope, kerple,
+    sinusoidal), LlamaConfig (rope) or MistralConfig (rope-local)."""
     fields = dict(vocab_size=vocab_size, tie_word_embeddings=False, **args.model_sizes(), **token_ids)
     if POSITIONAL_VARIANTS[args.positional].is_bam_llama:
         ssmax = {name: value for name, value in (("ssmax_prior", args.ssmax_prior), ("ssmax_scale_init", args.ssmax_scale_init))

@@ -95,6 +95,7 @@ def test_card_metadata_and_text(model_dir):
     assert "| Head | theta_alpha | theta_beta | theta_mu | mu |" in card.text
     assert all(f"`{name}`" in card.text for name in REMOTE_CODE)
     assert "No evaluation results" in card.text
+    assert "Absolute positions" not in card.text
     assert ModelCard(path.read_text()).data.to_dict() == card.data.to_dict()
     assert card_template() == (REPO_ROOT / "bam_llama" / "hub" / "card_template.md").read_text()
 
@@ -117,13 +118,15 @@ def test_base_model_from_config_and_absent_without_one(model_dir, tmp_path):
 
 def test_card_follows_the_config(tmp_path):
     folder = tmp_path / "variant"
-    tiny_model(prior_scope="layer", prior_formula="legacy", ssmax=True, ssmax_prior=False).save_pretrained(folder)
+    tiny_model(prior_scope="layer", prior_formula="legacy", ssmax=True, ssmax_prior=False,
+               absolute_positions="sinusoidal").save_pretrained(folder)
 
     text = ModelCard.load(write_model_card(folder)).text
     assert "one prior per layer; formula `legacy`" in text
     assert "b_h(i, j) = -(|((j - i) - mu_h) * exp(theta_alpha_h)|" in text
     assert "| Scalable Softmax | on, prior unscaled |" in text
     assert "prior excluded" in text
+    assert "| Absolute positions | `sinusoidal`: a fixed embedding of each token's absolute position" in text
     assert "theta_alpha | theta_beta" not in text  # per-layer priors are left to the prior plot
 
 

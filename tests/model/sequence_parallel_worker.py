@@ -39,6 +39,7 @@ CASES = {
     "packed_ssmax_prior_global": Case("sdpa", dict(prior_scope="global", ssmax=True, ssmax_prior=True), "packed"),
     "packed_ssmax_eager": Case("eager", dict(prior_scope="layer", ssmax=True, ssmax_prior=False), "packed"),
     "right_padding_ssmax": Case("sdpa", dict(prior_scope="global", ssmax=True), "right_padded"),
+    "packed_sinusoidal_positions": Case("sdpa", dict(prior_scope="layer", absolute_positions="sinusoidal"), "packed"),
     "one_kv_head_replicated": Case("sdpa", dict(num_key_value_heads=1, ssmax=True), "packed"),
     "eval_packed_ssmax": Case("sdpa", dict(prior_scope="global", ssmax=True), "packed", mode="eval"),
     "eval_right_padding_eager": Case("eager", dict(prior_scope="layer", ssmax=True), "right_padded", mode="eval"),

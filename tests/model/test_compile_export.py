@@ -36,9 +36,12 @@ def inputs(kind: str) -> dict:
 
 
 def model_of(name: str, attention: str = "sdpa", **config):
-    """"bam": the default configuration (global prior, SSMax, sdpa) unless `config` says otherwise; "llama"."""
+    """"bam": the default configuration (global prior, SSMax, sdpa) unless `config` says otherwise; "sinusoidal": the
+    same with the sinusoidal position embedding; "llama"."""
     if name == "llama":
         return tiny_llama(attention)
+    if name == "sinusoidal":
+        config = {"absolute_positions": "sinusoidal", **config}
     return tiny_model(attention, **{"ssmax": True, **config})
 
 
@@ -48,6 +51,7 @@ BAM_CASES = {
     "layer-prior": dict(prior_scope="layer"),
     "no-ssmax": dict(ssmax=False),
     "ssmax-unscaled-prior": dict(ssmax_prior=False),
+    "sinusoidal": dict(absolute_positions="sinusoidal"),
 }
 
 
@@ -66,6 +70,7 @@ def labelled(batch: dict) -> dict:
         ("eager", "packed", True),
         ("layer-prior", "packed", True),
         ("no-ssmax", "plain", True),
+        ("sinusoidal", "padding", True),
         ("llama", "plain", False),
         ("llama", "padding", True),
     ],
@@ -123,7 +128,7 @@ def test_fullgraph_compiled_training_with_attention_dropout_equals_eager():
         torch.testing.assert_close(compiled_grads[parameter], expected, rtol=1e-5, atol=1e-6, msg=parameter)
 
 
-@pytest.mark.parametrize("case", ["eager", "layer-prior", "ssmax-unscaled-prior"])
+@pytest.mark.parametrize("case", ["eager", "layer-prior", "ssmax-unscaled-prior", "sinusoidal"])
 def test_fullgraph_compiled_inference_equals_eager(case):
     model = model_of("bam", **BAM_CASES[case])
     batch = {**inputs("padding"), "use_cache": False}
@@ -192,7 +197,7 @@ def padded(length: int) -> dict:
     return {"input_ids": torch.randint(3, VOCAB, (BATCH, length), generator=generator), "attention_mask": attention_mask}
 
 
-@pytest.mark.parametrize("name", ["bam", "llama"])
+@pytest.mark.parametrize("name", ["bam", "sinusoidal", "llama"])
 def test_export_with_a_dynamic_length_runs_like_eager_at_any_length(name):
     """`torch.export.export` with `dynamic_shapes={"input_ids": {1: Dim("seq")}, ...}`, traced at 48 tokens: the
     program keeps the length symbolic (no "specialized it to be a constant") and gives eager's logits at 48 and 80
@@ -256,7 +261,7 @@ def test_blocked_attention_exported_with_a_dynamic_length_says_it_cannot():
         torch.export.export(Blocked(), (query, key, key), dynamic_shapes=dynamic)
 
 
-@pytest.mark.parametrize("name", ["bam", "llama"])
+@pytest.mark.parametrize("name", ["bam", "sinusoidal", "llama"])
 def test_compiled_decoding_with_a_static_cache_equals_generate(name):
     """Transformers' recipe: prefill into a `StaticCache`, then every decoding step through
     `torch.compile(model.forward, fullgraph=True)`: one graph for all steps (the position lives in the cache's

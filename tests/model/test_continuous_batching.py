@@ -79,6 +79,7 @@ VARIANTS = {
     "global": {},
     "ssmax-layer": {"ssmax": True, "prior_scope": "layer"},
     "ssmax-unscaled-prior": {"ssmax": True, "ssmax_prior": False},
+    "ssmax-sinusoidal-positions": {"ssmax": True, "absolute_positions": "sinusoidal"},
 }
 
 

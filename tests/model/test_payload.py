@@ -44,6 +44,7 @@ SHIPPED_CODE = {
     "triton_kernels_bam.py",
     "sequence_parallel_bam.py",
     "continuous_batching_bam.py",
+    "absolute_positions_bam.py",
 }
 HIDE_BAM_LLAMA = """
 import sys

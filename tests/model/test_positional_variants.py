@@ -25,6 +25,7 @@ EXPECTED = {
     "t5": (BamLlamaForCausalLM, "T5 buckets", "learned t5"),
     "rope": (LlamaForCausalLM, "RoPE (Llama)", None),
     "rope-local": (MistralForCausalLM, "RoPE local", None),
+    "sinusoidal": (BamLlamaForCausalLM, "Sinusoidal", "fixed flat"),  # position from its embedding (below)
 }
 
 
@@ -99,3 +100,13 @@ def test_each_prior_initialisation_starts_where_its_name_says_and_trains(init):
     expected = torch.full_like(bias, -1.0) if init == "uniform" else -ALIBI_SLOPES[:, None] * DISTANCES.abs()
     torch.testing.assert_close(bias, expected, atol=1e-5, rtol=1e-6)
     assert trained_prior_parameters(model) == {"theta_alpha", "theta_beta"}
+
+
+@pytest.mark.parametrize("ssmax", [False, True])
+def test_sinusoidal_alone_adds_the_absolute_position_embedding_with_or_without_ssmax(ssmax):
+    """`bam-pretrain --positional sinusoidal [--ssmax]`: the flat fixed prior of `nope` plus the embedding; no other
+    BamLlama variant has one."""
+    config = variant_config("sinusoidal", TRAIN_LENGTH, ssmax=ssmax, **SIZES)
+    assert config.absolute_positions == "sinusoidal" and config.ssmax is ssmax
+    others = [name for name, variant in POSITIONAL_VARIANTS.items() if variant.is_bam_llama and name != "sinusoidal"]
+    assert all(variant_config(name, TRAIN_LENGTH, **SIZES).absolute_positions is None for name in others)

@@ -97,7 +97,8 @@ def prior_of(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "positional,ssmax", [("bam", False), ("bam", True), ("alibi", False), ("nope", False), ("rope", False), ("rope-local", False)],
+    "positional,ssmax", [("bam", False), ("bam", True), ("alibi", False), ("nope", False), ("rope", False), ("rope-local", False),
+                       ("sinusoidal", True)],
 )
 def test_each_positional_choice_learns_and_saves_a_folder_that_reloads(data, tmp_path, positional, ssmax):
     args = arguments(data, tmp_path / "run", positional=positional, ssmax=ssmax)
@@ -129,7 +130,8 @@ def test_each_positional_choice_learns_and_saves_a_folder_that_reloads(data, tmp
         slopes = torch.tensor([2.0 ** (-8.0 * (head + 1) / heads) for head in range(heads)])
         assert torch.equal(prior["theta_alpha"], slopes.log())
         assert torch.equal(prior["theta_beta"], torch.ones(heads))
-    if positional == "nope":
+    assert config.get("absolute_positions") == ("sinusoidal" if positional == "sinusoidal" else None)
+    if positional in ("nope", "sinusoidal"):
         assert torch.equal(prior["theta_alpha"], torch.zeros(heads)) and torch.equal(prior["theta_beta"], torch.zeros(heads))
 
 
@@ -228,7 +230,7 @@ def test_a_prior_per_layer_trains_each_layer_apart_or_stays_fixed(data, tmp_path
 @pytest.mark.parametrize(
     "argv,named",
     [
-        (["--positional", "sinusoidal"], "--positional"),
+        (["--positional", "no-such-encoding"], "--positional"),
         (["--preset", "l99"], "--preset"),
         (["--positional", "rope", "--ssmax"], "--ssmax"),
         (["--no-ssmax-prior"], "--ssmax-prior"),  # a Scalable Softmax setting without --ssmax
