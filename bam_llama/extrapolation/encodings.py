@@ -100,6 +100,8 @@ ENCODINGS = {
     "rope-ntk": Encoding("rope", "RoPE + NTK scaling", rope_scaling="dynamic"),
     "rope-yarn": Encoding("rope", "RoPE + YaRN", rope_scaling="yarn"),
     "rope-local": Encoding("rope-local", "RoPE local"),
+    "rope-ssmax": Encoding("rope", "RoPE + SSMax", ssmax=True),
+    "rope-local-ssmax": Encoding("rope-local", "RoPE local + SSMax", ssmax=True),
 }
 
 
