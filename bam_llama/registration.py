@@ -4,7 +4,7 @@ and Mistral with Scalable Softmax (`baselines/`: model types `llama_ssmax`, `mis
 Light on purpose, like the package root that runs it: every command imports the root before it parses its arguments,
 so Transformers and the model are imported only inside `register` and `register_config`. The config is registered
 with AutoConfig as soon as Transformers' Auto classes are imported (at once when they already are), always before they
-can be used, and the models when the first BamLlamaConfig is built.
+can be used, and the models when the first of the configs is built.
 """
 
 import importlib.abc

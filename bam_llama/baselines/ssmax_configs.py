@@ -15,7 +15,12 @@ from transformers import LlamaConfig, MistralConfig
 
 
 class ScalableSoftmaxFields:
-    """Scalable Softmax's fields, read by `BamScalableSoftmax` as it reads BamLlamaConfig's."""
+    """Scalable Softmax's fields, read by `BamScalableSoftmax` as it reads BamLlamaConfig's:
+
+    Args:
+        ssmax_scale_init (`float`, defaults to 1.0): every head's initial scale `s_h`.
+        train_ssmax_scale (`bool`, defaults to `True`): the scales train (else they are fixed buffers).
+    """
 
     ssmax_prior = False  # a class attribute, never saved: there is no prior for the factor to scale
 
@@ -30,12 +35,7 @@ class ScalableSoftmaxFields:
 
 @strict
 class LlamaSsmaxConfig(ScalableSoftmaxFields, LlamaConfig):
-    r"""[`LlamaConfig`] with Scalable Softmax: each query row's logits times `s_h * ln(n_i)`, `n_i` the keys it sees.
-
-    Args:
-        ssmax_scale_init (`float`, defaults to 1.0): every head's initial scale `s_h`.
-        train_ssmax_scale (`bool`, defaults to `True`): the scales train (else they are fixed buffers).
-    """
+    """[`LlamaConfig`] with Scalable Softmax: each query row's logits times `s_h * ln(n_i)`, `n_i` the keys it sees."""
 
     model_type = "llama_ssmax"
     ssmax_scale_init: float = 1.0
@@ -44,12 +44,7 @@ class LlamaSsmaxConfig(ScalableSoftmaxFields, LlamaConfig):
 
 @strict
 class MistralSsmaxConfig(ScalableSoftmaxFields, MistralConfig):
-    r"""[`MistralConfig`] with Scalable Softmax; `n_i` counts only the keys inside the sliding window.
-
-    Args:
-        ssmax_scale_init (`float`, defaults to 1.0): every head's initial scale `s_h`.
-        train_ssmax_scale (`bool`, defaults to `True`): the scales train (else they are fixed buffers).
-    """
+    """[`MistralConfig`] with Scalable Softmax; `n_i` counts only the keys inside the sliding window."""
 
     model_type = "mistral_ssmax"
     ssmax_scale_init: float = 1.0

@@ -244,6 +244,16 @@ def test_a_saved_folder_loads_back_with_its_scales(tmp_path, kind):
     assert half.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
 
 
+def test_a_plain_llamas_weights_load_with_the_scales_at_their_init(tmp_path):
+    """A trained RoPE model given Scalable Softmax: every weight its own, the scales (missing) at ssmax_scale_init."""
+    plain = LlamaForCausalLM(LlamaConfig(**SIZES))
+    plain.save_pretrained(tmp_path)
+    config = LlamaSsmaxConfig.from_pretrained(tmp_path, ssmax_scale_init=0.5)
+    model = LlamaSsmaxForCausalLM.from_pretrained(tmp_path, config=config)
+    assert torch.equal(model.model.layers[0].self_attn.ssmax.scale.detach(), torch.full((HEADS,), 0.5))
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, plain.model.layers[0].self_attn.q_proj.weight)
+
+
 @pytest.mark.parametrize("first_import", ["from transformers import LlamaConfig", "from transformers import MistralConfig",
                                           "from transformers import AutoModelForCausalLM", "pass"])
 def test_a_fresh_process_loads_a_saved_folder_whatever_it_imports_first(tmp_path, first_import):
