@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from helpers import checkout_environment
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from bam_llama.baselines.ssmax_configs import LlamaSsmaxConfig, MistralSsmaxConfig
 from bam_llama.baselines.ssmax_models import LlamaSsmaxForCausalLM, MistralSsmaxForCausalLM
@@ -148,12 +148,14 @@ def test_packed_documents_count_only_their_own_keys(kind, implementation):
     assert visible[0, 7].sum() == 2  # the third document's second token: itself and its first
 
 
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_decoding_through_a_cache_scales_as_the_full_forward(kind, implementation):
+def test_decoding_through_a_cache_scales_as_the_full_forward(kind, implementation, cache_kind):
     """A prefill, a chunk of three tokens and single tokens through the cache: each step's attention equals the
     reference's rows at those absolute positions (n_i from the position, the window for Mistral), and its next-token
-    logits equal the full forward's."""
+    logits equal the full forward's. A static cache's prefill runs SDPA's own causal mask over keys cut to the
+    queries; its decoding steps a mask over every slot, the empty ones hidden."""
     model = ssmax_model(kind, implementation)
     ids = IDS[:1]
     length = ids.shape[1]
@@ -163,7 +165,7 @@ def test_decoding_through_a_cache_scales_as_the_full_forward(kind, implementatio
         distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]
         visible = visible & (distance < WINDOW)
     expected = reference_attention(model, full_seen["hidden"], full_seen["rope"], visible[None])
-    cache, start = None, 0
+    cache, start = (StaticCache(config=model.config, max_cache_len=16) if cache_kind == "static" else None), 0
     for end in (5, 8, 9, 10, 11):
         seen, step = attention_inputs_and_output(model, input_ids=ids[:, start:end], cache=cache, use_cache=True)
         torch.testing.assert_close(seen["output"][0], expected[0, start:end], atol=1e-8, rtol=1e-6)
