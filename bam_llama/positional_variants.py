@@ -3,7 +3,8 @@
 
 A variant is either BamLlama with its prior set one way (`config`: BamLlamaConfig fields: where the prior starts,
 which of its parameters train) or one of Transformers' own models (`transformers_model`: a model type
-`AutoConfig.for_model` knows). `positional_models.py` builds them. To add one: a row here, a line in
+`AutoConfig.for_model` knows; `ssmax_model`: the same model with Scalable Softmax, for `bam-pretrain --ssmax`, which
+BamLlama has as a config field). `positional_models.py` builds them. To add one: a row here, a line in
 docs/pretraining.md ("Adding a positional variant") and its expected attention in
 tests/model/test_positional_variants.py.
 
@@ -55,10 +56,16 @@ class PositionalVariant(NamedTuple):
     config: Mapping = MappingProxyType({})  # none
     transformers_model: str | None = None
     sliding_window: bool = False  # each query sees only the last training-length tokens, at any length
+    ssmax_model: str | None = None  # Transformers' model with Scalable Softmax (baselines/ssmax_models.py)
 
     @property
     def is_bam_llama(self) -> bool:
         return self.transformers_model is None
+
+    @property
+    def takes_ssmax(self) -> bool:
+        """Whether `bam-pretrain --ssmax` can add Scalable Softmax: BamLlama, or a model with an `ssmax_model`."""
+        return self.is_bam_llama or self.ssmax_model is not None
 
     @property
     def prior_trains(self) -> bool:
@@ -90,10 +97,10 @@ POSITIONAL_VARIANTS = {
         "T5 buckets", "T5's learned bias per bucket of distances (32 buckets to 128 tokens, causal) as the prior, 0 at the start",
         {"prior_formula": T5_BUCKETS, "train_bucket_bias": True},
     ),
-    "rope": PositionalVariant("RoPE (Llama)", "Transformers' Llama", transformers_model="llama"),
+    "rope": PositionalVariant("RoPE (Llama)", "Transformers' Llama", transformers_model="llama", ssmax_model="llama_ssmax"),
     "rope-local": PositionalVariant(
         "RoPE local", "RoPE with a sliding window of the training length (Transformers' Mistral)",
-        transformers_model="mistral", sliding_window=True,
+        transformers_model="mistral", sliding_window=True, ssmax_model="mistral_ssmax",
     ),
     "sinusoidal": PositionalVariant(
         "Sinusoidal", "Vaswani et al.'s fixed sinusoidal position embedding added to the token embeddings, the prior "

@@ -42,10 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context-length", type=positive_int, default=defaults.context_length, help="training length in tokens")
     parser.add_argument("--positional", choices=tuple(POSITIONAL_VARIANTS), default=defaults.positional,
                         help=describe_variants())
-    parser.add_argument("--ssmax", action="store_true", help="Scalable Softmax (BamLlama models only)")
+    with_ssmax = ", ".join(name for name, variant in POSITIONAL_VARIANTS.items() if variant.takes_ssmax)
+    parser.add_argument("--ssmax", action="store_true",
+                        help=f"Scalable Softmax: each query's logits times s*ln(n), n the keys it sees (--positional {with_ssmax})")
     parser.add_argument("--ssmax-prior", action=argparse.BooleanOptionalAction, default=None,
-                        help="with --ssmax: the factor s*ln(n) scales the prior too, c*(q.k/sqrt(d) + b), the reference's "
-                        "order (default); --no-ssmax-prior gives c*q.k/sqrt(d) + b")
+                        help="with --ssmax, a BamLlama variant: the factor s*ln(n) scales the prior too, c*(q.k/sqrt(d) + b), "
+                        "the reference's order (default); --no-ssmax-prior gives c*q.k/sqrt(d) + b")
     parser.add_argument("--ssmax-scale-init", type=float, default=None,
                         help="with --ssmax: the initial scale s of every head (default 1.0; 1/ln(context length) makes "
                         "the factor 1 at the training length)")

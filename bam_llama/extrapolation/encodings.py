@@ -103,6 +103,8 @@ ENCODINGS = {
     "rope-local": Encoding("rope-local", "RoPE local"),
     "sinusoidal": Encoding("sinusoidal", "Sinusoidal"),
     "sinusoidal-ssmax": Encoding("sinusoidal", "Sinusoidal + SSMax", ssmax=True),
+    "rope-ssmax": Encoding("rope", "RoPE + SSMax", ssmax=True),
+    "rope-local-ssmax": Encoding("rope-local", "RoPE local + SSMax", ssmax=True),
 }
 
 

@@ -29,15 +29,17 @@ LEARNED = {"theta_alpha": "prior", "theta_beta": "prior", "theta_mu": "prior", "
 
 def pretrain_arguments(encoding: Encoding, trial: Trial, study: Study, seed: int, data: Path, tokenizer: Path,
                        output_dir: Path, stage_one: Path | None) -> PretrainArguments:
-    """bam-pretrain's settings of one stage: the study's sizes and data, the trial's learning rate and steps; with
-    `stage_one` (a saved model), its learned prior (and with `trial.frozen_scales` its SSMax scales) frozen."""
+    """bam-pretrain's settings of one stage: the study's sizes and data, the trial's learning rate and steps (the
+    learned prior's and SSMax scales' at the study's shape rate, RoPE's scales too); with `stage_one` (a saved model),
+    its learned prior (and with `trial.frozen_scales` its SSMax scales) frozen."""
     steps = study.steps * trial.steps_factor
     bam_llama = encoding.extends
     return PretrainArguments(
         data=str(data), output_dir=str(output_dir), context_length=study.train_length, positional=encoding.positional,
         ssmax=encoding.ssmax, hidden_size=study.hidden_size, num_hidden_layers=study.layers,
         num_attention_heads=study.heads, tokenizer=str(tokenizer), learning_rate=trial.learning_rate,
-        prior_learning_rate=study.shape_learning_rate if bam_llama else None, warmup_steps=study.warmup_steps,
+        prior_learning_rate=study.shape_learning_rate if bam_llama or encoding.ssmax else None,  # the SSMax scales' too
+        warmup_steps=study.warmup_steps,
         per_device_train_batch_size=study.batch_size, max_steps=steps, save_steps=steps, save_total_limit=1,
         logging_steps=max(steps // 10, 1), seed=seed, disable_progress_bars=True, eval_rows=8,
         prior_scope="layer" if bam_llama else "global", threads=torch.get_num_threads(),

@@ -17,6 +17,9 @@ same run as `bam-finetune` (`training.run`), with one recipe for every positiona
   context-length tokens, the distances it trained on;
 * `sinusoidal`: `nope`'s BamLlama plus Vaswani et al.'s fixed sinusoidal position embedding added to the token
   embeddings (`absolute_positions="sinusoidal"`); with `--ssmax`, "Sinusoidal + SSMax".
+* `rope` and `rope-local` with `--ssmax`: the same models with Scalable Softmax (`baselines.ssmax_models`: model types
+  `llama_ssmax`, `mistral_ssmax`), its per-head scales starting at `--ssmax-scale-init` and trained at
+  `--ssmax-learning-rate`, as BamLlama's.
 
 Sizes: the paper's presets (`--preset l6 ... l24`: SwiGLU width 2x hidden, multi-head attention, untied output),
 each field overridable by the size flags. Tokenizer: `byte` (built in), `bpe` (trained on the training documents
@@ -37,6 +40,7 @@ import torch
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedModel, TrainingArguments
 from transformers.integrations import get_available_reporting_integrations
 
+from ..baselines.ssmax_models import SSMAX_ATTENTION
 from ..data.documents import load_documents, looks_like_a_local_path, tokenize_documents
 from ..data.tokenizers import build_byte_tokenizer, train_bpe_tokenizer
 from ..files.outputs import staged_output_dir
@@ -61,9 +65,12 @@ def check_arguments(args: PretrainArguments) -> None:
         raise ValueError(f"--positional must be one of {', '.join(POSITIONAL_VARIANTS)}, got {args.positional!r}")
     if args.preset is not None and args.preset not in PRESETS:
         raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {args.preset!r}")
-    rotary = not POSITIONAL_VARIANTS[args.positional].is_bam_llama
-    if args.ssmax and rotary:
-        raise ValueError(f"--ssmax is a BamLlama option; --positional {args.positional} trains a Transformers model")
+    variant = POSITIONAL_VARIANTS[args.positional]
+    rotary = not variant.is_bam_llama
+    if args.ssmax and not variant.takes_ssmax:
+        raise ValueError(f"--ssmax: --positional {args.positional} has no model with Scalable Softmax")
+    if args.ssmax_prior is not None and rotary:
+        raise ValueError(f"--ssmax-prior orders SSMax with BAM's prior; --positional {args.positional} has no prior")
     for flag, value in (("--ssmax-prior", args.ssmax_prior), ("--ssmax-scale-init", args.ssmax_scale_init),
                         ("--ssmax-learning-rate", args.ssmax_learning_rate)):
         if value is not None and not args.ssmax:
@@ -86,8 +93,10 @@ def check_arguments(args: PretrainArguments) -> None:
         raise ValueError(f"--hidden-size ({hidden}) must be divisible by --heads ({heads})")
     if heads % kv_heads:
         raise ValueError(f"--kv-heads ({kv_heads}) must divide --heads ({heads})")
-    if rotary and args.attn_implementation not in (None, *LLAMA_ATTENTION):
-        raise ValueError(f"--attn-implementation {args.attn_implementation}: --positional {args.positional} takes {', '.join(LLAMA_ATTENTION)}")
+    attention = SSMAX_ATTENTION if args.ssmax else LLAMA_ATTENTION
+    if rotary and args.attn_implementation not in (None, *attention):
+        raise ValueError(f"--attn-implementation {args.attn_implementation}: --positional {args.positional}"
+                         f"{' --ssmax' if args.ssmax else ''} takes {', '.join(attention)}")
     if rotary and (hidden // heads) % 2:
         raise ValueError(f"RoPE needs an even head size; --hidden-size {hidden} / --heads {heads} = {hidden // heads}")
     check_tokenizer_choice(args.tokenizer)
@@ -205,6 +214,8 @@ def special_token_ids(tokenizer) -> dict[str, int | None]:
 def build_config(args: PretrainArguments, vocab_size: int, token_ids: dict[str, int | None]) -> PretrainedConfig:
     """A fresh config of the run's positional variant and sizes: BamLlamaConfig (bam, alibi, nope, kerple,
     sinusoidal), LlamaConfig (rope) or MistralConfig (rope-local)."""
+    """A fresh config of the run's positional variant and sizes: BamLlamaConfig (bam, alibi, nope), LlamaConfig
+    (rope) or MistralConfig (rope-local), or with --ssmax their `llama_ssmax` / `mistral_ssmax`."""
     fields = dict(vocab_size=vocab_size, tie_word_embeddings=False, **args.model_sizes(), **token_ids)
     if POSITIONAL_VARIANTS[args.positional].is_bam_llama:
         ssmax = {name: value for name, value in (("ssmax_prior", args.ssmax_prior), ("ssmax_scale_init", args.ssmax_scale_init))
@@ -215,6 +226,8 @@ def build_config(args: PretrainArguments, vocab_size: int, token_ids: dict[str, 
     else:
         rope = {"rope_type": "default", "rope_theta": args.rope_theta or REFERENCE_ROPE_THETA}
         fields.update(max_position_embeddings=args.context_length, rope_parameters=rope)
+        if args.ssmax:
+            fields.update(ssmax=True, **({} if args.ssmax_scale_init is None else {"ssmax_scale_init": args.ssmax_scale_init}))
     return variant_config(args.positional, args.context_length, **fields)
 
 

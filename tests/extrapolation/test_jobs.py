@@ -1,6 +1,7 @@
 """A phase's jobs: what is planned (validation: every trial of every seed; test: only chosen recipes, on the test
 seeds), a two-stage job waiting for its stage one, --resume refusing other settings, one live run per output folder
-(a killed one never blocks the next), and the whole pipeline on tiny models, resumed without running anything twice."""
+(a killed one never blocks the next), the whole pipeline on tiny models, resumed without running anything twice, and
+RoPE with Scalable Softmax's jobs."""
 
 import json
 import os
@@ -13,11 +14,13 @@ import pytest
 from helpers import checkout_environment
 
 from bam_llama.extrapolation import jobs
+from bam_llama.extrapolation.encodings import ENCODINGS, FIXED_SHAPE_TRIALS
 from bam_llama.extrapolation import run as runs
 from bam_llama.extrapolation.jobs import Job
 from bam_llama.extrapolation.run import RunError, earlier_results, plan, ready, run
 from bam_llama.extrapolation.selection import job_key
 from bam_llama.extrapolation.settings import QUICK, TEST, VALIDATION
+from bam_llama.extrapolation.stages import pretrain_arguments
 from bam_llama.files.outputs import FolderInUse, FolderLock
 
 STUDY = QUICK
@@ -138,3 +141,28 @@ def test_a_two_stage_t5_job_freezes_the_bucket_biases_its_stage_one_learned(tmp_
     rows = [value for layer in learned_first["bucket_bias"] for head in layer for value in head]
     assert len(rows) == STUDY.layers * STUDY.heads * 32 and any(value != 0.0 for value in rows)  # stage one trained
     assert list(entry["results"]["t5"]) == ["trained"]
+
+
+@pytest.mark.parametrize("name,positional", [("rope-ssmax", "rope"), ("rope-local-ssmax", "rope-local")])
+def test_rope_with_ssmax_is_a_fixed_shape_encoding_of_its_own_trained_with_its_scales(tmp_path, name, positional):
+    """RoPE has no learned positional shape (the SSMax scales are none) and bam-finetune takes BamLlama only: the
+    fixed-shape trials, evaluated as trained; bam-pretrain gets --ssmax, the scales at the study's shape rate."""
+    encoding = ENCODINGS[name]
+    assert (encoding.positional, encoding.ssmax, encoding.training) == (positional, True, name)
+    assert not encoding.learned_shape and not encoding.extends and encoding.candidates == ("trained",)
+    assert encoding.trials == FIXED_SHAPE_TRIALS
+    args = pretrain_arguments(encoding, FIXED_SHAPE_TRIALS["long"], STUDY, 100, tmp_path, tmp_path, tmp_path, None)
+    assert args.ssmax and args.positional == positional and args.prior_scope == "global"
+    assert args.prior_learning_rate == STUDY.shape_learning_rate and args.max_steps == 2 * STUDY.steps
+
+
+def test_a_rope_ssmax_validation_job_trains_its_scales_and_evaluates_the_trained_model(tmp_path):
+    data = runs.phase_data(VALIDATION, STUDY, tmp_path)
+    job = runs.make_job(VALIDATION, ("rope-ssmax", "lr-1e-3", STUDY.validation_seeds[0], {}), STUDY, data)
+    _, entry = jobs.run_job(job)
+    scales = entry["stages"]["trained"]["learned"]["scale"]  # [layer][head]
+    assert len(scales) == STUDY.layers and all(len(row) == STUDY.heads for row in scales)
+    assert any(value != 1.0 for row in scales for value in row)  # trained from 1
+    assert list(entry["results"]) == ["rope-ssmax"] and list(entry["results"]["rope-ssmax"]) == ["trained"]
+    result = entry["results"]["rope-ssmax"]["trained"]
+    assert sorted(result["passkey"]) == [STUDY.train_length * scale for scale in STUDY.scales]

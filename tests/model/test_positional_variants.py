@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaForCausalLM, MistralForCausalLM
 
 from bam_llama import BamLlamaConfig, BamLlamaForCausalLM
+from bam_llama.baselines.ssmax_models import LlamaSsmaxForCausalLM, MistralSsmaxForCausalLM
 from bam_llama.positional_models import variant_config, variant_model
 from bam_llama.positional_variants import POSITIONAL_VARIANTS, PRIOR_INITS
 
@@ -110,3 +111,21 @@ def test_sinusoidal_alone_adds_the_absolute_position_embedding_with_or_without_s
     assert config.absolute_positions == "sinusoidal" and config.ssmax is ssmax
     others = [name for name, variant in POSITIONAL_VARIANTS.items() if variant.is_bam_llama and name != "sinusoidal"]
     assert all(variant_config(name, TRAIN_LENGTH, **SIZES).absolute_positions is None for name in others)
+
+
+# name -> the model class `bam-pretrain --ssmax` trains (BamLlama: its config's `ssmax`)
+EXPECTED_WITH_SSMAX = {"rope": LlamaSsmaxForCausalLM, "rope-local": MistralSsmaxForCausalLM}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_each_variant_with_scalable_softmax_adds_a_scale_per_head_to_every_layer(name):
+    model = variant_model(variant_config(name, TRAIN_LENGTH, ssmax=True, **SIZES))
+    assert type(model) is EXPECTED_WITH_SSMAX.get(name, BamLlamaForCausalLM)
+    assert POSITIONAL_VARIANTS[name].takes_ssmax
+    for layer in model.model.layers:
+        assert torch.equal(layer.self_attn.ssmax.scale.detach(), torch.ones(HEADS)) and layer.self_attn.ssmax.scale.requires_grad
+    if name in EXPECTED_WITH_SSMAX:  # the same Transformers model as without, RoPE and the window included
+        plain = build(name)
+        assert {key for key in model.state_dict() if ".ssmax." not in key} == set(plain.state_dict())
+        assert getattr(model.config, "sliding_window", None) == getattr(plain.config, "sliding_window", None)
+        assert model.config.train_context_length == TRAIN_LENGTH

@@ -35,6 +35,7 @@ from transformers import (
 from waiting import WatchedProcess, run_within, scaled
 
 from bam_llama import BamLlamaForCausalLM
+from bam_llama.baselines.ssmax_models import LlamaSsmaxForCausalLM, MistralSsmaxForCausalLM
 from bam_llama.cli.pretrain import main
 from bam_llama.data.packing import collate_packed_rows, pack_documents
 from bam_llama.data.tokenizers import train_bpe_tokenizer
@@ -96,9 +97,16 @@ def prior_of(model) -> dict[str, torch.Tensor]:
     return {name: getattr(model.model.prior, name).detach().clone() for name in ("theta_alpha", "theta_beta", "theta_mu")}
 
 
+TRANSFORMERS_MODELS = {
+    ("rope", False): (LlamaForCausalLM, "llama"), ("rope-local", False): (MistralForCausalLM, "mistral"),
+    ("rope", True): (LlamaSsmaxForCausalLM, "llama_ssmax"), ("rope-local", True): (MistralSsmaxForCausalLM, "mistral_ssmax"),
+}
+
+
 @pytest.mark.parametrize(
-    "positional,ssmax", [("bam", False), ("bam", True), ("alibi", False), ("nope", False), ("rope", False), ("rope-local", False),
-                       ("sinusoidal", True)],
+    "positional,ssmax",
+    [("bam", False), ("bam", True), ("alibi", False), ("nope", False), ("rope", False), ("rope-local", False),
+     ("rope", True), ("rope-local", True), ("sinusoidal", True)],
 )
 def test_each_positional_choice_learns_and_saves_a_folder_that_reloads(data, tmp_path, positional, ssmax):
     args = arguments(data, tmp_path / "run", positional=positional, ssmax=ssmax)
@@ -113,13 +121,15 @@ def test_each_positional_choice_learns_and_saves_a_folder_that_reloads(data, tmp
     assert config["hidden_size"] == 32 and config["num_hidden_layers"] == 2 and config["tie_word_embeddings"] is False
     reloaded = reloaded_logits_match(model, folder)
     heads = TINY_SIZES["num_attention_heads"]
-    if positional == "rope":
-        assert type(reloaded) is LlamaForCausalLM and config["model_type"] == "llama"
+    if positional in ("rope", "rope-local"):  # Transformers' Llama / Mistral, with SSMax their llama_ssmax / mistral_ssmax
+        model_class, model_type = TRANSFORMERS_MODELS[positional, ssmax]
+        assert type(reloaded) is model_class and config["model_type"] == model_type
         assert config["rope_parameters"]["rope_theta"] == 500_000  # the reference's RoPE baselines
-        return
-    if positional == "rope-local":
-        assert type(reloaded) is MistralForCausalLM and config["model_type"] == "mistral"
-        assert config["sliding_window"] == CONTEXT_LENGTH and config["rope_parameters"]["rope_theta"] == 500_000
+        assert config.get("sliding_window") == (CONTEXT_LENGTH if positional == "rope-local" else None)
+        if ssmax:  # the scales trained from 1, saved and loaded back
+            scales = [layer.self_attn.ssmax.scale.detach() for layer in model.model.layers]
+            assert all(not torch.equal(scale, torch.ones(heads)) for scale in scales)
+            assert all(torch.equal(layer.self_attn.ssmax.scale, scale) for layer, scale in zip(reloaded.model.layers, scales))
         return
     assert config["model_type"] == "bam_llama" and config["ssmax"] is ssmax
     prior = prior_of(model)
@@ -232,7 +242,8 @@ def test_a_prior_per_layer_trains_each_layer_apart_or_stays_fixed(data, tmp_path
     [
         (["--positional", "no-such-encoding"], "--positional"),
         (["--preset", "l99"], "--preset"),
-        (["--positional", "rope", "--ssmax"], "--ssmax"),
+        (["--positional", "rope", "--ssmax", "--no-ssmax-prior"], "--ssmax-prior"),  # no prior to order with
+        (["--positional", "rope-local", "--ssmax", "--attn-implementation", "flash_attention_2"], "--attn-implementation"),
         (["--no-ssmax-prior"], "--ssmax-prior"),  # a Scalable Softmax setting without --ssmax
         (["--ssmax-scale-init", "0.2"], "--ssmax-scale-init"),
         (["--ssmax-learning-rate", "0.1"], "--ssmax-learning-rate"),
