@@ -39,7 +39,7 @@ class Study:
     test_prompts: int = 50  # 1x-64x
     long_prompts: int = 20  # 128x-512x
     validation_documents: int = 4  # never-trained documents for perplexity
-    test_documents: int = 8
+    test_documents: int = 6  # every never-trained document as long as 512x (65,536 tokens) under a test seed's BPE
     selection_scales: tuple[int, ...] = (16, 32, 64)  # a trial's score: its strict passkey rate pooled over these
     long_threshold: float = 0.5  # past 64x: the encodings above this strict rate at 64x
     quick: bool = False

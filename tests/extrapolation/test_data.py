@@ -64,3 +64,16 @@ def test_evaluation_keys_avoid_the_training_texts_and_differ_by_seed():
     assert avoiding.redrawn == 10
     other = seed_keys(4, Data(()))
     assert len(set(keys) & {other.draw() for _ in range(50)}) < 5  # another seed, other keys
+
+
+def test_the_test_phase_finds_its_perplexity_documents_at_the_longest_length(tmp_path):
+    """The default study's test phase measures perplexity at 512x (65,536 tokens) on `test_documents` never-trained
+    documents: a test seed's BPE must find that many that long (asking for more fails the phase before any job)."""
+    from bam_llama.extrapolation.run import phase_data
+    from bam_llama.extrapolation.settings import TEST, Study
+
+    study = Study(test_seeds=Study().test_seeds[:1])
+    data = phase_data(TEST, study, tmp_path)[study.test_seeds[0]]
+    longest = study.train_length * study.longest_scale(TEST)
+    assert len(data.documents) == study.test_documents
+    assert all(len(tokens) == longest for tokens in data.documents.values())
