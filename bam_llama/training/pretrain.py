@@ -118,7 +118,8 @@ def check_frozen_prior_arguments(args: PretrainArguments) -> None:
         raise ValueError(f"--frozen-prior-from gives a model the prior another one learned: --positional must be one "
                          f"of {', '.join(learned)}, got {args.positional}")
     try:
-        check_prior_source(args.frozen_prior_from, build_config(args, 1, {}), with_ssmax=args.frozen_ssmax)
+        no_tokens = dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))  # no tokenizer yet: the prior's fields only
+        check_prior_source(args.frozen_prior_from, build_config(args, 1, no_tokens), with_ssmax=args.frozen_ssmax)
     except ValueError as error:
         raise ValueError(f"--frozen-prior-from {error}") from None
 
@@ -212,10 +213,9 @@ def special_token_ids(tokenizer) -> dict[str, int | None]:
 
 
 def build_config(args: PretrainArguments, vocab_size: int, token_ids: dict[str, int | None]) -> PretrainedConfig:
-    """A fresh config of the run's positional variant and sizes: BamLlamaConfig (bam, alibi, nope, kerple,
-    sinusoidal), LlamaConfig (rope) or MistralConfig (rope-local)."""
-    """A fresh config of the run's positional variant and sizes: BamLlamaConfig (bam, alibi, nope), LlamaConfig
-    (rope) or MistralConfig (rope-local), or with --ssmax their `llama_ssmax` / `mistral_ssmax`."""
+    """A fresh config of the run's positional variant and sizes: BamLlamaConfig (bam, alibi, nope, kerple, t5,
+    sinusoidal), LlamaConfig (rope) or MistralConfig (rope-local), or with --ssmax their `llama_ssmax` /
+    `mistral_ssmax`."""
     fields = dict(vocab_size=vocab_size, tie_word_embeddings=False, **args.model_sizes(), **token_ids)
     if POSITIONAL_VARIANTS[args.positional].is_bam_llama:
         ssmax = {name: value for name, value in (("ssmax_prior", args.ssmax_prior), ("ssmax_scale_init", args.ssmax_scale_init))
