@@ -65,6 +65,9 @@ def build_tiny_bam(folder: Path, seed: int, **overrides):
                 parameter.copy_(torch.cat([torch.tensor([-0.4]), torch.rand(heads - 1, generator=generator)]))
             elif name.endswith("theta_mu"):
                 parameter.copy_((torch.rand(heads, generator=generator) - 0.5) * 1.2)
+            elif name.endswith("bucket_bias"):  # T5's buckets: a bias per head and bucket, far buckets more negative
+                buckets = parameter.shape[-1]
+                parameter.copy_(-torch.rand(parameter.shape, generator=generator) * torch.linspace(0.5, 4.0, buckets))
             elif name.endswith("ssmax.scale"):
                 parameter.copy_(torch.rand(heads, generator=generator) + 0.5)
             elif name.endswith("layernorm.weight") or name.endswith("norm.weight"):
@@ -74,7 +77,8 @@ def build_tiny_bam(folder: Path, seed: int, **overrides):
                 std = 1.0 if "embed_tokens" in name else 2.0 * fan_in**-0.5
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
     mus = [tensor for name, tensor in model.state_dict().items() if name.endswith("theta_mu")]
-    assert mus and all(bool((mu != 0).all()) for mu in mus)  # mu != 0 is served
+    if config.prior_formula != "t5_buckets":  # T5's buckets have no mu: their table is served
+        assert mus and all(bool((mu != 0).all()) for mu in mus)  # mu != 0 is served
     model.save_pretrained(folder)
     build_byte_tokenizer(model_max_length=config.max_position_embeddings).save_pretrained(folder)
     return folder

@@ -38,6 +38,10 @@ CASES = {
         dict(prior_scope="global", ssmax=False, num_key_value_heads=1),
         dict(max_num_batched_tokens=MAX_MODEL_LEN, enable_chunked_prefill=False),
     ),
+    "layer-prior_t5-buckets_ssmax_gqa_chunked": (
+        dict(prior_scope="layer", prior_formula="t5_buckets", ssmax=True, num_key_value_heads=2),
+        dict(max_num_batched_tokens=300, block_size=16),
+    ),
 }
 
 
