@@ -21,9 +21,14 @@ TARGETS = {64: 0.95, 512: 0.80}  # strict passkey, the mean of the test seeds, f
 PERPLEXITY_TARGET = 1.10  # last-window perplexity at 512x within 10% of 2x
 
 
+def counts_at(results: list[dict], length: int) -> list[tuple[int, int]]:
+    """(strict keys found, prompts) at `length` of each seed's result that went there."""
+    return [found(result["passkey"][length]) for result in results if length in result["passkey"]]
+
+
 def pooled_cell(results: list[dict], length: int) -> str:
     """"91% 137/150 (86-95)": the mean of the seeds' strict rates, the pooled count and its exact interval."""
-    counts = [found(result["passkey"][length]) for result in results if length in result["passkey"]]
+    counts = counts_at(results, length)
     if not counts:
         return "—"
     hits, prompts = sum(hit for hit, _ in counts), sum(total for _, total in counts)
@@ -33,8 +38,7 @@ def pooled_cell(results: list[dict], length: int) -> str:
 
 
 def seeds_interval_cell(results: list[dict], length: int) -> str:
-    rates = [found(result["passkey"][length])[0] / found(result["passkey"][length])[1]
-             for result in results if length in result["passkey"]]
+    rates = [hits / prompts for hits, prompts in counts_at(results, length)]
     interval = interval_over_seeds(rates)
     return "—" if interval is None else f"{interval[0]:.0%}-{interval[1]:.0%}"
 
@@ -133,7 +137,7 @@ def target_lines(jobs: dict, study: Study) -> list[str]:
         results = [result for _, result in test_results(jobs, study, name)]
         for scale, target in TARGETS.items():
             length = study.train_length * scale
-            rates = [found(r["passkey"][length])[0] / found(r["passkey"][length])[1] for r in results if length in r["passkey"]]
+            rates = [hits / prompts for hits, prompts in counts_at(results, length)]
             if rates:
                 mean = sum(rates) / len(rates)
                 met = mean >= target - 1e-9  # a mean of rates of equal counts: its float sum may fall short by an ulp
@@ -155,7 +159,7 @@ def length_standing(jobs: dict, study: Study, names: list[str], length: int) -> 
     standing = {}
     for name in names:
         results = [result for _, result in test_results(jobs, study, name)]
-        counts = [found(result["passkey"][length]) for result in results if length in result["passkey"]]
+        counts = counts_at(results, length)
         if counts and len(counts) == len(results):
             standing[name] = (sum(hits / prompts for hits, prompts in counts) / len(counts),
                               sum(hits for hits, _ in counts), sum(prompts for _, prompts in counts))
