@@ -6,12 +6,12 @@ user may ask for; saving and loading the scales."""
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
 import torch
 from helpers import checkout_environment
+from waiting import run_within
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from bam_llama.baselines.ssmax_configs import LlamaSsmaxConfig, MistralSsmaxConfig
@@ -265,8 +265,7 @@ def test_a_fresh_process_loads_a_saved_folder_whatever_it_imports_first(tmp_path
     script = (f"import bam_llama\n{first_import}\nfrom transformers import AutoModelForCausalLM\n"
               f"model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})\n"
               "print(type(model).__name__, model.model.layers[0].self_attn.ssmax.scale.tolist())\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=checkout_environment(),
-                            timeout=600)
+    result = run_within([sys.executable, "-c", script], 300, env=checkout_environment())
     assert result.returncode == 0, result.stderr[-2000:]
     name, scales = result.stdout.strip().splitlines()[-1].split(" ", 1)
     assert name == "MistralSsmaxForCausalLM" and json.loads(scales) == pytest.approx(SCALES.tolist())

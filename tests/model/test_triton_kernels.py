@@ -10,7 +10,6 @@ import os
 _PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"  # before bam_llama.model.triton_bam is first imported in this process
 
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -380,8 +379,7 @@ def test_module_imports_without_triton():
         "assert not triton_bam.TRITON_AVAILABLE\n"
         "assert not triton_bam.triton_usable(torch.zeros(1))\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
-                            env={**os.environ, "TRITON_INTERPRET": "1"})
+    result = run_within([sys.executable, "-c", script], 300, cwd=REPO_ROOT, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert result.returncode == 0, result.stderr
 
 
