@@ -16,6 +16,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.models.split(",")) - set(MODEL_NAMES)
     if unknown:
         parser.error(f"unknown model(s) {sorted(unknown)}; choose from {','.join(MODEL_NAMES)}")
+    if args.device.startswith("cuda:") and args.device != "cuda:0":
+        parser.error(f"argument --device: {args.device!r}: the demo trains through Transformers' Trainer, which trains "
+                     f"on the first visible GPU; choose it with CUDA_VISIBLE_DEVICES and give --device cuda")
     args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.jobs is None:
         args.jobs = usable_cores() if args.device == "cpu" else 1

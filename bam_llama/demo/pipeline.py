@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing
 import random
 import signal
+import tempfile
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 import torch
+from torch.utils.data import IterableDataset
 from tqdm import tqdm as tqdm_base
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback, TrainingArguments, set_seed
 
 from ..data.packing import IGNORE_INDEX
 from ..data.special_tokens import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
@@ -43,13 +45,14 @@ from ..evaluation.passkey import (
 )
 from ..evaluation.plots import plot_prior
 from ..files.outputs import OutputError, staged_output_dir
-from ..model.prior_bam import is_prior_parameter
 from ..positional_models import variant_config, variant_model
 from ..positional_variants import POSITIONAL_VARIANTS
 from ..runtime.cpu_threads import use_threads
 from ..runtime.library_warnings import keep_first_screen_quiet
 from ..runtime.processor import cpu_model
-from ..runtime.progress import in_a_terminal, keep_library_bars_off_a_log, progress_bar
+from ..runtime.progress import in_a_terminal, keep_library_bars_off_a_log
+from ..training.callbacks import StepProgress, StepSeconds
+from ..training.trainer import BamTrainer
 from .settings import MODEL_NAMES, DataConfig, DemoSettings, ModelSize, TrainConfig, default_settings
 
 # A short member of the paper's prompt family (same structure, shorter pieces), so that a document fits a
@@ -105,26 +108,37 @@ def filler_example(
     return input_ids, list(input_ids)
 
 
-def training_batch(
-    rng: random.Random,
-    tokenizer: PreTrainedTokenizerBase,
-    template: PasskeyTemplate,
-    data: DataConfig,
-    batch_size: int,
-    trained_keys: set[str] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Right-padded batch; padding comes after every real token, so causal attention never sees it. Its passkeys
-    are added to `trained_keys`."""
-    examples = [
-        (passkey_example if rng.random() < data.passkey_fraction else filler_example)(rng, tokenizer, template, data, trained_keys)
-        for _ in range(batch_size)
-    ]
-    width = max(len(ids) for ids, _ in examples)
-    input_ids = torch.full((batch_size, width), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full((batch_size, width), IGNORE_INDEX, dtype=torch.long)
-    for row, (ids, row_labels) in enumerate(examples):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        labels[row, : len(row_labels)] = torch.tensor(row_labels)
+class PasskeyRows(IterableDataset):
+    """The demo's `count` training documents (`passkey_example`, or `filler_example` where `data.passkey_fraction`
+    says), generated in order from `seed` as the loop reads them: the same rows for every model of a seed, none
+    kept in memory. Each row's passkey is added to `trained_keys` as it is generated."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: PasskeyTemplate, data: DataConfig, seed: int,
+                 count: int, trained_keys: set[str] | None = None):
+        super().__init__()
+        self.tokenizer, self.template, self.data = tokenizer, template, data
+        self.seed, self.count, self.trained_keys = seed, count, trained_keys
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self):
+        rng = random.Random(self.seed)
+        for _ in range(self.count):
+            example = passkey_example if rng.random() < self.data.passkey_fraction else filler_example
+            input_ids, labels = example(rng, self.tokenizer, self.template, self.data, self.trained_keys)
+            yield {"input_ids": input_ids, "labels": labels}
+
+
+def right_padded_batch(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Rows padded on the right to the longest; padding comes after every real token, so causal attention never
+    sees it, and its labels are ignored."""
+    width = max(len(row["input_ids"]) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    for index, row in enumerate(rows):
+        input_ids[index, : len(row["input_ids"])] = torch.tensor(row["input_ids"])
+        labels[index, : len(row["labels"])] = torch.tensor(row["labels"])
     return {"input_ids": input_ids, "labels": labels}
 
 
@@ -162,67 +176,50 @@ def build_model(name: str, size: ModelSize, train_length: int, **bam_overrides) 
 # --------------------------------------------------------------------------------------------- training
 
 
-def optimizer_for(model: PreTrainedModel, train: TrainConfig) -> torch.optim.Optimizer:
-    prior, rest = [], []
-    for name, parameter in model.named_parameters():
-        if parameter.requires_grad:
-            (prior if is_prior_parameter(name) else rest).append(parameter)
-    groups = [{"params": rest, "weight_decay": train.weight_decay}]
-    if prior:
-        groups.append({"params": prior, "weight_decay": 0.0, "lr": train.prior_lr or train.lr})
-    return torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.95))
-
-
-def warmup_cosine(step: int, total: int, warmup_fraction: float) -> float:
-    warmup = max(1, int(total * warmup_fraction))
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+def training_arguments(train: TrainConfig, seed: int, device: str, folder: Path) -> TrainingArguments:
+    """The demo's recipe as the shared loop's settings: AdamW (torch's, betas 0.9 and 0.95) at `train.lr`, linear
+    warmup over `warmup_fraction` of the steps (at least one) then cosine decay to zero, the gradient's norm clipped,
+    a loss logged every step, on `device` alone; nothing saved (`folder`: Trainer's output folder, which it only
+    creates)."""
+    training_args = TrainingArguments(
+        output_dir=str(folder), per_device_train_batch_size=train.batch_size, max_steps=train.steps,
+        learning_rate=train.lr, weight_decay=train.weight_decay, optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.95,
+        lr_scheduler_type="cosine", warmup_steps=max(1, int(train.steps * train.warmup_fraction)),
+        max_grad_norm=train.max_grad_norm, seed=seed, use_cpu=torch.device(device).type == "cpu", bf16=False,
+        save_strategy="no", logging_steps=1, report_to="none", disable_tqdm=True, remove_unused_columns=False,
+        dataloader_pin_memory=False,
+    )
+    training_args._n_gpu = min(training_args.n_gpu, 1)  # one device: no DataParallel across every visible GPU
+    return training_args
 
 
 def train_model(
     model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    template: PasskeyTemplate,
-    data: DataConfig,
+    rows: PasskeyRows,
     train: TrainConfig,
     seed: int,
-    device: str = "cpu",
-    desc: str = "train",
-    progress_position: int | None = None,
-    trained_keys: set[str] | None = None,
+    device: str,
+    folder: Path,
+    progress: StepProgress | None = None,
+    callbacks: list[TrainerCallback] | None = None,
 ) -> list[float]:
-    """Train in place on freshly generated batches (the same batches for every model given the same seed), adding
-    their passkeys to `trained_keys`. `progress_position`: the line of the progress bar where several models train
-    at once."""
-    model.to(device).train()
-    optimizer = optimizer_for(model, train)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, train.steps, train.warmup_fraction)
-    )
-    rng = random.Random(seed)
-    losses = []
-    progress = progress_bar(train.steps, desc, "steps", position=progress_position)
-    for _ in range(train.steps):
-        batch = training_batch(rng, tokenizer, template, data, train.batch_size, trained_keys)
-        losses.append(training_step(model, optimizer, scheduler, batch, train.max_grad_norm, device))
-        progress.set_postfix(loss=f"{losses[-1]:.3f}")
-        progress.update()
-    progress.close()
+    """Train in place through the package's training loop (`BamTrainer`, as bam-pretrain), on `rows` in order,
+    `train.batch_size` a step; the prior and SSMax scales at `train.prior_lr` without decay. Returns each step's
+    loss. `folder`: an existing folder given to Trainer as its output folder (nothing is written there: a killed
+    model process leaves nothing behind); `progress`: how the steps show (None: not at all)."""
+    progress = progress or StepProgress("train", disable=True)
+    use_cache, model.config.use_cache = model.config.use_cache, False  # no cache while training
+    try:
+        trainer = BamTrainer(
+            model=model, args=training_arguments(train, seed, device, folder), train_dataset=rows,
+            data_collator=partial(right_padded_batch, pad_token_id=rows.tokenizer.pad_token_id),
+            prior_learning_rate=train.prior_lr or train.lr, progress=progress, callbacks=callbacks,
+        )
+        trainer.train()
+    finally:
+        model.config.use_cache = use_cache
     model.eval()
-    return losses
-
-
-def training_step(model, optimizer, scheduler, batch: dict, max_grad_norm: float, device: str) -> float:
-    """One optimizer step on `batch`; its loss."""
-    loss = model(**{key: value.to(device) for key, value in batch.items()}, use_cache=False).loss
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.item()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -358,21 +355,16 @@ def measure_costs(name: str, args: argparse.Namespace, settings: DemoSettings):
     tokenizer = build_byte_tokenizer()
     data, train = settings.data, settings.train
     bam_overrides = dict(prior_scope=args.prior_scope, ssmax=args.ssmax) if name == "bam" else {}
-    model = build_model(name, settings.size, data.train_length, **bam_overrides).to(args.device).train()
-    optimizer = optimizer_for(model, train)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    rng = random.Random(args.seed)
-    seconds = []
-    for _ in range(CALIBRATION_STEPS + 1):
-        batch = training_batch(rng, tokenizer, DEMO_TEMPLATE, data, train.batch_size)
-        start = time.perf_counter()
-        training_step(model, optimizer, scheduler, batch, train.max_grad_norm, args.device)
-        seconds.append(time.perf_counter() - start)
-    model.eval()
+    model = build_model(name, settings.size, data.train_length, **bam_overrides)
+    steps = StepSeconds()
+    rows = PasskeyRows(tokenizer, DEMO_TEMPLATE, data, args.seed, (CALIBRATION_STEPS + 1) * train.batch_size)
+    with tempfile.TemporaryDirectory(prefix="bam-demo-") as folder:
+        train_model(model, rows, replace(train, steps=CALIBRATION_STEPS + 1), args.seed, args.device, Path(folder),
+                    callbacks=[steps])
     longer = min(max(settings.lengths), CALIBRATION_LONGEST_PROMPT)
     shorter = max(longer // 4, 16)
     timed = {length: prompt_time(model, tokenizer, length, data) for length in (shorter, shorter, longer)}  # once untimed
-    return sum(seconds[1:]) / CALIBRATION_STEPS, prompt_cost(timed[shorter], shorter, timed[longer], longer)
+    return sum(steps.seconds[1:]) / CALIBRATION_STEPS, prompt_cost(timed[shorter], shorter, timed[longer], longer)
 
 
 def prompt_time(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, length: int, data: DataConfig) -> float:
@@ -413,8 +405,10 @@ def train_and_evaluate(
     bam_overrides = dict(prior_scope=args.prior_scope, ssmax=args.ssmax)
     model = build_model(name, settings.size, train_length, **(bam_overrides if name == "bam" else {}))
     trained_keys = set()
-    train_model(model, tokenizer, DEMO_TEMPLATE, settings.data, settings.train, args.seed, args.device, f"train {name}",
-                progress_position, trained_keys)
+    rows = PasskeyRows(tokenizer, DEMO_TEMPLATE, settings.data, args.seed,
+                       settings.train.steps * settings.train.batch_size, trained_keys)
+    train_model(model, rows, settings.train, args.seed, args.device, folder,
+                StepProgress(f"train {name}", progress_position))
     result = evaluate_passkey(
         model, tokenizer, settings.lengths, num_depths=settings.num_depths, template=DEMO_TEMPLATE,
         add_bos=settings.data.add_bos, progress=progress_position is None or not in_a_terminal(),

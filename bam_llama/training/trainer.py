@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import Trainer, TrainingArguments
+from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer import DEFAULT_PROGRESS_CALLBACK  # Trainer's bar: tqdm's, or a notebook's
 from transformers.utils import is_torch_bf16_gpu_available
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -56,11 +57,16 @@ class BamTrainer(Trainer):
     not finite, and writes each checkpoint whole or not at all.
 
     before_saving: called before each checkpoint is written (e.g. `OutputDirHold.ensure_held`).
+    progress: shows the run's progress instead of Trainer's bar or printed logs (e.g. `callbacks.StepProgress`).
     """
 
     def __init__(self, *args, prior_learning_rate: float, ssmax_learning_rate: float | None = None,
-                 before_saving=None, **kwargs):
+                 before_saving=None, progress: TrainerCallback | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        if progress is not None:
+            self.remove_callback(DEFAULT_PROGRESS_CALLBACK)
+            self.remove_callback(PrinterCallback)
+            self.add_callback(progress)
         self.prior_learning_rate = prior_learning_rate
         self.ssmax_learning_rate = ssmax_learning_rate
         self.before_saving = before_saving

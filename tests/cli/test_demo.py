@@ -2,7 +2,6 @@
 
 import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -19,9 +18,9 @@ from bam_llama import BamLlamaForCausalLM
 from bam_llama.cli.demo import main, run_demo
 from bam_llama.data.packing import IGNORE_INDEX
 from bam_llama.data.tokenizers import build_byte_tokenizer
-from bam_llama.demo.pipeline import DEMO_TEMPLATE, build_model, training_batch
+from bam_llama.demo.pipeline import DEMO_TEMPLATE, PasskeyRows, build_model, right_padded_batch
 from bam_llama.demo.settings import DataConfig, ModelSize, default_settings
-from bam_llama.evaluation.passkey import PasskeyResults
+from bam_llama.evaluation.passkey import PasskeyKeys as PasskeyKeysOf, PasskeyResults
 from helpers import checkout_environment
 
 
@@ -32,7 +31,9 @@ def tokenizer():
 
 def test_training_batch_fits_the_training_length_and_trains_only_on_the_answer_and_its_full_stop(tokenizer):
     data = DataConfig(train_length=96)
-    batch = training_batch(random.Random(0), tokenizer, DEMO_TEMPLATE, data, batch_size=16)
+    rows = list(PasskeyRows(tokenizer, DEMO_TEMPLATE, data, seed=0, count=16))
+    batch = right_padded_batch(rows, tokenizer.pad_token_id)
+    assert batch["input_ids"].shape[0] == 16 and (batch["input_ids"][:, 0] == tokenizer.bos_token_id).all()
     assert batch["input_ids"].shape[1] <= data.train_length
     for input_ids, labels in zip(batch["input_ids"], batch["labels"]):
         answer = tokenizer.decode(labels[labels != IGNORE_INDEX])
@@ -75,6 +76,8 @@ def test_quick_run_writes_table_plots_and_a_loadable_model(tmp_path, tokenizer, 
     assert PasskeyResults.from_dict(saved["bam"]).lengths == results["bam"].lengths
     for png in ["passkey-bam.png", "passkey-rope.png", "passkey-alibi.png", "prior.png"]:
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    assert sorted(os.listdir(tmp_path)) == ["bam-model", "passkey-alibi.png", "passkey-bam.png", "passkey-rope.png",
+                                            "prior.png", "results.json", "results.md"]  # nothing of the training loop
 
     umask = os.umask(0)
     os.umask(umask)
@@ -110,6 +113,7 @@ def test_quick_run_in_a_log_says_what_runs_first_and_writes_plain_progress_lines
     output = completed.stdout
     assert completed.returncode == 0, output
     assert "\r" not in output and "\x1b" not in output
+    assert "'loss':" not in output and "train_runtime" not in output  # Trainer's own log lines: the steps show once
     plan = re.search(r"bam-demo: training bam, rope .*8 steps.* at 64, 128 tokens \(2 prompts per length\)", output)
     estimate = re.search(r"Estimate: training ~\d+ s, evaluation ~\d+ s at these lengths \(from \d+ training steps", output)
     timing = re.search(r"Timing \d+ training steps and two prompts of each model for an estimate", output)
@@ -151,9 +155,34 @@ def test_each_model_runs_on_the_threads_asked(tmp_path, monkeypatch):
     assert seen == [3]
 
 
-def test_evaluation_keys_are_none_of_the_training_keys(tmp_path, tokenizer):
+def keys_in(labels: torch.Tensor, tokenizer) -> set[str]:
+    """The passkeys a batch trains on: the digits of its answer labels."""
+    answers = [tokenizer.decode([token for token in row.tolist() if token != IGNORE_INDEX]) for row in labels]
+    return {key for answer in answers for key in re.findall(r"\d+", answer)}
+
+
+@pytest.fixture
+def trained_batches(monkeypatch):
+    """Every batch a BamTrainer trains on, as (trainer, labels, each optimizer group's (learning rate, weight decay,
+    parameter ids)) at that step; recorded at BamTrainer's training step."""
+    from bam_llama.training.trainer import BamTrainer
+
+    seen = []
+    step = BamTrainer.training_step
+
+    def recorded(self, model, inputs, *args, **kwargs):
+        groups = [(group["lr"], group["weight_decay"], {id(parameter) for parameter in group["params"]})
+                  for group in self.optimizer.param_groups]
+        seen.append((self, inputs["labels"].clone(), groups))
+        return step(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(BamTrainer, "training_step", recorded)
+    return seen
+
+
+def test_evaluation_keys_are_none_of_the_training_keys(tmp_path, tokenizer, trained_batches):
     """Two-digit keys (90 of them): 8 steps of 4 examples train on about 27, and 40 evaluation keys drawn blind
-    would hit some. The training keys are read back here from the replayed batches' answer labels."""
+    would hit some. The training keys are read from the answer labels of the batches the loop trained on."""
     from bam_llama.demo import pipeline as demo
     from bam_llama.cli.demo import parse_args
     from bam_llama.evaluation.retrieval import DepthPlan
@@ -162,14 +191,57 @@ def test_evaluation_keys_are_none_of_the_training_keys(tmp_path, tokenizer):
     settings = demo.settings_from_args(args)
     settings.data.num_digits, settings.num_depths = 2, DepthPlan(20)
     result = demo.train_and_evaluate("bam", args, settings, tmp_path)
-    rng, trained = random.Random(args.seed), set()
-    for _ in range(settings.train.steps):
-        labels = training_batch(rng, tokenizer, DEMO_TEMPLATE, settings.data, settings.train.batch_size)["labels"]
-        for row in labels:
-            trained.update(re.findall(r"\d+", tokenizer.decode([token for token in row.tolist() if token != IGNORE_INDEX])))
+    assert len(trained_batches) == 8
+    trained = set().union(*(keys_in(labels, tokenizer) for _, labels, _ in trained_batches))
     evaluated = [key for row in result.passkeys for key in row]
     assert len(trained) > 15 and len(set(evaluated)) == len(evaluated) == 40
     assert not trained & set(evaluated) and result.keys_in_training == 0 and result.keys_redrawn > 0
+
+
+def test_the_demo_trains_through_the_package_training_loop_with_its_recipe(tmp_path, tokenizer, trained_batches,
+                                                                           monkeypatch):
+    """bam-demo trains through bam-pretrain's loop (BamTrainer, a transformers.Trainer) with its own recipe: AdamW
+    (betas 0.9, 0.95) at 2e-3 with weight decay 0.01, BAM's prior alone in a group at 5e-2 without decay, 2 of 5
+    steps of linear warmup from 0 then cosine decay, the gradient norm clipped at 1; BAM and RoPE train on the same
+    batches of the seed, and the keys the evaluation avoids are those of the batches trained on."""
+    from transformers import Trainer
+
+    from bam_llama.cli.demo import parse_args
+    from bam_llama.demo import pipeline as demo
+
+    avoided = []
+    monkeypatch.setattr(demo, "PasskeyKeys", lambda seed, digits, excluded: avoided.append(set(excluded)) or
+                        PasskeyKeysOf(seed, digits, excluded))
+    monkeypatch.setattr(demo, "save_bam", lambda *args: None)
+    args = parse_args(["--quick", "--models", "bam,rope", "--steps", "5", "--output-dir", str(tmp_path)])
+    settings = demo.settings_from_args(args)
+    settings.train.warmup_fraction = 0.4
+    models = {}
+    for name in ("bam", "rope"):
+        first = len(trained_batches)
+        demo.train_and_evaluate(name, args, settings, tmp_path)
+        models[name] = trained_batches[first:]
+    multipliers = [0.0, 0.5, 1.0, 0.75, 0.25]  # warmup s/2, then (1 + cos(pi * (s - 2) / 3)) / 2
+    for name, steps in models.items():
+        trainer = steps[0][0]
+        assert isinstance(trainer, Trainer) and len(steps) == 5 and all(step[0] is trainer for step in steps)
+        optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+        assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["betas"] == (0.9, 0.95)
+        assert trainer.args.max_grad_norm == 1.0
+        named = dict(trainer.model.named_parameters())
+        prior = {id(p) for n, p in named.items() if n.endswith(("theta_alpha", "theta_beta"))}
+        assert (len(prior) == 2 * 2) == (name == "bam")  # alpha and beta in each of 2 layers
+        for step, (_, _, groups) in enumerate(steps):
+            rates = {frozenset(ids): (lr, decay) for lr, decay, ids in groups}
+            if prior:
+                assert rates[frozenset(prior)] == pytest.approx((5e-2 * multipliers[step], 0.0), abs=1e-12)
+            projection = id(named["model.layers.0.self_attn.q_proj.weight"])
+            lr, decay = next(rate for ids, rate in rates.items() if projection in ids)
+            assert (lr, decay) == pytest.approx((2e-3 * multipliers[step], 0.01), abs=1e-12)
+    for (_, bam_labels, _), (_, rope_labels, _) in zip(models["bam"], models["rope"]):
+        assert torch.equal(bam_labels, rope_labels)
+    trained = set().union(*(keys_in(labels, tokenizer) for _, labels, _ in models["bam"]))
+    assert len(trained) > 10 and avoided == [trained, trained]
 
 
 def test_console_script_help():
