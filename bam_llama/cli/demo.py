@@ -104,7 +104,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser, full, quick) -> None:
 
 
 def describe_plan(plan) -> str:
-    """A depth plan as --depths takes it: "20,16384=10,32768=6,65536=5"."""
+    """A depth plan as --depths takes it: "20,16384=10,32768=10,65536=10"."""
     return ",".join([str(plan.default), *(f"{length}={count}" for length, count in plan.by_length.items())])
 
 

@@ -54,10 +54,11 @@ class DemoSettings:
     num_depths: DepthPlan  # prompts per length, fewer at the longest (where one costs the most)
 
 
-# 1x-64x at 20 prompts, then 10, 6 and 5 prompts at 128x, 256x and 512x of the 128-byte training length: one prompt
-# at 64K bytes takes about 100 s on one thread (against 1.8 s at 8K), so 512x at 20 prompts would take 33 min alone.
+# 1x-64x at 20 prompts, then 10 at each of 128x, 256x and 512x of the 128-byte training length (10 is the fewest
+# prompts whose rate says something at 512x: 10 of 10 is 69-100%): one prompt at 64K bytes takes about 100 s on one
+# thread (against 1.8 s at 8K), so 512x at 20 prompts would take 33 min alone.
 LENGTHS = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
-DEPTHS = DepthPlan(20, {16384: 10, 32768: 6, 65536: 5})
+DEPTHS = DepthPlan(20, {16384: 10, 32768: 10, 65536: 10})
 
 
 def default_settings(quick: bool) -> DemoSettings:
