@@ -63,6 +63,28 @@ def test_targets_say_by_how_much_they_are_missed():
     assert "| 70% (3 seeds) | no, by 10 points |" in "\n".join(target_lines(jobs, STUDY))  # 90%, 70%, 50%
 
 
+def test_a_target_past_64x_that_some_test_seeds_never_reached_is_not_met_and_says_how_many():
+    jobs = {}
+    for seed, at_512 in zip(STUDY.test_seeds, (19, None, None)):  # seeds 4 and 5 stopped at 64x
+        passkeys = {8192: passkey(45, 50)}
+        perplexity = {256: {"last_window": {"perplexity": 50.0}}}
+        if at_512 is not None:
+            passkeys[65536] = passkey(at_512, 20)
+            perplexity[65536] = {"last_window": {"perplexity": 51.0}}
+        result = {"passkey": passkeys, "perplexity": perplexity}
+        jobs[job_key(TEST, "bam", "two-stage", seed)] = {"phase": TEST, "seed": seed, "results": {"bam": {"trained": result}}}
+    lines = target_lines(jobs, STUDY)
+    at_512 = next(line for line in lines if "at 512x |" in line)
+    assert "95% on 1 of 3 seeds: 2 of 3 stopped at 64x" in at_512 and at_512.endswith("| no, not reached on every seed |")
+    perplexity = next(line for line in lines if "perplexity" in line)
+    assert "1.020x on 1 of 3 seeds" in perplexity and "| no, not reached on every seed |" in perplexity
+    for seed in STUDY.test_seeds[:1]:  # no seed past 64x
+        del jobs[job_key(TEST, "bam", "two-stage", seed)]["results"]["bam"]["trained"]["passkey"][65536]
+    at_512 = next(line for line in target_lines(jobs, STUDY) if "at 512x |" in line)
+    assert "| not measured: 3 of 3 stopped at 64x" in at_512
+    assert "| 90% (3 seeds) | no, by 5 points |" in "\n".join(target_lines(jobs, STUDY))  # 64x: 45 of 50 each
+
+
 def test_the_page_and_its_figures_are_written_together(tmp_path):
     from bam_llama.extrapolation.report import publish
 
