@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora-dropout", type=probability, default=defaults.lora_dropout)
     parser.add_argument("--learning-rate", type=positive_float, default=None, help="default 2e-4 with LoRA, 2e-5 full")
     parser.add_argument("--prior-learning-rate", type=positive_float, default=defaults.prior_learning_rate)
+    parser.add_argument("--ssmax-learning-rate", type=positive_float, default=None,
+                        help="a model with Scalable Softmax: its scales' learning rate (default: --prior-learning-rate)")
     add_trainer_arguments(parser, defaults)
     parser.add_argument("--merge", action="store_true", help="also write OUTPUT_DIR/merged: LoRA merged into a BamLlama folder")
     add_parallel_arguments(parser, defaults)

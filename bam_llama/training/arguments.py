@@ -83,6 +83,7 @@ class FinetuneArguments(TrainingRunArguments):
     lora_dropout: float = 0.0
     learning_rate: float | None = None
     prior_learning_rate: float = 1e-2
+    ssmax_learning_rate: float | None = None  # a model with Scalable Softmax only; None: the prior's learning rate
     weight_decay: float = 0.0
     max_steps: int = 256
     per_device_train_batch_size: int = 1

@@ -255,6 +255,8 @@ class Finetuning(TrainingCommand):
 
     def check_inputs(self, hold: OutputDirHold) -> None:
         self.base_config = check_model_config(self.args.model, self.args.context_length)
+        if self.args.ssmax_learning_rate is not None and not self.base_config.ssmax:
+            raise ValueError(f"--ssmax-learning-rate: {self.args.model!r} has no Scalable Softmax to train")
         check_no_stale_merged_model(self.args, hold.replaced)
 
     def training_arguments(self) -> TrainingArguments:
@@ -280,7 +282,8 @@ class Finetuning(TrainingCommand):
         return f"fine-tuning {self.args.model} ({'LoRA' if self.args.lora else 'full'}, {self.trainable} trainable parameters)"
 
     def learning_rates(self) -> dict[str, float | None]:
-        return {"prior_learning_rate": self.args.prior_learning_rate}
+        return {"prior_learning_rate": self.args.prior_learning_rate,
+                "ssmax_learning_rate": self.args.ssmax_learning_rate}
 
     def summary_fields(self, data: TrainingData, model: PreTrainedModel, state_dict: dict | None,
                        reads_weights: bool) -> dict:

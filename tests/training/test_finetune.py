@@ -248,6 +248,39 @@ def test_the_prior_gets_its_own_learning_rate_without_weight_decay(tmp_path):
     assert all(group["lr"] == 1e-3 for group in groups if group is not prior_group)
 
 
+def test_ssmax_learning_rate_gives_exactly_the_scales_their_own_rate(workspace, tmp_path, monkeypatch):
+    """--ssmax-learning-rate in a full fine-tune: the SSMax scales of every layer in a group of their own at that rate,
+    the prior's thetas at --prior-learning-rate, every other weight at --learning-rate."""
+    created = []
+    original = BamTrainer.create_optimizer
+
+    def record(self, model=None):
+        created.append(original(self, model))
+        return created[-1]
+
+    monkeypatch.setattr(BamTrainer, "create_optimizer", record)
+    args = arguments(workspace["base_ssmax_layer"], workspace["data"], tmp_path / "out", lora=False,
+                     prior_learning_rate=0.03, ssmax_learning_rate=0.3, max_steps=1, save_steps=1)
+    finetune(args)
+    model = AutoModelForCausalLM.from_pretrained(workspace["base_ssmax_layer"])  # the names the optimizer saw
+    layers = range(model.config.num_hidden_layers)
+    sizes = {}  # learning rate: the sizes of its parameters, over every group (with and without weight decay)
+    for group in created[0].param_groups:
+        sizes.setdefault(group["initial_lr"], []).extend(parameter.numel() for parameter in group["params"])
+    heads = model.config.num_attention_heads
+    assert sorted(sizes[0.3]) == [heads] * len(layers)  # one scale vector a layer, nothing else
+    assert sorted(sizes[0.03]) == [heads] * (2 * len(layers))  # theta_alpha and theta_beta a layer
+    weights = sum(parameter.numel() for name, parameter in model.named_parameters()
+                  if ".prior." not in name and ".ssmax." not in name)
+    assert sum(sizes[1e-2]) == weights
+
+
+def test_ssmax_learning_rate_without_scalable_softmax_is_refused(workspace, tmp_path):
+    with pytest.raises(ValueError, match=r"--ssmax-learning-rate: .* has no Scalable Softmax"):
+        finetune(arguments(workspace["base"], workspace["data"], tmp_path / "out", ssmax_learning_rate=0.3))
+    assert not (tmp_path / "out" / "adapter").exists()
+
+
 # --------------------------------------------------------------------------------------------------------
 # A LoRA run: loss, what changed, adapter and merge, resume
 # --------------------------------------------------------------------------------------------------------
