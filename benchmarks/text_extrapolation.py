@@ -11,6 +11,8 @@ local, ...) is trained at 128 tokens on the no-download Python corpus with synth
     python benchmarks/text_extrapolation.py --phase test --encodings bam,bam-ssmax --jobs 2 --resume
     # the page again from results.json, nothing run
     python benchmarks/text_extrapolation.py --report-only
+    # another study (sizes, steps, rates: `--set FIELD=VALUE`, see settings.Study) in a folder of its own
+    python benchmarks/text_extrapolation.py --phase validation --set steps=4000 --output-dir runs/steps-4000 --resume
 
 Each job (one trial, one seed: about 20 minutes on one core to 64x, 1-1.5 hours more past it) is published to the
 output folder as it ends; a stopped run keeps them, and `--resume` runs the others. `--quick` runs the same pipeline
@@ -27,7 +29,7 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPOSITORY))
 
 from bam_llama.extrapolation.encodings import ENCODINGS  # noqa: E402
-from bam_llama.extrapolation.settings import PHASES, QUICK, Study, with_seeds  # noqa: E402
+from bam_llama.extrapolation.settings import PHASES, QUICK, Study, with_seeds, with_settings  # noqa: E402
 
 OUTPUT = REPOSITORY / "benchmarks" / "results" / "text-extrapolation"
 
@@ -67,6 +69,9 @@ def argument_parser() -> argparse.ArgumentParser:
                         "(with --quick: its -quick sibling)")
     parser.add_argument("--validation-seeds", type=seed_list, default=None, help="default 100,101")
     parser.add_argument("--test-seeds", type=seed_list, default=None, help="default 3,4,5")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a study setting other than its default (e.g. steps=4000, ssmax_learning_rate=1e-3; "
+                        "repeatable): a study of its own, for an --output-dir of its own, recorded in results.json")
     parser.add_argument("--quick", action="store_true", help="tiny models and few steps, seconds a job (numbers mean nothing)")
     return parser
 
@@ -77,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     if (args.phase is None) == (not args.report_only):
         parser.error("give --phase validation, --phase test, or --report-only")
     try:
-        study = with_seeds(QUICK if args.quick else Study(), args.validation_seeds, args.test_seeds)
+        study = with_seeds(with_settings(QUICK if args.quick else Study(), args.settings), args.validation_seeds,
+                           args.test_seeds)
     except ValueError as error:
         parser.error(str(error))
     output_dir = args.output_dir or OUTPUT.with_name(OUTPUT.name + ("-quick" if args.quick else ""))

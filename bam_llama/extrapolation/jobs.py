@@ -93,7 +93,7 @@ def run_job(job: Job) -> tuple[str, dict]:
         for name, candidate in evaluations(job):
             if candidate not in folders:
                 folders[EXTENDED], stages[EXTENDED] = extend(folders[TRAINED], trial, job.study, job.seed,
-                                                             job.data.texts, work / "extended")
+                                                             job.data.texts, work / "extended", encoding.ssmax)
             results.setdefault(name, {})[candidate] = evaluate_candidate(job, name, folders[candidate], tokenizer)
     return job.key, {"phase": job.phase, "training": job.training, "trial": job.trial, "seed": job.seed,
                      "commit": code_commit(), "attention": attention_path(),

@@ -14,7 +14,7 @@ from ..files.outputs import staged_files
 from .encodings import ENCODINGS
 from .figures import plot_passkey, plot_perplexity
 from .selection import candidate_scores, found, last_window, test_results
-from .settings import TEST, VALIDATION, Study
+from .settings import TEST, VALIDATION, Study, changed_settings
 
 BAM_RECIPES = ("bam", "bam-ssmax")
 TARGETS = {64: 0.95, 512: 0.80}  # strict passkey, the mean of the test seeds, for BAM's recipes
@@ -224,11 +224,13 @@ def write_report(report: dict, study: Study) -> str:
     minutes = sum(job["minutes"] for job in jobs.values())
     paths = sorted({job.get("attention", "fused C++ CPU kernel") for job in jobs.values()})
     done = {phase: sum(job["phase"] == phase for job in jobs.values()) for phase in (VALIDATION, TEST)}
+    changed = ", ".join(changed_settings(study))
+    changed = f"; settings other than the study's defaults: {changed}" if changed else ""
     lines = [
         "# Train short, test long on real text: every positional encoding, chosen on validation, reported on test seeds",
         "",
         f"Trained at {study.train_length} tokens ({study.layers} layers, hidden {study.hidden_size}, {study.heads} heads, "
-        f"{study.steps} steps of {study.batch_size} rows a stage). Validation seeds {', '.join(map(str, study.validation_seeds))} "
+        f"{study.steps} steps of {study.batch_size} rows a stage{changed}). Validation seeds {', '.join(map(str, study.validation_seeds))} "
         f"choose each encoding's recipe; test seeds {', '.join(map(str, study.test_seeds))} report it. Jobs done: "
         f"{done[VALIDATION]} validation, {done[TEST]} test; {minutes / 60:.1f} hours of one-thread jobs. Commits: "
         f"{', '.join(commits) or 'none yet'}. Machines: {'; '.join(machines) or 'none yet'}. BamLlama's attention: "

@@ -6,7 +6,7 @@ Light on purpose: standard library only, so the command's --help loads no PyTorc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 VALIDATION = "validation"  # seeds and keys the trials are judged on: every choice is made here
 TEST = "test"  # seeds no choice used: the reported results
@@ -26,6 +26,7 @@ class Study:
     warmup_steps: int = 100
     vocab_size: int = 4096
     shape_learning_rate: float = 5e-2  # a learned prior's (BAM's, KERPLE's) and the SSMax scales'
+    ssmax_learning_rate: float | None = None  # the SSMax scales' own rate; None: the shape rate
     passkey_share: float = 0.5  # passkey documents' share of the training characters; the Python corpus has the rest
     heldout_fraction: float = 0.05
     max_train_characters: int | None = None  # None: the whole training split
@@ -83,3 +84,47 @@ def with_seeds(study: Study, validation: tuple[int, ...] | None, test: tuple[int
     study = replace(study, **({"validation_seeds": validation} if validation else {}), **({"test_seeds": test} if test else {}))
     check_seeds(study)
     return study
+
+
+# Settings a study may change with `--set FIELD=VALUE` (the seeds have flags of their own), each with what it holds.
+SETTABLE = {field.name: field.type for field in fields(Study) if field.name not in ("validation_seeds", "test_seeds", "quick")}
+FRACTIONS = ("passkey_share", "heldout_fraction", "long_threshold", "extension_rate_factor")
+
+
+def with_settings(study: Study, assignments: list[str]) -> Study:
+    """The study with each `FIELD=VALUE` of `assignments` set (a study of its own, to run in an output folder of its
+    own: `--resume` refuses a folder of other settings); a ValueError naming the first assignment that is not one."""
+    changes = {}
+    for assignment in assignments:
+        name, equals, text = assignment.partition("=")
+        if not equals or name.strip() not in SETTABLE:
+            raise ValueError(f"--set {assignment!r}: expected FIELD=VALUE with FIELD among {', '.join(SETTABLE)}")
+        name = name.strip()
+        changes[name] = setting_value(name, SETTABLE[name], text.strip())
+    return replace(study, **changes)
+
+
+def setting_value(name: str, kind: str, text: str):
+    """`text` read as the field's type: a positive number (a fraction in (0, 1] for FRACTIONS), `none` where the
+    field may be None, positive integers separated by commas for a tuple."""
+    if text.lower() == "none" and kind.endswith("| None"):
+        return None
+    try:
+        if kind.startswith("tuple"):
+            value = tuple(int(part) for part in text.split(","))
+            numbers = value
+        else:
+            value = (float if kind.startswith("float") else int)(text)
+            numbers = (value,)
+    except ValueError:
+        raise ValueError(f"--set {name}={text}: {name} takes {kind}") from None
+    if not numbers or not all(number > 0 for number in numbers) or (name in FRACTIONS and value > 1):
+        bounds = "in (0, 1]" if name in FRACTIONS else "positive"
+        raise ValueError(f"--set {name}={text}: {name} must be {bounds}")
+    return value
+
+
+def changed_settings(study: Study) -> list[str]:
+    """`FIELD=VALUE` for each setting (seeds aside) other than the default study's."""
+    default = QUICK if study.quick else Study()
+    return [f"{name}={getattr(study, name)}" for name in SETTABLE if getattr(study, name) != getattr(default, name)]

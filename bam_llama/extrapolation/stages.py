@@ -39,6 +39,7 @@ def pretrain_arguments(encoding: Encoding, trial: Trial, study: Study, seed: int
         ssmax=encoding.ssmax, hidden_size=study.hidden_size, num_hidden_layers=study.layers,
         num_attention_heads=study.heads, tokenizer=str(tokenizer), learning_rate=trial.learning_rate,
         prior_learning_rate=study.shape_learning_rate if bam_llama or encoding.ssmax else None,  # the SSMax scales' too
+        ssmax_learning_rate=study.ssmax_learning_rate if encoding.ssmax else None,
         warmup_steps=study.warmup_steps,
         per_device_train_batch_size=study.batch_size, max_steps=steps, save_steps=steps, save_total_limit=1,
         logging_steps=max(steps // 10, 1), seed=seed, disable_progress_bars=True, eval_rows=8,
@@ -55,14 +56,17 @@ def pretrain_stage(args: PretrainArguments) -> tuple[Path, dict]:
                                      "learned": learned_values(model)}
 
 
-def extend(folder: Path, trial: Trial, study: Study, seed: int, data: Path, output_dir: Path) -> tuple[Path, dict]:
-    """The context extension of a trained BamLlama: every weight (and whatever of the prior and scales its config
-    trains) fine-tuned at `study.extension_length` for `study.extension_steps` steps, at `extension_rate_factor`
-    times the stage's learning rates."""
+def extend(folder: Path, trial: Trial, study: Study, seed: int, data: Path, output_dir: Path,
+           ssmax: bool) -> tuple[Path, dict]:
+    """The context extension of a trained BamLlama (with Scalable Softmax where `ssmax`): every weight (and whatever
+    of the prior and scales its config trains) fine-tuned at `study.extension_length` for `study.extension_steps`
+    steps, at `extension_rate_factor` times the stage's learning rates."""
     args = FinetuneArguments(
         model=str(folder), data=str(data), output_dir=str(output_dir), context_length=study.extension_length,
         lora=False, learning_rate=trial.learning_rate * study.extension_rate_factor,
         prior_learning_rate=study.shape_learning_rate * study.extension_rate_factor, max_steps=study.extension_steps,
+        ssmax_learning_rate=None if study.ssmax_learning_rate is None or not ssmax
+        else study.ssmax_learning_rate * study.extension_rate_factor,
         per_device_train_batch_size=study.extension_batch_size, save_steps=study.extension_steps, save_total_limit=1,
         logging_steps=max(study.extension_steps // 8, 1), seed=seed, disable_progress_bars=True, eval_rows=8,
         weight_decay=0.1, threads=torch.get_num_threads(),
