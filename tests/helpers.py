@@ -180,6 +180,20 @@ def torch_threads_in_training(monkeypatch, omp_num_threads: str | None = None):
         torch.set_num_threads(threads)
 
 
+def created_optimizers(monkeypatch) -> list:
+    """Every optimizer a BamTrainer creates from now on (its param_groups tell each parameter's learning rate)."""
+    from bam_llama.training.trainer import BamTrainer
+
+    created, original = [], BamTrainer.create_optimizer
+
+    def record(self, model=None):
+        created.append(original(self, model))
+        return created[-1]
+
+    monkeypatch.setattr(BamTrainer, "create_optimizer", record)
+    return created
+
+
 # ---------------------------------------------------------------------------------------- failures of commands
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import (
     checkout_environment,
+    created_optimizers,
     default_sigint,
     one_error_line,
     tiny_model,
@@ -251,14 +252,7 @@ def test_the_prior_gets_its_own_learning_rate_without_weight_decay(tmp_path):
 def test_ssmax_learning_rate_gives_exactly_the_scales_their_own_rate(workspace, tmp_path, monkeypatch):
     """--ssmax-learning-rate in a full fine-tune: the SSMax scales of every layer in a group of their own at that rate,
     the prior's thetas at --prior-learning-rate, every other weight at --learning-rate."""
-    created = []
-    original = BamTrainer.create_optimizer
-
-    def record(self, model=None):
-        created.append(original(self, model))
-        return created[-1]
-
-    monkeypatch.setattr(BamTrainer, "create_optimizer", record)
+    created = created_optimizers(monkeypatch)
     args = arguments(workspace["base_ssmax_layer"], workspace["data"], tmp_path / "out", lora=False,
                      prior_learning_rate=0.03, ssmax_learning_rate=0.3, max_steps=1, save_steps=1)
     finetune(args)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import (
     checkout_environment,
+    created_optimizers,
     default_sigint,
     disk_full_after_half,
     one_error_line,
@@ -604,18 +605,9 @@ def test_threads_on_a_gpu_are_left_to_torch_and_the_help_gives_the_measurement(m
 def test_ssmax_order_init_and_learning_rate_reach_the_model_and_the_optimizer(data, tmp_path, monkeypatch):
     """--no-ssmax-prior and --ssmax-scale-init set the config; --ssmax-learning-rate puts exactly the SSMax scales in a
     group of their own at that rate, the prior keeps --prior-learning-rate."""
-    from bam_llama.training.trainer import BamTrainer
-
     args = arguments(data, tmp_path / "run", ssmax=True, ssmax_prior=False, ssmax_scale_init=0.25, prior_scope="layer",
                      prior_learning_rate=0.03, ssmax_learning_rate=0.3, max_steps=1, save_steps=1)
-    created = []
-    original = BamTrainer.create_optimizer
-
-    def record(self, model=None):
-        created.append(original(self, model))
-        return created[-1]
-
-    monkeypatch.setattr(BamTrainer, "create_optimizer", record)
+    created = created_optimizers(monkeypatch)
     _, model, _ = run_pretraining(args)
     assert model.config.ssmax_prior is False and model.config.ssmax_scale_init == 0.25
     named = dict(model.named_parameters())
