@@ -98,8 +98,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser, full, quick) -> None:
     )
     parser.add_argument(
         "--ssmax", action=argparse.BooleanOptionalAction, default=False,
-        help="Scalable Softmax in BAM (default: off; with it, seed 0 found 85%% / 80%% of the keys at 32x / 64x, "
-        "without it 100%% / 100%%)"
+        help="Scalable Softmax in BAM (default: off; on validation seeds 10, 11 and 15 it lost keys from 8x on: "
+        "docs/demo.md)"
     )
 
 
