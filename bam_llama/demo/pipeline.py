@@ -4,7 +4,7 @@ Builds a byte-level tokenizer and synthetic passkey documents, trains a tiny Bam
 RoPE Llama from Transformers, and ALiBi as BamLlama with a fixed linear prior) with the same recipe at a short
 context, then measures passkey retrieval far beyond it.
 
-    bam-demo                                  # BAM against RoPE to 512x (64K bytes), about an hour on 2 cores
+    bam-demo                                  # BAM against RoPE to 512x (64K bytes), ~45 min on 2 idle cores
     bam-demo --models bam,rope,alibi          # also the ALiBi baseline
     bam-demo --quick                          # seconds, for CI (the numbers mean nothing)
     bam-demo --device cuda --steps 4000 --train-length 256 --lengths 256,1024,4096,16384
