@@ -7,7 +7,7 @@ import sys
 from ..demo.settings import DEFAULT_MODELS, MODEL_NAMES, default_settings
 from ..files.outputs import OutputError, exit_on_sigterm
 from ..runtime.library_warnings import keep_first_screen_quiet
-from .arguments import depth_plan, device_name, length_list, positive_float, positive_int
+from .arguments import depth_plan, device_name, length_list, non_negative_int, positive_float, positive_int
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,6 +69,11 @@ def _add_training_arguments(parser: argparse.ArgumentParser, full, quick) -> Non
     parser.add_argument(
         "--prior-lr", type=positive_float,
         help="learning rate of the prior and SSMax scales " + _both_defaults(full.train.prior_lr, quick.train.prior_lr),
+    )
+    parser.add_argument(
+        "--extension-steps", type=non_negative_int,
+        help="steps of the context extension after training, at twice the training length with a tenth of the "
+        "learning rates (0: none) " + _both_defaults(full.extension.steps, quick.extension.steps),
     )
     parser.add_argument(
         "--train-length", type=positive_int,

@@ -110,10 +110,10 @@ def filler_example(
 
 class PasskeyRows(IterableDataset):
     """The demo's `count` training documents (`passkey_example`, or `filler_example` where `data.passkey_fraction`
-    says), generated in order from `seed` as the loop reads them: the same rows for every model of a seed, none
-    kept in memory. Each row's passkey is added to `trained_keys` as it is generated."""
+    says), generated in order from `seed` (an int or a string) as the loop reads them: the same rows for every model
+    of a seed, none kept in memory. Each row's passkey is added to `trained_keys` as it is generated."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: PasskeyTemplate, data: DataConfig, seed: int,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: PasskeyTemplate, data: DataConfig, seed: int | str,
                  count: int, trained_keys: set[str] | None = None):
         super().__init__()
         self.tokenizer, self.template, self.data = tokenizer, template, data
@@ -222,6 +222,27 @@ def train_model(
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
+def extension_recipe(settings: DemoSettings) -> tuple[DataConfig, TrainConfig]:
+    """The context extension's data and recipe (`ExtensionConfig`): documents `factor` times longer, `factor` times
+    fewer a step, the learning rates `rate_factor` times the training's."""
+    extension, train = settings.extension, settings.train
+    data = replace(settings.data, train_length=settings.data.train_length * extension.factor)
+    prior_lr = None if train.prior_lr is None else train.prior_lr * extension.rate_factor
+    recipe = replace(train, steps=extension.steps, batch_size=max(1, train.batch_size // extension.factor),
+                     lr=train.lr * extension.rate_factor, prior_lr=prior_lr)
+    return data, recipe
+
+
+def extend_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: DemoSettings, seed: int,
+                   device: str, folder: Path, trained_keys: set[str], progress: StepProgress | None = None) -> list[float]:
+    """The context extension of a trained model, in place (`extension_recipe`), on documents of their own stream
+    (the seed's, apart from the training's); their keys join `trained_keys`. Returns each step's loss."""
+    data, recipe = extension_recipe(settings)
+    rows = PasskeyRows(tokenizer, DEMO_TEMPLATE, data, f"{seed}:extension", recipe.steps * recipe.batch_size,
+                       trained_keys)
+    return train_model(model, rows, recipe, seed, device, folder, progress)
+
+
 # ------------------------------------------------------------------------------------------------- main
 
 
@@ -236,6 +257,7 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
         (settings.train, "batch_size", args.batch_size),
         (settings.train, "lr", args.lr),
         (settings.train, "prior_lr", args.prior_lr),
+        (settings.extension, "steps", args.extension_steps),
         (settings.size, "hidden_size", args.hidden_size),
         (settings.size, "num_hidden_layers", args.layers),
         (settings.size, "num_attention_heads", args.heads),
@@ -321,8 +343,13 @@ def run_plan(names: list[str], args: argparse.Namespace, settings: DemoSettings,
     """What the run will do, in a sentence for its first screen."""
     size, train, plan = settings.size, settings.train, settings.num_depths
     fewer = "".join(f", {count} at {length}" for length, count in plan.by_length.items() if length in settings.lengths)
+    extension = ""
+    if settings.extension.steps:
+        data, recipe = extension_recipe(settings)
+        extension = (f", then a context extension of {recipe.steps} steps of {recipe.batch_size} documents of "
+                     f"{data.train_length} tokens")
     return (f"bam-demo: training {', '.join(names)} ({size.num_hidden_layers} layers of width {size.hidden_size}; "
-            f"{train.steps} steps of {train.batch_size} documents of {settings.data.train_length} tokens), then "
+            f"{train.steps} steps of {train.batch_size} documents of {settings.data.train_length} tokens{extension}), then "
             f"evaluating each at {', '.join(map(str, settings.lengths))} tokens ({plan.default} prompts per length"
             f"{fewer}); on {args.device}, {thread_description(args.threads, jobs)}.")
 
@@ -345,7 +372,7 @@ def model_seconds(name: str, args: argparse.Namespace, settings: DemoSettings) -
     """(training, evaluation) seconds of model `name` in this run, from `measure_costs`."""
     step_seconds, prompt_seconds = measure_costs(name, args, settings)
     evaluation = sum(settings.num_depths.count(length) * prompt_seconds(length) for length in settings.lengths)
-    return settings.train.steps * step_seconds, evaluation
+    return (settings.train.steps + settings.extension.steps) * step_seconds, evaluation  # an extension step: as many tokens
 
 
 def measure_costs(name: str, args: argparse.Namespace, settings: DemoSettings):
@@ -396,7 +423,8 @@ def thread_description(threads: int, jobs: int) -> str:
 def train_and_evaluate(
     name: str, args: argparse.Namespace, settings: DemoSettings, folder: Path, progress_position: int | None = None
 ) -> PasskeyResults:
-    """One model: seeded, trained, evaluated on `args.threads` torch threads; its heatmap (and for BAM the model and
+    """One model: seeded, trained (and its context extended where `settings.extension` says), evaluated on
+    `args.threads` torch threads; its heatmap (and for BAM the model and
     its prior plot) written to `folder`."""
     use_threads(args.threads, torch.device(args.device).type)
     tokenizer = build_byte_tokenizer()
@@ -409,6 +437,9 @@ def train_and_evaluate(
                        settings.train.steps * settings.train.batch_size, trained_keys)
     train_model(model, rows, settings.train, args.seed, args.device, folder,
                 StepProgress(f"train {name}", progress_position))
+    if settings.extension.steps:
+        extend_context(model, tokenizer, settings, args.seed, args.device, folder, trained_keys,
+                       StepProgress(f"extend {name}", progress_position))
     result = evaluate_passkey(
         model, tokenizer, settings.lengths, num_depths=settings.num_depths, template=DEMO_TEMPLATE,
         add_bos=settings.data.add_bos, progress=progress_position is None or not in_a_terminal(),

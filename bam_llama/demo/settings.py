@@ -7,7 +7,7 @@ without loading PyTorch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..evaluation.depth_plan import DepthPlan
 
@@ -48,12 +48,24 @@ class TrainConfig:
 
 
 @dataclass
+class ExtensionConfig:
+    """The paper's light context extension after training (0 steps: none): every weight and the prior trained
+    `steps` more steps on documents of `factor` times the training length, as many tokens a step (`factor` times
+    fewer documents), at `rate_factor` times the training's learning rates, with its warmup and cosine decay."""
+
+    steps: int = 0
+    factor: int = 2
+    rate_factor: float = 0.1
+
+
+@dataclass
 class DemoSettings:
     data: DataConfig
     train: TrainConfig
     size: ModelSize
     lengths: list[int]
     num_depths: DepthPlan  # prompts per length, fewer at the longest (where one costs the most)
+    extension: ExtensionConfig = field(default_factory=ExtensionConfig)
 
 
 # 1x-64x at 20 prompts, then 10 at each of 128x, 256x and 512x of the 128-byte training length (10 is the fewest
@@ -71,5 +83,6 @@ def default_settings(quick: bool) -> DemoSettings:
             size=ModelSize(hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
             lengths=[64, 128],
             num_depths=DepthPlan(2),
+            extension=ExtensionConfig(steps=2),
         )
     return DemoSettings(data=DataConfig(), train=TrainConfig(), size=ModelSize(), lengths=list(LENGTHS), num_depths=DEPTHS)
