@@ -181,8 +181,9 @@ def trained_batches(monkeypatch):
 
 
 def test_evaluation_keys_are_none_of_the_training_keys(tmp_path, tokenizer, trained_batches):
-    """Two-digit keys (90 of them): 8 steps of 4 examples train on about 27, and 40 evaluation keys drawn blind
-    would hit some. The training keys are read from the answer labels of the batches the loop trained on."""
+    """Two-digit keys (90 of them): 8 steps of 4 examples and 2 of the context extension train on about 30, and 40
+    evaluation keys drawn blind would hit some. The training keys are read from the answer labels of the batches the
+    loop trained on, the extension's included."""
     from bam_llama.demo import pipeline as demo
     from bam_llama.cli.demo import parse_args
     from bam_llama.evaluation.retrieval import DepthPlan
@@ -191,7 +192,7 @@ def test_evaluation_keys_are_none_of_the_training_keys(tmp_path, tokenizer, trai
     settings = demo.settings_from_args(args)
     settings.data.num_digits, settings.num_depths = 2, DepthPlan(20)
     result = demo.train_and_evaluate("bam", args, settings, tmp_path)
-    assert len(trained_batches) == 8
+    assert len(trained_batches) == 8 + 2
     trained = set().union(*(keys_in(labels, tokenizer) for _, labels, _ in trained_batches))
     evaluated = [key for row in result.passkeys for key in row]
     assert len(trained) > 15 and len(set(evaluated)) == len(evaluated) == 40
@@ -213,7 +214,8 @@ def test_the_demo_trains_through_the_package_training_loop_with_its_recipe(tmp_p
     monkeypatch.setattr(demo, "PasskeyKeys", lambda seed, digits, excluded: avoided.append(set(excluded)) or
                         PasskeyKeysOf(seed, digits, excluded))
     monkeypatch.setattr(demo, "save_bam", lambda *args: None)
-    args = parse_args(["--quick", "--models", "bam,rope", "--steps", "5", "--output-dir", str(tmp_path)])
+    args = parse_args(["--quick", "--models", "bam,rope", "--steps", "5", "--extension-steps", "0",
+                       "--output-dir", str(tmp_path)])
     settings = demo.settings_from_args(args)
     settings.train.warmup_fraction = 0.4
     models = {}
@@ -242,6 +244,46 @@ def test_the_demo_trains_through_the_package_training_loop_with_its_recipe(tmp_p
         assert torch.equal(bam_labels, rope_labels)
     trained = set().union(*(keys_in(labels, tokenizer) for _, labels, _ in models["bam"]))
     assert len(trained) > 10 and avoided == [trained, trained]
+
+
+def test_the_context_extension_follows_training_on_twice_as_long_documents_at_a_tenth_of_the_rates(
+        tmp_path, tokenizer, trained_batches, monkeypatch):
+    """--extension-steps 5 after 3 training steps of 4 documents of 64 tokens: a second loop of 5 steps of 2
+    documents up to 128 tokens, at 2e-4 (the prior 5e-3) with the training's warmup and cosine; its documents are
+    not the training's, and its keys are kept out of the evaluation too."""
+    from bam_llama.cli.demo import parse_args
+    from bam_llama.demo import pipeline as demo
+
+    avoided = []
+    monkeypatch.setattr(demo, "PasskeyKeys", lambda seed, digits, excluded: avoided.append(set(excluded)) or
+                        PasskeyKeysOf(seed, digits, excluded))
+    monkeypatch.setattr(demo, "save_bam", lambda *args: None)
+    args = parse_args(["--quick", "--models", "bam", "--steps", "3", "--batch-size", "4", "--extension-steps", "5",
+                       "--output-dir", str(tmp_path)])
+    settings = demo.settings_from_args(args)
+    assert settings.data.train_length == 64
+    settings.train.warmup_fraction = 0.4
+    demo.train_and_evaluate("bam", args, settings, tmp_path)
+
+    training, extension = trained_batches[:3], trained_batches[3:]
+    assert len(extension) == 5 and {step[0] for step in training} != {step[0] for step in extension}
+    assert len({step[0] for step in extension}) == 1
+    assert all(labels.shape[0] == 4 and labels.shape[1] <= 64 for _, labels, _ in training)
+    assert all(labels.shape[0] == 2 and labels.shape[1] <= 128 for _, labels, _ in extension)
+    assert max(labels.shape[1] for _, labels, _ in extension) > 64
+    named = dict(extension[0][0].model.named_parameters())
+    prior = frozenset(id(p) for n, p in named.items() if n.endswith(("theta_alpha", "theta_beta")))
+    projection = id(named["model.layers.0.self_attn.q_proj.weight"])
+    for multiplier, (_, _, groups) in zip([0.0, 0.5, 1.0, 0.75, 0.25], extension):
+        rates = {frozenset(ids): (lr, decay) for lr, decay, ids in groups}
+        assert rates[prior] == pytest.approx((5e-3 * multiplier, 0.0), abs=1e-12)
+        lr, decay = next(rate for ids, rate in rates.items() if projection in ids)
+        assert (lr, decay) == pytest.approx((2e-4 * multiplier, 0.01), abs=1e-12)
+    training_keys = set().union(*(keys_in(labels, tokenizer) for _, labels, _ in training))
+    extension_keys = set().union(*(keys_in(labels, tokenizer) for _, labels, _ in extension))
+    assert extension_keys - training_keys and avoided == [training_keys | extension_keys]
+    # a stream of its own: the training's stream again would open with the training's first document's key
+    assert keys_in(extension[0][1][:1], tokenizer) != keys_in(training[0][1][:1], tokenizer)
 
 
 def test_console_script_help():
@@ -301,6 +343,7 @@ def test_help_shows_the_defaults(capsys):
     assert "(default: bam-demo-output)" in usage and "(default: bam,rope)" in usage
     settings = default_settings(quick=False)
     assert f"(default: {settings.train.steps}; with --quick: 8)" in usage
+    assert f"(0: none) (default: {settings.extension.steps}; with --quick: 2)" in usage
     assert "(default: " + ",".join(map(str, settings.lengths)) + "; with --quick: 64,128)" in usage
 
 
