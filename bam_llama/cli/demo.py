@@ -106,6 +106,11 @@ def _add_model_arguments(parser: argparse.ArgumentParser, full, quick) -> None:
         help="Scalable Softmax in BAM (default: off; on validation seeds 10, 11 and 15 it lost keys from 8x on: "
         "docs/demo.md)"
     )
+    parser.add_argument(
+        "--train-ssmax-scale", action=argparse.BooleanOptionalAction, default=True,
+        help="with --ssmax, train its per-head scale s_h (at --prior-lr) or keep it at 1, the factor then ln(n_i) "
+        "(default: trained)",
+    )
 
 
 def describe_plan(plan) -> str:

@@ -173,6 +173,13 @@ def build_model(name: str, size: ModelSize, train_length: int, **bam_overrides) 
     return variant_model(variant_config(name, train_length, **fields))
 
 
+def bam_options(name: str, args: argparse.Namespace) -> dict:
+    """The BamLlamaConfig fields the command line sets for model `name` (none but BAM's)."""
+    if name != "bam":
+        return {}
+    return dict(prior_scope=args.prior_scope, ssmax=args.ssmax, train_ssmax_scale=args.train_ssmax_scale)
+
+
 # --------------------------------------------------------------------------------------------- training
 
 
@@ -381,8 +388,7 @@ def measure_costs(name: str, args: argparse.Namespace, settings: DemoSettings):
     use_threads(args.threads, torch.device(args.device).type)
     tokenizer = build_byte_tokenizer()
     data, train = settings.data, settings.train
-    bam_overrides = dict(prior_scope=args.prior_scope, ssmax=args.ssmax) if name == "bam" else {}
-    model = build_model(name, settings.size, data.train_length, **bam_overrides)
+    model = build_model(name, settings.size, data.train_length, **bam_options(name, args))
     steps = StepSeconds()
     rows = PasskeyRows(tokenizer, DEMO_TEMPLATE, data, args.seed, (CALIBRATION_STEPS + 1) * train.batch_size)
     with tempfile.TemporaryDirectory(prefix="bam-demo-") as folder:
@@ -430,8 +436,7 @@ def train_and_evaluate(
     tokenizer = build_byte_tokenizer()
     train_length = settings.data.train_length
     set_seed(args.seed)  # identical initialization stream and identical batches for every model
-    bam_overrides = dict(prior_scope=args.prior_scope, ssmax=args.ssmax)
-    model = build_model(name, settings.size, train_length, **(bam_overrides if name == "bam" else {}))
+    model = build_model(name, settings.size, train_length, **bam_options(name, args))
     trained_keys = set()
     rows = PasskeyRows(tokenizer, DEMO_TEMPLATE, settings.data, args.seed,
                        settings.train.steps * settings.train.batch_size, trained_keys)

@@ -286,6 +286,30 @@ def test_the_context_extension_follows_training_on_twice_as_long_documents_at_a_
     assert keys_in(extension[0][1][:1], tokenizer) != keys_in(training[0][1][:1], tokenizer)
 
 
+@pytest.mark.parametrize("train_scale", [True, False])
+def test_ssmax_scales_train_or_stay_at_one_as_asked(train_scale, tmp_path, trained_batches, monkeypatch):
+    """--ssmax trains each head's scale s_h with the prior (5e-2, no decay); --no-train-ssmax-scale keeps it at 1,
+    out of every optimizer group, and the saved model says so."""
+    from bam_llama.cli.demo import parse_args
+    from bam_llama.demo import pipeline as demo
+
+    flag = "--train-ssmax-scale" if train_scale else "--no-train-ssmax-scale"
+    args = parse_args(["--quick", "--models", "bam", "--ssmax", flag, "--extension-steps", "0",
+                       "--output-dir", str(tmp_path)])
+    demo.train_and_evaluate("bam", args, demo.settings_from_args(args), tmp_path)
+    trainer = trained_batches[0][0]
+    scales = {name: tensor for name, tensor in trainer.model.state_dict().items() if name.endswith("ssmax.scale")}
+    assert len(scales) == 2  # one a layer
+    trained_ids = {id(p) for n, p in trainer.model.named_parameters() if n.endswith("ssmax.scale")}
+    assert bool(trained_ids) == train_scale
+    optimized = [(lr, decay, ids) for lr, decay, ids in trained_batches[-1][2] if ids & trained_ids]
+    assert bool(optimized) == train_scale and all(decay == 0.0 for _, decay, _ in optimized)
+    moved = any(not torch.all(scale == 1.0) for scale in scales.values())
+    assert moved == train_scale
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "bam-model")
+    assert saved.config.ssmax and saved.config.train_ssmax_scale == train_scale
+
+
 def test_console_script_help():
     completed = run_within(["bam-demo", "--help"], 60)
     assert completed.returncode == 0 and "--quick" in completed.stdout
