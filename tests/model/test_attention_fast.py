@@ -424,12 +424,14 @@ def test_long_key_blocks_keep_32_queries_and_stay_exact(monkeypatch, queries):
     torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("theta_beta", [-3.0, -9.0])
 @pytest.mark.parametrize("ssmax", [True, False])
-def test_float32_prior_gradient_with_single_key_rows_and_negative_beta(ssmax):
+def test_float32_prior_gradient_with_single_key_rows_and_negative_beta(ssmax, theta_beta):
     """float32, beta = -3: the prior at distance 0 is ~-1e15 and its beta-gradient ~1e16, so a row that sees only
-    its own key (every document's first token) must contribute exactly zero, as the softmax backward gives.
+    its own key (every document's first token) must contribute exactly zero, as the softmax backward gives; beta = -9
+    (a retrieval head's, reached in training): ~-1e45, past float32's range, finite in the float64 reference.
     Gradients of the prior and SSMax scale against the float64 reference, per head."""
-    module, prior = attention_module(-3.0, ssmax=ssmax)
+    module, prior = attention_module(theta_beta, ssmax=ssmax)
     query, key, value = random_qkv(2, 4, 2, 24, 24, 8, torch.float32, seed=5)
     positions = torch.arange(24)
     document_ids = torch.tensor([[0] * 9 + [1] * 10 + [2] * 5, [0] * 3 + [1] * 21])
@@ -438,6 +440,7 @@ def test_float32_prior_gradient_with_single_key_rows_and_negative_beta(ssmax):
     actual = run_sdpa_path(module, prior, query, key, value, positions, document_ids=document_ids)
     actual_grads = torch.autograd.grad((actual * weights).sum(), parameters)
     expected = reference_for(module, prior, query, key, value, positions, document_ids=document_ids)
+    torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-4)
     expected_grads = torch.autograd.grad((expected * weights.double()).sum(), parameters)
     for name, got, want in zip(["theta_alpha", "theta_beta", "ssmax_scale"], actual_grads, expected_grads):
         for head in range(4):

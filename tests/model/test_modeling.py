@@ -419,3 +419,37 @@ def test_reference_fixture_token_by_token_cache():
                 for t in range(io["input_ids"].shape[1])
             ]
         torch.testing.assert_close(torch.cat(steps, 1)[0], io["inference_tbt_logits"][row], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("ssmax", [False, True])
+def test_a_head_whose_prior_at_distance_zero_passes_float32_trains(attention, ssmax):
+    """theta_beta = -9 in every head (a retrieval head trains towards it): exp(theta_alpha) * 1e-5 ** 9 ~ 1e45 at
+    distance 0, past float32's 3.4e38. The loss and every gradient stay finite, and the model keeps attending: the
+    first token's attention output is its own value (it sees only itself), as with a mild prior."""
+    config = tiny_config(ssmax=ssmax, prior_scope="layer", attn_implementation=attention)
+    torch.manual_seed(0)
+    model = BamLlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("theta_beta"):
+                parameter.fill_(-9.0)
+            if name.endswith("theta_alpha"):
+                parameter.fill_(0.5)
+    input_ids = torch.randint(3, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    outputs = model(input_ids, labels=input_ids)
+    outputs.loss.backward()
+    assert torch.isfinite(outputs.loss)
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None and torch.isfinite(parameter.grad).all(), name
+    seen = {}
+    attention_layer = model.model.layers[0].self_attn
+    handle = attention_layer.o_proj.register_forward_hook(lambda module, args, output: seen.update(attended=args[0]))
+    with torch.no_grad():
+        model(input_ids)
+    handle.remove()
+    hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(input_ids))
+    first_value = attention_layer.v_proj(hidden)[:, 0]  # (B, Hkv * D): the first token's value of every head
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    per_head = first_value.view(2, kv_heads, -1).repeat_interleave(heads // kv_heads, dim=1).flatten(1)
+    torch.testing.assert_close(seen["attended"][:, 0].detach(), per_head.detach(), atol=1e-5, rtol=1e-5)
