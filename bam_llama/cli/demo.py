@@ -103,8 +103,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser, full, quick) -> None:
     )
     parser.add_argument(
         "--ssmax", action=argparse.BooleanOptionalAction, default=False,
-        help="Scalable Softmax in BAM (default: off; on validation seeds 10, 11 and 15 it lost keys from 8x on: "
-        "docs/demo.md)"
+        help="Scalable Softmax in BAM (default: off; on validation seeds it lost keys, trained or with its scales "
+        "kept at 1: benchmarks/results/demo-cpu.md)"
     )
     parser.add_argument(
         "--train-ssmax-scale", action=argparse.BooleanOptionalAction, default=True,
