@@ -19,6 +19,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device.startswith("cuda:") and args.device != "cuda:0":
         parser.error(f"argument --device: {args.device!r}: the demo trains through Transformers' Trainer, which trains "
                      f"on the first visible GPU; choose it with CUDA_VISIBLE_DEVICES and give --device cuda")
+    if not args.train_ssmax_scale and not args.ssmax:
+        parser.error("argument --no-train-ssmax-scale: keeps the Scalable-Softmax scales at 1, so it needs --ssmax")
     args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.jobs is None:
         args.jobs = usable_cores() if args.device == "cpu" else 1

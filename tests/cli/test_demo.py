@@ -341,6 +341,8 @@ def test_main_reports_success_as_exit_status_zero_and_records_the_argv(tmp_path)
         (["--train-length", "-8"], "--train-length"),
         (["--lr", "nan"], "--lr"),
         (["--device", "nonsense"], "--device"),
+        (["--extension-steps", "-1"], "--extension-steps"),
+        (["--no-train-ssmax-scale"], "--no-train-ssmax-scale"),
     ],
 )
 def test_a_bad_argument_is_one_line_naming_it(argv, argument, tmp_path, capsys):
