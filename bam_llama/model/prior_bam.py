@@ -34,13 +34,14 @@ PRIOR_FORMULAS = (*THETA_FORMULAS, T5_BUCKETS)
 T5_NUM_BUCKETS = 32  # T5's defaults
 T5_MAX_DISTANCE = 128
 REFERENCE_FORMULAS = (SCALE_OUTSIDE_POWER, SCALE_INSIDE_POWER)  # the ones reference GGD-BAM runs were trained with
-# The largest |prior| of the GGD formulas: exp(LOG_PRIOR_LIMIT) = 2^100 ~ 1.3e30, a penalty no score overcomes
+# The largest |prior| of the GGD formulas: PRIOR_LIMIT = 2^100 ~ 1.3e30, a penalty no score overcomes
 # (exp(-2^100) is 0 in any precision). Uncapped, a negative beta's term at distance 0, exp(theta_alpha) * eps **
 # theta_beta, passes float32's 3.4e38 from theta_beta ~ -7.7 (retrieval heads train there), the SSMax factor sooner,
 # and the loss turns NaN. Capped (`capped_power`: below the cap the plain formula, bit for bit), the prior and its
 # gradients stay finite; a capped entry's gradient is 0, as the exact one is to float precision (its probability is
 # 0, or it is its row's only key).
-LOG_PRIOR_LIMIT = 100 * math.log(2)
+PRIOR_LIMIT = 2.0**100
+LOG_PRIOR_LIMIT = math.log(PRIOR_LIMIT)
 
 
 def is_prior_parameter(name: str) -> bool:
@@ -65,12 +66,12 @@ def prior_offset(theta_mu: torch.Tensor) -> torch.Tensor:
 
 
 def capped_power(base: torch.Tensor, exponent: torch.Tensor, scale=1.0, log_scale=0.0) -> torch.Tensor:
-    """-scale * base ** exponent, its magnitude capped at exp(LOG_PRIOR_LIMIT): exactly the plain product below the
+    """-scale * base ** exponent, its magnitude capped at PRIOR_LIMIT: exactly the plain product below the
     cap; above it the cap, with zero gradients (the power is taken of 1 there, so that no inf meets a 0 in the
     backward)."""
     over = log_scale + exponent * torch.log(base) > LOG_PRIOR_LIMIT
     plain = -scale * torch.where(over, torch.ones_like(base), base).pow(exponent)
-    return torch.where(over, torch.full_like(plain, -math.exp(LOG_PRIOR_LIMIT)), plain)
+    return torch.where(over, torch.full_like(plain, -PRIOR_LIMIT), plain)
 
 
 def ggd_bias(
@@ -88,7 +89,7 @@ def ggd_bias(
         distance: (...) float, j - i (<= 0 for visible causal keys).
         theta_alpha, theta_beta, theta_mu: (H,) per-head parameters.
     Returns:
-        (H, ...) float32 bias; the GGD's magnitude at most exp(LOG_PRIOR_LIMIT).
+        (H, ...) float32 bias; the GGD's magnitude at most PRIOR_LIMIT.
     """
     view = (-1,) + (1,) * distance.dim()
     alpha = theta_alpha.float().view(view)

@@ -23,9 +23,7 @@ only while the parameters hold the values it was computed from.
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .prior_bam import T5_MAX_DISTANCE, KeptPriorTable, ggd_bias, prior_table
-
-PRIOR_LIMIT = 2.0**100  # bound of the kernels' tables: |x| ** beta stays finite for any beta
+from .prior_bam import PRIOR_LIMIT, T5_MAX_DISTANCE, KeptPriorTable, ggd_bias, prior_table
 
 
 def module_table(
@@ -69,7 +67,8 @@ def kept_step_table(last_position: int, theta_alpha, theta_beta, theta_mu, formu
 
 
 def _clamped_to_prior_limit(values: torch.Tensor) -> torch.Tensor:
-    """NaN as 0, everything else (infinities too) clamped to [-PRIOR_LIMIT, PRIOR_LIMIT]."""
+    """NaN as 0, everything else (infinities too) clamped to [-PRIOR_LIMIT, PRIOR_LIMIT]: the prior's own bound,
+    which its derivatives can pass."""
     return torch.nan_to_num(values, nan=0.0, posinf=PRIOR_LIMIT, neginf=-PRIOR_LIMIT).clamp(-PRIOR_LIMIT, PRIOR_LIMIT)
 
 
