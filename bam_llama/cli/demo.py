@@ -21,6 +21,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"on the first visible GPU; choose it with CUDA_VISIBLE_DEVICES and give --device cuda")
     if not args.train_ssmax_scale and not args.ssmax:
         parser.error("argument --no-train-ssmax-scale: keeps the Scalable-Softmax scales at 1, so it needs --ssmax")
+    if args.digits is not None:
+        check_enough_keys(parser, args)
     args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.jobs is None:
         args.jobs = usable_cores() if args.device == "cpu" else 1
@@ -35,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_run_arguments(parser)
     _add_training_arguments(parser, full, quick)
+    _add_data_arguments(parser, full, quick)
     _add_evaluation_arguments(parser, full, quick)
     _add_model_arguments(parser, full, quick)
     return parser
@@ -77,9 +80,16 @@ def _add_training_arguments(parser: argparse.ArgumentParser, full, quick) -> Non
         help="steps of the context extension after training, at twice the training length with a tenth of the "
         "learning rates (0: none) " + _both_defaults(full.extension.steps, quick.extension.steps),
     )
+
+
+def _add_data_arguments(parser: argparse.ArgumentParser, full, quick) -> None:
     parser.add_argument(
         "--train-length", type=positive_int,
         help="training context in tokens " + _both_defaults(full.data.train_length, quick.data.train_length),
+    )
+    parser.add_argument(
+        "--digits", type=positive_int,
+        help="digits of every passkey, in training and evaluation " + _both_defaults(full.data.num_digits, quick.data.num_digits),
     )
 
 
@@ -113,6 +123,18 @@ def _add_model_arguments(parser: argparse.ArgumentParser, full, quick) -> None:
         help="with --ssmax, train its per-head scale s_h (at --prior-lr) or keep it at 1, the factor then ln(n_i) "
         "(default: trained)",
     )
+
+
+def check_enough_keys(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The evaluation draws a different key for every prompt: refuse, before any training, a key length with fewer
+    keys than prompts (the keys the training draws are excluded too, so more may be needed)."""
+    settings = default_settings(args.quick)
+    lengths, plan = args.lengths or settings.lengths, args.depths or settings.num_depths
+    prompts = sum(plan.count(length) for length in lengths)
+    keys = 9 * 10 ** (args.digits - 1)
+    if keys < prompts:
+        parser.error(f"argument --digits: {args.digits} digit(s) give {keys} keys, fewer than the evaluation's "
+                     f"{prompts} prompts, each of which needs a key of its own")
 
 
 def describe_plan(plan) -> str:

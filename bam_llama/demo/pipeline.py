@@ -260,6 +260,7 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
     settings = default_settings(args.quick)
     overrides = [
         (settings.data, "train_length", args.train_length),
+        (settings.data, "num_digits", args.digits),
         (settings.train, "steps", args.steps),
         (settings.train, "batch_size", args.batch_size),
         (settings.train, "lr", args.lr),

@@ -199,6 +199,20 @@ def test_evaluation_keys_are_none_of_the_training_keys(tmp_path, tokenizer, trai
     assert not trained & set(evaluated) and result.keys_in_training == 0 and result.keys_redrawn > 0
 
 
+def test_digits_set_the_length_of_every_training_and_evaluation_key(tmp_path, tokenizer, trained_batches):
+    from bam_llama.cli.demo import parse_args
+    from bam_llama.demo import pipeline as demo
+
+    args = parse_args(["--quick", "--models", "bam", "--steps", "3", "--digits", "7", "--output-dir", str(tmp_path)])
+    result = demo.train_and_evaluate("bam", args, demo.settings_from_args(args), tmp_path)
+    answers = [tokenizer.decode([token for token in row.tolist() if token != IGNORE_INDEX])
+               for _, labels, _ in trained_batches for row in labels if (row != IGNORE_INDEX).any()]
+    assert len(answers) == 3 * 4 + 2 * 2  # training, then the quick run's context extension
+    assert all(re.fullmatch(r" \d{7}\.", answer) for answer in answers), answers
+    evaluated = [key for row in result.passkeys for key in row]
+    assert len(evaluated) == 4 and all(re.fullmatch(r"[1-9]\d{6}", key) for key in evaluated)
+
+
 def test_the_demo_trains_through_the_package_training_loop_with_its_recipe(tmp_path, tokenizer, trained_batches,
                                                                            monkeypatch):
     """bam-demo trains through bam-pretrain's loop (BamTrainer, a transformers.Trainer) with its own recipe: AdamW
@@ -343,6 +357,9 @@ def test_main_reports_success_as_exit_status_zero_and_records_the_argv(tmp_path)
         (["--device", "nonsense"], "--device"),
         (["--extension-steps", "-1"], "--extension-steps"),
         (["--no-train-ssmax-scale"], "--no-train-ssmax-scale"),
+        (["--digits", "0"], "--digits"),
+        (["--digits", "2"], "--digits"),  # 90 keys for the default evaluation's 170 prompts
+        (["--quick", "--digits", "1", "--depths", "5"], "--digits"),  # 9 keys for 10 prompts
     ],
 )
 def test_a_bad_argument_is_one_line_naming_it(argv, argument, tmp_path, capsys):
