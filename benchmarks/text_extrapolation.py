@@ -15,7 +15,8 @@ local, ...) is trained at 128 tokens on the no-download Python corpus with synth
     python benchmarks/text_extrapolation.py --phase validation --set steps=4000 --output-dir runs/steps-4000 --resume
 
 Each job (one trial, one seed: about 20 minutes on one core to 64x, 1-1.5 hours more past it) is published to the
-output folder as it ends; a stopped run keeps them, and `--resume` runs the others. `--quick` runs the same pipeline
+output folder as it ends; a stopped run keeps them, and `--resume` runs the others, each unfinished one on from where
+it stopped (its last checkpoint, every 250 steps, and its finished evaluations, kept in `jobs-in-progress/`). `--quick` runs the same pipeline
 on tiny models in a minute (its numbers mean nothing).
 """
 
@@ -64,7 +65,7 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=positive, default=1, help="jobs at once, each in a process of its own (default 1)")
     parser.add_argument("--threads", type=positive, default=1, help="torch threads of each job (default 1)")
     parser.add_argument("--resume", action="store_true", help="keep the jobs an earlier run of the same settings left in "
-                        "--output-dir and run the others")
+                        "--output-dir, continue its unfinished ones from their last checkpoint, and run the others")
     parser.add_argument("--output-dir", type=Path, default=None, help=f"default {OUTPUT.relative_to(REPOSITORY)} "
                         "(with --quick: its -quick sibling)")
     parser.add_argument("--validation-seeds", type=seed_list, default=None, help="default 100,101")

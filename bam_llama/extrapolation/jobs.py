@@ -7,12 +7,15 @@
 A two-stage trial freezes the shape its stage-one trial learned on the same seed: from that job's results where it
 ran (`run.py` hands them over), else trained first inside the job. Each job records the commit it ran on and
 BamLlama's attention path.
+
+A job works in a folder of its own (`Job.work`, kept until its result is published): its stages resume where a stopped
+run left them (`stages.resumable_stage`), and each evaluation it finished is kept there and not run again.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +28,8 @@ from .encodings import ENCODINGS, EXTENDED, TRAINED, Encoding, Trial
 from .evaluation import evaluate, seed_keys
 from .selection import goes_long, job_key
 from .settings import TEST, Study
-from .stages import extend, pretrain_arguments, pretrain_stage, stage_one_folder
+from .stages import (extend_stage, extension_arguments, pretrain_arguments, pretrain_stage, resumable_stage,
+                     stage_one_folder, write_json)
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 
@@ -38,6 +42,7 @@ class Job:
     seed: int
     data: SeedData
     study: Study
+    work: Path  # the job's own folder: its stages' checkpoints and models, its finished evaluations
     candidates: dict[str, str] = field(default_factory=dict)  # test: encoding -> its chosen candidate
     chosen: dict[str, dict] = field(default_factory=dict)  # test: encoding -> its choice (goes_long)
     stage_one_learned: dict | None = None  # a two-stage trial's stage-one shape, once known
@@ -70,31 +75,31 @@ def training_encoding(training: str) -> Encoding:
 
 
 def run_job(job: Job) -> tuple[str, dict]:
-    """One job, start to end: (its key, its entry in results.json)."""
+    """One job, start to end, or on from where a stopped run left it in `job.work`: (its key, its entry in
+    results.json)."""
     started = time.perf_counter()
-    encoding, trial = job.encoding, job.trial_spec
+    encoding, trial, work = job.encoding, job.trial_spec, job.work
     tokenizer = AutoTokenizer.from_pretrained(job.data.tokenizer)
-    with tempfile.TemporaryDirectory(prefix=f"{job.training}-{job.trial}-", dir=job.data.work) as scratch:
-        work, stages = Path(scratch), {}
-        stage_one = None
-        if trial.stage_one is not None:
-            learned = job.stage_one_learned
-            if learned is None:  # no stage-one job in this phase: trained here
-                args = pretrain_arguments(encoding, encoding.trials[trial.stage_one], job.study, job.seed, job.data.texts, job.data.tokenizer,
-                                          work / "stage-one", None)
-                _, stages["stage_one"] = pretrain_stage(args)
-                learned = stages["stage_one"]["learned"]
-            stage_one = stage_one_folder(learned, encoding, job.study, work / "stage-one-shape")
-        args = pretrain_arguments(encoding, trial, job.study, job.seed, job.data.texts, job.data.tokenizer,
-                                  work / "trained", stage_one)
-        folders = {}
-        folders[TRAINED], stages[TRAINED] = pretrain_stage(args)
-        results = {}
-        for name, candidate in evaluations(job):
-            if candidate not in folders:
-                folders[EXTENDED], stages[EXTENDED] = extend(folders[TRAINED], trial, job.study, job.seed,
-                                                             job.data.texts, work / "extended", encoding.ssmax)
-            results.setdefault(name, {})[candidate] = evaluate_candidate(job, name, folders[candidate], tokenizer)
+    stages, stage_one = {}, None
+    if trial.stage_one is not None:
+        learned = job.stage_one_learned
+        if learned is None:  # no stage-one job in this phase: trained here
+            args = pretrain_arguments(encoding, encoding.trials[trial.stage_one], job.study, job.seed, job.data.texts,
+                                      job.data.tokenizer, work / "stage-one", None)
+            _, stages["stage_one"] = resumable_stage(args, pretrain_stage)
+            learned = stages["stage_one"]["learned"]
+        stage_one = stage_one_folder(learned, encoding, job.study, work / "stage-one-shape")
+    args = pretrain_arguments(encoding, trial, job.study, job.seed, job.data.texts, job.data.tokenizer,
+                              work / TRAINED, stage_one)
+    folders = {}
+    folders[TRAINED], stages[TRAINED] = resumable_stage(args, pretrain_stage)
+    results = {}
+    for name, candidate in evaluations(job):
+        if candidate not in folders:
+            args = extension_arguments(folders[TRAINED], trial, job.study, job.seed, job.data.texts, work / EXTENDED,
+                                       encoding.ssmax)
+            folders[EXTENDED], stages[EXTENDED] = resumable_stage(args, extend_stage)
+        results.setdefault(name, {})[candidate] = evaluate_candidate(job, name, candidate, folders[candidate], tokenizer)
     return job.key, {"phase": job.phase, "training": job.training, "trial": job.trial, "seed": job.seed,
                      "commit": code_commit(), "attention": attention_path(),
                      "minutes": (time.perf_counter() - started) / 60, "stages": stages, "results": results}
@@ -108,20 +113,51 @@ def evaluations(job: Job) -> list[tuple[str, str]]:
             for candidate in ENCODINGS[name].candidates]
 
 
-def evaluate_candidate(job: Job, name: str, folder: Path, tokenizer) -> dict:
-    """To 64x; on test past it where `goes_long` says (then the long lengths' results join the same entry)."""
+def evaluate_candidate(job: Job, name: str, candidate: str, folder: Path, tokenizer) -> dict:
+    """To 64x; on test past it where `goes_long` says (then the long lengths' results join the same entry). Each
+    part is kept in the job's folder once done, and read back there by a run that resumes the job."""
     study, encoding = job.study, ENCODINGS[name]
     keys = seed_keys(job.seed, job.data)
-    lengths = {study.train_length * scale: study.prompts(job.phase, scale) for scale in study.scales}
-    result = evaluate(folder, encoding.rope_scaling, job.data, tokenizer, keys, study.train_length, lengths)
+
+    def evaluated(part: str, scales) -> dict:
+        kept = job.work / f"evaluation-{name}-{candidate}-{part}.json"
+        if kept.is_file():
+            result = with_int_keys(json.loads(kept.read_text()))
+            draw_again(keys, result, kept)
+            return result
+        lengths = {study.train_length * scale: study.prompts(job.phase, scale) for scale in scales}
+        result = evaluate(folder, encoding.rope_scaling, job.data, tokenizer, keys, study.train_length, lengths)
+        write_json(kept, result)
+        return with_int_keys(json.loads(json.dumps(result)))  # as read back from `kept`, or from results.json
+
+    result = evaluated("to-64x", study.scales)
     if job.phase == TEST and goes_long(job.chosen[name], result, study):
-        longer = {study.train_length * scale: study.prompts(TEST, scale) for scale in study.long_scales}
-        more = evaluate(folder, encoding.rope_scaling, job.data, tokenizer, keys, study.train_length, longer)
+        more = evaluated("past-64x", study.long_scales)
         for part in ("perplexity", "passkey", "seconds", "peak_rss_mib"):
             result[part].update(more[part])
         for count, value in more["evaluation_keys"].items():
             result["evaluation_keys"][count] += value
     return result
+
+
+def draw_again(keys, result: dict, kept: Path) -> None:
+    """The keys a kept evaluation drew, drawn again in their order, so that the drawer goes on as in a job never
+    stopped (a later part draws the same keys, none a repeat). A ValueError where they differ: the file is not this
+    job's."""
+    for found in result["passkey"].values():
+        for key in (key for row in found["passkeys"] for key in row):
+            drawn = keys.draw()
+            if drawn != key:
+                raise ValueError(f"{kept}: its key {key} is not the evaluation's next key ({drawn}); remove the file")
+
+
+def with_int_keys(value):
+    """JSON's string keys of lengths made integers again."""
+    if isinstance(value, dict):
+        return {int(key) if key.isdigit() else key: with_int_keys(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [with_int_keys(item) for item in value]
+    return value
 
 
 def code_commit() -> str:

@@ -1,5 +1,6 @@
 """A phase's jobs (`jobs.py`), planned, run one at a time or a few at once in spawned processes, each published to
-results.json as it ends, so a run stopped at any point keeps every finished job and `--resume` runs only the others.
+results.json as it ends, so a run stopped at any point keeps every finished job and `--resume` runs only the others,
+each unfinished one on from its last checkpoint (its folder in `JOBS_IN_PROGRESS`, removed once it is published).
 One live run per output folder; the fused CPU kernel is built before any job.
 """
 
@@ -9,6 +10,7 @@ import json
 import multiprocessing
 import platform
 import queue
+import shutil
 import signal
 import tempfile
 from dataclasses import asdict
@@ -23,10 +25,15 @@ from ..model.cpu_kernels_bam import FUSED_CPU, KernelBuildError, build_kernel, c
 from ..runtime.processor import cpu_model
 from .data import SeedData, python_test_suites, seed_data
 from .encodings import ENCODINGS, TRAINED, trainings
-from .jobs import Job, run_job, training_encoding
+from .jobs import Job, run_job, training_encoding, with_int_keys
 from .report import publish
 from .selection import choices, job_key
 from .settings import VALIDATION, Study
+from .stages import write_json
+
+
+JOBS_IN_PROGRESS = "jobs-in-progress"  # in the output folder: each unfinished job's checkpoints and evaluations
+STUDY_RECORD = "study.json"  # in JOBS_IN_PROGRESS: the settings its jobs run with
 
 
 class RunError(ValueError):
@@ -55,10 +62,54 @@ def plan(phase: str, names: list[str], study: Study, done: dict) -> list[tuple[s
     return sorted(planned, key=lambda job: training_encoding(job[0]).trials[job[1]].stage_one is not None)
 
 
-def make_job(phase: str, planned: tuple[str, str, int, dict], study: Study, data: dict[int, SeedData]) -> Job:
+def make_job(phase: str, planned: tuple[str, str, int, dict], study: Study, data: dict[int, SeedData],
+             output_dir: Path) -> Job:
     training, trial, seed, chosen = planned
-    return Job(phase, training, trial, seed, data[seed], study, chosen=dict(chosen),
-               candidates={name: made["candidate"] for name, made in chosen.items()})
+    return Job(phase, training, trial, seed, data[seed], study, job_folder(output_dir, job_key(phase, training, trial, seed)),
+               chosen=dict(chosen), candidates={name: made["candidate"] for name, made in chosen.items()})
+
+
+def job_folder(output_dir: Path, key: str) -> Path:
+    return output_dir / JOBS_IN_PROGRESS / key
+
+
+def check_jobs_in_progress(output_dir: Path, study: Study, resume: bool) -> None:
+    """A RunError where `output_dir` holds unfinished jobs that this run may not continue: without --resume, or
+    with other study settings than theirs (their checkpoints would be trained on with this run's)."""
+    root = output_dir / JOBS_IN_PROGRESS
+    if not root.is_dir():
+        return
+    if not resume:
+        raise RunError(f"{output_dir} holds an earlier run's unfinished jobs: --resume continues them (the same "
+                       "settings), or give another --output-dir")
+    record = root / STUDY_RECORD
+    if not record.is_file() or json.loads(record.read_text()) != json.loads(json.dumps(asdict(study))):
+        raise RunError(f"--resume: the unfinished jobs in {root} were run with other settings; remove that folder "
+                       "to start them again, or give another --output-dir")
+
+
+def start_jobs_in_progress(output_dir: Path, study: Study) -> None:
+    """The folder of unfinished jobs, with the study settings they run with."""
+    root = output_dir / JOBS_IN_PROGRESS
+    if not (root / STUDY_RECORD).is_file():
+        write_json(root / STUDY_RECORD, asdict(study))
+
+
+def remove_job_folders(output_dir: Path, keys) -> None:
+    """The folders of jobs whose results are published (a run stopped in between leaves one)."""
+    root = output_dir / JOBS_IN_PROGRESS
+    for key in keys:
+        shutil.rmtree(job_folder(output_dir, key), ignore_errors=True)
+    for folder in sorted((path for path in root.rglob("*") if path.is_dir()), key=lambda path: -len(path.parts)):
+        if not any(folder.iterdir()):
+            folder.rmdir()
+
+
+def close_jobs_in_progress(output_dir: Path) -> None:
+    """The folder of unfinished jobs removed once it holds none."""
+    root = output_dir / JOBS_IN_PROGRESS
+    if root.is_dir() and [path.name for path in root.iterdir()] == [STUDY_RECORD]:
+        shutil.rmtree(root)
 
 
 def ready(job: Job, waiting_for: set[str], done: dict) -> bool:
@@ -135,15 +186,6 @@ def earlier_results(output_dir: Path, study: Study, resume: bool) -> dict:
     return with_int_keys(earlier["jobs"])
 
 
-def with_int_keys(value):
-    """JSON's string keys of lengths made integers again."""
-    if isinstance(value, dict):
-        return {int(key) if key.isdigit() else key: with_int_keys(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [with_int_keys(item) for item in value]
-    return value
-
-
 def phase_data(phase: str, study: Study, scratch: Path) -> dict[int, SeedData]:
     """Every seed's data of `phase`, built in `scratch`."""
     train, heldout = split_documents(python_documents(), study.heldout_fraction)
@@ -175,11 +217,15 @@ def run(phase: str, names: list[str], study: Study, output_dir: Path, jobs: int 
         raise RunError(f"{error}: wait for that run, or give another --output-dir") from None
     try:
         done = earlier_results(output_dir, study, resume)
+        check_jobs_in_progress(output_dir, study, resume)
+        remove_job_folders(output_dir, done)
         planned = plan(phase, names, study, done)
+        if planned:
+            start_jobs_in_progress(output_dir, study)
         report = report_of(study, done, machine(threads))
         with tempfile.TemporaryDirectory(prefix="text-extrapolation-") as scratch:
             data = phase_data(phase, study, Path(scratch)) if planned else {}
-            queued = [make_job(phase, job, study, data) for job in planned]
+            queued = [make_job(phase, job, study, data, output_dir) for job in planned]
             for key, entry in finished_jobs(queued, jobs, threads, done):
                 entry["machine"] = machine(threads)
                 done[key] = entry
@@ -187,6 +233,8 @@ def run(phase: str, names: list[str], study: Study, output_dir: Path, jobs: int 
                 print(f"[{key}] {entry['minutes']:.1f} min", flush=True)
                 if publish is not None:
                     publish(output_dir, report)
+                remove_job_folders(output_dir, [key])
+        close_jobs_in_progress(output_dir)
         if publish is not None:
             publish(output_dir, report)
         return report

@@ -2,12 +2,18 @@
 first stage is the one-stage trial it names, whose learned shape the second freezes), then the paper's context
 extension through `bam-finetune --full` at twice the training length. What each stage learned (the prior, the SSMax
 scales) is read back for results.json, from which a later run can rebuild a stage-one prior without its weights.
+
+A stage saves a checkpoint every `CHECKPOINT_STEPS` steps and, once done, its summary beside its folder
+(`resumable_stage`): the same job run again after a stop skips the stages done and continues the interrupted one
+from its last checkpoint, with Trainer's saved optimizer, schedule and random state.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -15,8 +21,10 @@ from safetensors.torch import save_file
 
 from ..model.configuration_bam import BamLlamaConfig
 from ..model.prior_modules_bam import BamPrior, BamScalableSoftmax
+from ..files.outputs import staged_files
 from ..positional_models import variant_config
 from ..training.arguments import FinetuneArguments, PretrainArguments
+from ..training.checkpoints import latest_checkpoint
 from ..training.finetune import Finetuning
 from ..training.pretrain import run_pretraining
 from ..training.run import run_training
@@ -25,6 +33,7 @@ from .settings import Study
 
 # what a stage learned, by tensor name: the module kind holding it (a prior holds the thetas or T5's bucket_bias)
 LEARNED = {"theta_alpha": "prior", "theta_beta": "prior", "theta_mu": "prior", "bucket_bias": "prior", "scale": "ssmax"}
+CHECKPOINT_STEPS = 250  # a stopped stage loses at most this many steps (a checkpoint of the study's model: ~20 MB)
 
 
 def pretrain_arguments(encoding: Encoding, trial: Trial, study: Study, seed: int, data: Path, tokenizer: Path,
@@ -41,7 +50,8 @@ def pretrain_arguments(encoding: Encoding, trial: Trial, study: Study, seed: int
         prior_learning_rate=study.shape_learning_rate if bam_llama or encoding.ssmax else None,  # the SSMax scales' too
         ssmax_learning_rate=study.ssmax_learning_rate if encoding.ssmax else None,
         warmup_steps=study.warmup_steps,
-        per_device_train_batch_size=study.batch_size, max_steps=steps, save_steps=steps, save_total_limit=1,
+        per_device_train_batch_size=study.batch_size, max_steps=steps, save_steps=min(steps, CHECKPOINT_STEPS),
+        save_total_limit=1,
         logging_steps=max(steps // 10, 1), seed=seed, disable_progress_bars=True, eval_rows=8,
         prior_scope="layer" if bam_llama else "global", threads=torch.get_num_threads(),
         frozen_prior_from=None if stage_one is None else str(stage_one), frozen_ssmax=trial.frozen_scales,
@@ -56,21 +66,51 @@ def pretrain_stage(args: PretrainArguments) -> tuple[Path, dict]:
                                      "learned": learned_values(model)}
 
 
-def extend(folder: Path, trial: Trial, study: Study, seed: int, data: Path, output_dir: Path,
-           ssmax: bool) -> tuple[Path, dict]:
+def resumable_stage(args: PretrainArguments | FinetuneArguments, train) -> tuple[Path, dict]:
+    """`train(args)` (`pretrain_stage` or `extend_stage`) into `args.output_dir`, its summary then written beside
+    that folder (`<folder>.json`). Where the summary is there already, the stage was done: its (folder, summary). Where
+    only checkpoints are, an earlier run stopped mid-stage: training continues from the newest complete one. Where the
+    folder holds no checkpoint, it stopped before the first: the folder is cleared and the stage begins again."""
+    folder = Path(args.output_dir)
+    record = folder.with_name(folder.name + ".json")
+    if record.is_file():
+        summary = json.loads(record.read_text())
+        return folder / Path(summary["final_dir"]).name, summary  # the folder where it is now, if moved since
+    if latest_checkpoint(folder) is not None:
+        args = replace(args, resume_from_checkpoint="latest")
+    elif folder.exists():
+        shutil.rmtree(folder)
+    final_dir, summary = train(args)
+    write_json(record, summary)
+    return final_dir, summary
+
+
+def write_json(path: Path, value) -> None:
+    """`path` written whole or not at all (a stopped run leaves no half of it)."""
+    with staged_files(path.parent, path.name) as staging:
+        (staging / path.name).write_text(json.dumps(value))
+
+
+def extension_arguments(folder: Path, trial: Trial, study: Study, seed: int, data: Path, output_dir: Path,
+                        ssmax: bool) -> FinetuneArguments:
     """The context extension of a trained BamLlama (with Scalable Softmax where `ssmax`): every weight (and whatever
     of the prior and scales its config trains) fine-tuned at `study.extension_length` for `study.extension_steps`
     steps, at `extension_rate_factor` times the stage's learning rates."""
-    args = FinetuneArguments(
+    return FinetuneArguments(
         model=str(folder), data=str(data), output_dir=str(output_dir), context_length=study.extension_length,
         lora=False, learning_rate=trial.learning_rate * study.extension_rate_factor,
         prior_learning_rate=study.shape_learning_rate * study.extension_rate_factor, max_steps=study.extension_steps,
         ssmax_learning_rate=None if study.ssmax_learning_rate is None or not ssmax
         else study.ssmax_learning_rate * study.extension_rate_factor,
-        per_device_train_batch_size=study.extension_batch_size, save_steps=study.extension_steps, save_total_limit=1,
+        per_device_train_batch_size=study.extension_batch_size,
+        save_steps=min(study.extension_steps, CHECKPOINT_STEPS), save_total_limit=1,
         logging_steps=max(study.extension_steps // 8, 1), seed=seed, disable_progress_bars=True, eval_rows=8,
         weight_decay=0.1, threads=torch.get_num_threads(),
     )
+
+
+def extend_stage(args: FinetuneArguments) -> tuple[Path, dict]:
+    """(extended model folder, its summary with the seconds and what it learned)."""
     started = time.perf_counter()
     summary, model, _ = run_training(Finetuning(args))
     return Path(summary.final_dir), {**asdict(summary), "train_seconds": time.perf_counter() - started,

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 from helpers import checkout_environment
 
-from bam_llama.extrapolation import jobs
+from bam_llama.extrapolation import jobs, stages
 from bam_llama.extrapolation.encodings import ENCODINGS, FIXED_SHAPE_TRIALS
 from bam_llama.extrapolation import run as runs
 from bam_llama.extrapolation.jobs import Job
@@ -44,13 +44,13 @@ def test_validation_skips_jobs_done_and_test_needs_a_choice():
 
 
 def test_a_two_stage_job_waits_for_its_stage_one_only_where_the_run_has_it():
-    job = Job(VALIDATION, "bam", "two-stage", 100, data=None, study=STUDY)
+    job = Job(VALIDATION, "bam", "two-stage", 100, data=None, study=STUDY, work=None)
     stage_one = job_key(VALIDATION, "bam", "lr-1e-3", 100)
     assert job.stage_one_key == stage_one
     assert not ready(job, {stage_one}, {})
     assert ready(job, {stage_one}, {stage_one: {}})
     assert ready(job, set(), {})  # no stage-one job to wait for: the job trains it itself (a test job)
-    assert Job(TEST, "bam", "lr-2e-3", 3, data=None, study=STUDY).stage_one_key is None
+    assert Job(TEST, "bam", "lr-2e-3", 3, data=None, study=STUDY, work=None).stage_one_key is None
 
 
 def test_resume_refuses_other_settings_and_a_run_without_resume(tmp_path):
@@ -96,6 +96,7 @@ def test_the_pipeline_on_tiny_models_resumes_without_running_a_job_twice(tmp_pat
             assert result["evaluation_keys"]["in_training"] == 0
         assert job["stages"]["extended"]["context_length"] == STUDY.extension_length
         assert job["stages"]["trained"]["steps"] == STUDY.steps * (2 if job["trial"].startswith("long") else 1)
+    assert not (tmp_path / runs.JOBS_IN_PROGRESS).exists()  # each job's folder gone once its result is in
     (tmp_path / "results.json").write_text(json.dumps(report))
     again = run(VALIDATION, ["alibi"], STUDY, tmp_path, resume=True)
     assert again["jobs"].keys() == report["jobs"].keys()
@@ -114,10 +115,87 @@ def test_the_pipeline_on_tiny_models_resumes_without_running_a_job_twice(tmp_pat
             [STUDY.prompts(TEST, scale) for scale in STUDY.scales + STUDY.long_scales]
 
 
+class Stopped(Exception):
+    """A run killed at this point."""
+
+
+def without_costs(value):
+    """Results without the seconds and memory each measurement took, which differ run to run."""
+    if isinstance(value, dict):
+        return {key: without_costs(item) for key, item in value.items()
+                if key not in ("seconds", "peak_rss_mib", "peak_gpu_mib")}
+    return value
+
+
+def test_a_job_stopped_mid_stage_or_mid_evaluation_goes_on_where_it_stopped_and_ends_as_never_stopped(
+        tmp_path, monkeypatch):
+    """A test job past 64x (12 training steps, a checkpoint every 4, 4 extension steps, two evaluations): stopped at
+    training step 6, it resumes from checkpoint 4 and trains 8 steps; stopped again in its evaluation past 64x, it
+    trains nothing more and evaluates only that part, whose keys are those of the job never stopped."""
+    from bam_llama.training.trainer import BamTrainer
+
+    monkeypatch.setattr(stages, "CHECKPOINT_STEPS", 4)
+    monkeypatch.setattr(jobs, "goes_long", lambda chosen, result, study: True)
+    data = runs.phase_data(TEST, STUDY, tmp_path / "data")
+    chosen = {"bam": {"trial": "lr-1e-3", "candidate": "extended", "goes_long": True}}
+    planned = ("bam", "lr-1e-3", STUDY.test_seeds[0], chosen)
+    _, never_stopped = jobs.run_job(runs.make_job(TEST, planned, STUDY, data, tmp_path / "never-stopped"))
+
+    steps, evaluated, stop_at = [], [], {"step": 6, "lengths": None}
+    train_step, evaluate = BamTrainer.training_step, jobs.evaluate
+
+    def training_step(self, *args, **kwargs):
+        steps.append(self.state.global_step)
+        if self.state.global_step == stop_at["step"]:
+            stop_at["step"] = None
+            raise Stopped
+        return train_step(self, *args, **kwargs)
+
+    def evaluating(folder, rope_scaling, data, tokenizer, keys, train_length, prompts):
+        evaluated.append(sorted(prompts))
+        if sorted(prompts) == stop_at["lengths"]:
+            stop_at["lengths"] = None
+            raise Stopped
+        return evaluate(folder, rope_scaling, data, tokenizer, keys, train_length, prompts)
+
+    monkeypatch.setattr(BamTrainer, "training_step", training_step)
+    monkeypatch.setattr(jobs, "evaluate", evaluating)
+    job = runs.make_job(TEST, planned, STUDY, data, tmp_path / "stopped")
+    with pytest.raises(Stopped):
+        jobs.run_job(job)
+    assert [path.name for path in (job.work / "trained").glob("checkpoint-*")] == ["checkpoint-4"]
+
+    long_lengths = [STUDY.train_length * scale for scale in STUDY.long_scales]
+    steps.clear()
+    stop_at["lengths"] = long_lengths
+    with pytest.raises(Stopped):
+        jobs.run_job(job)
+    assert steps == list(range(4, STUDY.steps)) + list(range(STUDY.extension_steps))
+    assert evaluated[-2:] == [[STUDY.train_length * scale for scale in STUDY.scales], long_lengths]
+
+    steps.clear(), evaluated.clear()
+    _, entry = jobs.run_job(job)
+    assert steps == [] and evaluated == [long_lengths]
+    assert entry["stages"]["trained"]["resumed_from_step"] == 4
+    for stage in ("trained", "extended"):
+        assert entry["stages"][stage]["learned"] == never_stopped["stages"][stage]["learned"], stage
+    assert without_costs(entry["results"]) == without_costs(never_stopped["results"])
+
+
+def test_unfinished_jobs_are_continued_only_with_resume_and_the_same_settings(tmp_path):
+    runs.start_jobs_in_progress(tmp_path, STUDY)
+    (runs.job_folder(tmp_path, job_key(VALIDATION, "bam", "lr-1e-3", 100)) / "trained").mkdir(parents=True)
+    with pytest.raises(RunError, match="unfinished jobs: --resume continues them"):
+        runs.check_jobs_in_progress(tmp_path, STUDY, resume=False)
+    runs.check_jobs_in_progress(tmp_path, STUDY, resume=True)
+    with pytest.raises(RunError, match="were run with other settings"):
+        runs.check_jobs_in_progress(tmp_path, replace(STUDY, steps=STUDY.steps + 1), resume=True)
+
+
 def test_a_two_stage_test_job_trains_its_stage_one_itself_and_freezes_what_it_learned(tmp_path):
     data = runs.phase_data(TEST, STUDY, tmp_path)
     chosen = {"bam-ssmax": {"trial": "two-stage-frozen-scales", "candidate": "trained", "goes_long": False}}
-    job = runs.make_job(TEST, ("bam-ssmax", "two-stage-frozen-scales", STUDY.test_seeds[0], chosen), STUDY, data)
+    job = runs.make_job(TEST, ("bam-ssmax", "two-stage-frozen-scales", STUDY.test_seeds[0], chosen), STUDY, data, tmp_path)
     assert job.stage_one_learned is None
     _, entry = jobs.run_job(job)
     learned_first, learned = entry["stages"]["stage_one"]["learned"], entry["stages"]["trained"]["learned"]
@@ -133,7 +211,7 @@ def test_a_two_stage_t5_job_freezes_the_bucket_biases_its_stage_one_learned(tmp_
     (through the folder rebuilt from results.json's values, `stages.stage_one_folder`)."""
     data = runs.phase_data(TEST, STUDY, tmp_path)
     chosen = {"t5": {"trial": "two-stage", "candidate": "trained", "goes_long": False}}
-    job = runs.make_job(TEST, ("t5", "two-stage", STUDY.test_seeds[0], chosen), STUDY, data)
+    job = runs.make_job(TEST, ("t5", "two-stage", STUDY.test_seeds[0], chosen), STUDY, data, tmp_path)
     _, entry = jobs.run_job(job)
     learned_first, learned = entry["stages"]["stage_one"]["learned"], entry["stages"]["trained"]["learned"]
     assert set(learned_first) == set(learned) == {"bucket_bias"}
@@ -158,7 +236,7 @@ def test_rope_with_ssmax_is_a_fixed_shape_encoding_of_its_own_trained_with_its_s
 
 def test_a_rope_ssmax_validation_job_trains_its_scales_and_evaluates_the_trained_model(tmp_path):
     data = runs.phase_data(VALIDATION, STUDY, tmp_path)
-    job = runs.make_job(VALIDATION, ("rope-ssmax", "lr-1e-3", STUDY.validation_seeds[0], {}), STUDY, data)
+    job = runs.make_job(VALIDATION, ("rope-ssmax", "lr-1e-3", STUDY.validation_seeds[0], {}), STUDY, data, tmp_path)
     _, entry = jobs.run_job(job)
     scales = entry["stages"]["trained"]["learned"]["scale"]  # [layer][head]
     assert len(scales) == STUDY.layers and all(len(row) == STUDY.heads for row in scales)
