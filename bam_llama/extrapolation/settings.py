@@ -27,6 +27,7 @@ class Study:
     vocab_size: int = 4096
     shape_learning_rate: float = 5e-2  # a learned prior's (BAM's, KERPLE's) and the SSMax scales'
     ssmax_learning_rate: float | None = None  # the SSMax scales' own rate; None: the shape rate
+    ssmax_scale_init: float | None = None  # the SSMax scales' start; None: the models' default (1, the reference's)
     passkey_share: float = 0.5  # passkey documents' share of the training characters; the Python corpus has the rest
     heldout_fraction: float = 0.05
     max_train_characters: int | None = None  # None: the whole training split

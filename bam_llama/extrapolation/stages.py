@@ -49,6 +49,7 @@ def pretrain_arguments(encoding: Encoding, trial: Trial, study: Study, seed: int
         num_attention_heads=study.heads, tokenizer=str(tokenizer), learning_rate=trial.learning_rate,
         prior_learning_rate=study.shape_learning_rate if bam_llama or encoding.ssmax else None,  # the SSMax scales' too
         ssmax_learning_rate=study.ssmax_learning_rate if encoding.ssmax else None,
+        ssmax_scale_init=study.ssmax_scale_init if encoding.ssmax else None,
         warmup_steps=study.warmup_steps,
         per_device_train_batch_size=study.batch_size, max_steps=steps, save_steps=min(steps, CHECKPOINT_STEPS),
         save_total_limit=1,

@@ -1,5 +1,6 @@
 """A study of its own: `--set FIELD=VALUE` read as each field's type (bad input named), the settings that differ from
-the defaults on the results page, and the SSMax scales' own rate reaching both stages of an SSMax encoding only."""
+the defaults on the results page, and the SSMax scales' own rate and start reaching both stages of an SSMax encoding
+only."""
 
 import sys
 from pathlib import Path
@@ -18,8 +19,9 @@ BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "text_extrapola
 
 def test_set_reads_each_kind_of_setting():
     study = with_settings(Study(), ["steps=4000", "ssmax_learning_rate=1e-3", "scales=1,2,4", " max_train_characters = none",
-                                    "passkey_share=0.25", "hidden_size=192"])
+                                    "passkey_share=0.25", "hidden_size=192", "ssmax_scale_init=0.2061"])
     assert (study.steps, study.ssmax_learning_rate, study.scales) == (4000, 1e-3, (1, 2, 4))
+    assert study.ssmax_scale_init == 0.2061
     assert (study.max_train_characters, study.passkey_share, study.hidden_size) == (None, 0.25, 192)
     assert with_settings(Study(), []) == Study()
 
@@ -50,17 +52,17 @@ def test_the_changed_settings_are_those_that_differ_from_the_default_study():
     assert "settings other than" not in write_report({"jobs": {}, "choices": {}}, Study())
 
 
-def test_the_ssmax_rate_reaches_both_stages_of_an_ssmax_encoding_only(tmp_path):
-    study = Study(ssmax_learning_rate=1e-3, shape_learning_rate=5e-2, extension_rate_factor=0.1)
-    for name, rate in (("bam-ssmax", 1e-3), ("rope-ssmax", 1e-3), ("bam", None), ("alibi", None)):
+def test_the_ssmax_rate_and_start_reach_both_stages_of_an_ssmax_encoding_only(tmp_path):
+    study = Study(ssmax_learning_rate=1e-3, ssmax_scale_init=0.25, shape_learning_rate=5e-2, extension_rate_factor=0.1)
+    for name, ssmax in (("bam-ssmax", True), ("rope-ssmax", True), ("alibi-ssmax", True), ("bam", False), ("alibi", False)):
         encoding = ENCODINGS[name]
-        trial = next(iter(encoding.trials.values()))
-        args = stages.pretrain_arguments(encoding, trial, study, 100, tmp_path, tmp_path, tmp_path, None)
-        assert args.ssmax_learning_rate == rate, name
-    unset = stages.pretrain_arguments(ENCODINGS["bam-ssmax"], trial, Study(), 100, tmp_path, tmp_path, tmp_path, None)
-    assert unset.ssmax_learning_rate is None  # the shape rate, as before
-
+        for trial in encoding.trials.values():
+            args = stages.pretrain_arguments(encoding, trial, study, 100, tmp_path, tmp_path, tmp_path, None)
+            assert (args.ssmax_learning_rate, args.ssmax_scale_init) == ((1e-3, 0.25) if ssmax else (None, None)), name
     trial = ENCODINGS["bam-ssmax"].trials["lr-1e-3"]
+    unset = stages.pretrain_arguments(ENCODINGS["bam-ssmax"], trial, Study(), 100, tmp_path, tmp_path, tmp_path, None)
+    assert (unset.ssmax_learning_rate, unset.ssmax_scale_init) == (None, None)  # the shape rate and the models' start
+
     for ssmax, rate in ((True, 1e-4), (False, None)):
         args = stages.extension_arguments(tmp_path, trial, study, 100, tmp_path, tmp_path, ssmax=ssmax)
         assert args.ssmax_learning_rate == pytest.approx(rate) if rate else args.ssmax_learning_rate is None
