@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from ..evaluation.intervals import clopper_pearson, interval_over_seeds, interval_text
+from ..evaluation.intervals import clopper_pearson, interval_over_seeds, interval_text, rate_with_interval
 from ..files.outputs import staged_files
 from .encodings import ENCODINGS
 from .figures import plot_passkey, plot_perplexity
@@ -128,6 +128,44 @@ def validation_jobs_table(jobs: dict, study: Study, names: list[str]) -> list[st
                 cells[-1] += f" ({found(result['passkey'][study.train_length * scales[-1]], 'teacher_forced')[0]})"
                 lines.append(f"| {ENCODINGS[name].label} | {job['trial']} | {job['seed']} | {candidate} | "
                              + " | ".join(cells) + " |")
+    return lines
+
+
+def distance_counts(results: list[dict], study: Study) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(found, asked) of the keys within one training length of the question and of the keys farther from it, over
+    the prompts of `results` at the selection scales. A key's distance from the question is taken as (1 - depth) x
+    the prompt length (the filler after the key; the info line and the question add a few tokens)."""
+    near, far = [0, 0], [0, 0]
+    for result in results:
+        for scale in study.selection_scales:
+            passkey = result["passkey"].get(study.train_length * scale)
+            if passkey is None:
+                continue
+            for depths, correct, prompt_length in zip(passkey["depths"], passkey["correct"], passkey["prompt_lengths"]):
+                for depth, hit in zip(depths, correct):
+                    counts = near if (1 - depth) * prompt_length < study.train_length else far
+                    counts[0] += hit
+                    counts[1] += 1
+    return (near[0], near[1]), (far[0], far[1])
+
+
+def count_cell(hits: int, prompts: int) -> str:
+    return "—" if prompts == 0 else f"{hits}/{prompts} {rate_with_interval(hits, prompts)}"
+
+
+def distance_table(jobs: dict, study: Study, names: list[str]) -> list[str]:
+    """Each encoding's strict keys found near the question and far from it in the same long prompts: test seeds (the
+    chosen recipes) and validation seeds (every finished trial's candidates), a row each where there are results."""
+    lines = ["| encoding | models | key within 1x of the question | key farther |", "|---|---|---:|---:|"]
+    for name in names:
+        validation = [result for job in jobs.values() if job["phase"] == VALIDATION and name in job["results"]
+                      for result in job["results"][name].values()]
+        test = [result for _, result in test_results(jobs, study, name)]
+        for phase, results in ((TEST, test), (VALIDATION, validation)):
+            if results:
+                near, far = distance_counts(results, study)
+                lines.append(f"| {ENCODINGS[name].label} | {phase}: {len(results)} | {count_cell(*near)} | "
+                             f"{count_cell(*far)} |")
     return lines
 
 
@@ -255,6 +293,15 @@ def write_report(report: dict, study: Study) -> str:
         "## BAM against the strongest baseline at each length (test seeds, strict, mean of the seeds)",
         "",
         *strongest_baseline_lines(jobs, study, names),
+        "",
+        "## Where the keys are missed: near the question or far from it (strict, prompts of "
+        f"{', '.join(f'{scale}x' for scale in study.selection_scales)})",
+        "",
+        "A key within the training length of the question is read through the same short distances as in training, "
+        "whatever the prompt's length; a key farther needs attention past them. Each model's prompts are pooled (a "
+        "validation job's candidates each count as a model; they share their keys).",
+        "",
+        *distance_table(jobs, study, names),
         "",
         "## Targets (BAM's recipes)",
         "",

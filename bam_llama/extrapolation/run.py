@@ -186,6 +186,12 @@ def earlier_results(output_dir: Path, study: Study, resume: bool) -> dict:
     return with_int_keys(earlier["jobs"])
 
 
+def recorded_machine(output_dir: Path) -> dict:
+    """The machine `output_dir`'s last run recorded ({} where none): a page rewritten elsewhere keeps it."""
+    path = output_dir / "results.json"
+    return json.loads(path.read_text()).get("machine", {}) if path.is_file() else {}
+
+
 def phase_data(phase: str, study: Study, scratch: Path) -> dict[int, SeedData]:
     """Every seed's data of `phase`, built in `scratch`."""
     train, heldout = split_documents(python_documents(), study.heldout_fraction)
@@ -269,6 +275,7 @@ def rewrite_report(output_dir: Path, study: Study) -> str:
     except FolderInUse as error:
         raise RunError(f"{error}: its page is rewritten as each of its jobs ends") from None
     try:
-        return publish(output_dir, report_of(study, earlier_results(output_dir, study, resume=True), {}), study)
+        jobs = earlier_results(output_dir, study, resume=True)
+        return publish(output_dir, report_of(study, jobs, recorded_machine(output_dir)), study)
     finally:
         hold.release()

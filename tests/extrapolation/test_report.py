@@ -3,15 +3,18 @@ t-interval over seeds, per-seed rows with the teacher-forced count, and the targ
 
 import math
 
-from bam_llama.extrapolation.report import pooled_cell, seeds_interval_cell, strongest_baseline_lines, target_lines, write_report
+from bam_llama.extrapolation.report import (distance_table, pooled_cell, seeds_interval_cell, strongest_baseline_lines,
+                                            target_lines, write_report)
 from bam_llama.extrapolation.selection import job_key
 from bam_llama.extrapolation.settings import TEST, VALIDATION, Study
 
 STUDY = Study()
 
 
-def passkey(hits: int, prompts: int) -> dict:
-    return {"correct": [[index < hits for index in range(prompts)]], "teacher_forced": [[True] * prompts]}
+def passkey(hits: int, prompts: int, prompt_length: int = 128) -> dict:
+    """One length's result: the first `hits` of `prompts` keys found, at depths 0, 1/(prompts-1), ..., 1."""
+    return {"correct": [[index < hits for index in range(prompts)]], "teacher_forced": [[True] * prompts],
+            "depths": [[index / max(prompts - 1, 1) for index in range(prompts)]], "prompt_lengths": [prompt_length]}
 
 
 def exact_interval(hits: int, prompts: int) -> tuple[float, float]:
@@ -141,3 +144,41 @@ def test_the_page_shows_every_encoding_with_a_job_whichever_the_run_runs():
     assert "| ALiBi (1 seeds) | 10% 5/50" in text and "| BAM + SSMax (1 seeds) | 100% 50/50" in text
     assert "| 64x | BAM + SSMax 40% | ALiBi 2% | +38 points | BAM's above |" in text
     assert "NoPE" not in text  # no job of its own
+
+
+def test_keys_are_counted_near_the_question_or_far_from_it_by_the_filler_after_them():
+    study = Study(scales=(1, 16, 64), selection_scales=(16, 64), test_seeds=(3,), validation_seeds=(100,))
+    # 20 depths k/19. At 16x (2,046 tokens) the keys at depths 18/19 and 1 have 108 and 0 tokens after them (near);
+    # at 64x (8,190 tokens) only depth 1 is within 128 tokens (depth 18/19: 431). 3 near keys, 37 far.
+    at_16 = passkey(0, 20, 2046)
+    at_16["correct"] = [[depth < 5 or depth >= 18 for depth in range(20)]]  # 5 far keys found, both near ones
+    at_64 = passkey(0, 20, 8190)
+    at_64["correct"] = [[depth == 19 for depth in range(20)]]
+    at_1 = passkey(0, 20, 126)  # 1x is not a selection scale: never counted
+    test = {"passkey": {128: at_1, 2048: at_16, 8192: at_64}}
+    jobs = {job_key(TEST, "bam", "two-stage", 3): {"phase": TEST, "seed": 3, "results": {"bam": {"trained": test}}}}
+    missing_far = {"passkey": {2048: passkey(20, 20, 2046), 8192: passkey(0, 20, 8190)}}  # depth 1 at 64x missed
+    jobs[job_key(VALIDATION, "bam", "lr-1e-3", 100)] = {
+        "phase": VALIDATION, "seed": 100, "results": {"bam": {"trained": test, "extended": missing_far}}}
+    lines = distance_table(jobs, study, ["bam", "alibi"])
+    low, high = exact_interval(5, 37)
+    far = f"5/37 14% ({math.floor(100 * low)}-{math.ceil(100 * high)})"
+    assert lines[2] == f"| BAM | test: 1 | 3/3 100% (29-100) | {far} |"
+    # validation: both candidates, 3 + 3 near keys (found 3 + 2), 37 + 37 far (found 5 + 18: all of 16x's far keys)
+    low, high = exact_interval(23, 74)
+    assert lines[3] == (f"| BAM | validation: 2 | 5/6 83% (35-100) | 23/74 31% ({math.floor(100 * low)}-"
+                        f"{math.ceil(100 * high)}) |")
+    assert len(lines) == 4  # ALiBi: no results, no row
+
+
+def test_a_page_rewritten_from_its_results_keeps_the_machine_its_run_recorded(tmp_path):
+    import json
+    from dataclasses import asdict
+
+    from bam_llama.extrapolation.run import rewrite_report
+
+    ran_on = {"processor": "the run's CPU", "torch": "t", "transformers": "x", "threads": 1}
+    (tmp_path / "results.json").write_text(json.dumps({"study": asdict(STUDY), "machine": ran_on, "jobs": {},
+                                                       "choices": {}}))
+    rewrite_report(tmp_path, STUDY)
+    assert json.loads((tmp_path / "results.json").read_text())["machine"] == ran_on
