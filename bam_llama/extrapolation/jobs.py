@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,8 +77,20 @@ def training_encoding(training: str) -> Encoding:
 
 def run_job(job: Job) -> tuple[str, dict]:
     """One job, start to end, or on from where a stopped run left it in `job.work`: (its key, its entry in
-    results.json)."""
-    started = time.perf_counter()
+    results.json, whose minutes count every run that worked on the job)."""
+    clock = JobClock(job.work)
+    try:
+        stages, results = trained_and_evaluated(job)
+    finally:
+        clock.stop()
+    return job.key, {"phase": job.phase, "training": job.training, "trial": job.trial, "seed": job.seed,
+                     "commit": code_commit(), "attention": attention_path(), "minutes": clock.minutes(),
+                     "stages": stages, "results": results}
+
+
+def trained_and_evaluated(job: Job) -> tuple[dict, dict]:
+    """(stages, results): the trial's stages trained (or read back where a stopped run finished them) and every
+    candidate it serves evaluated."""
     encoding, trial, work = job.encoding, job.trial_spec, job.work
     tokenizer = AutoTokenizer.from_pretrained(job.data.tokenizer)
     stages, stage_one = {}, None
@@ -100,9 +113,37 @@ def run_job(job: Job) -> tuple[str, dict]:
                                        encoding.ssmax)
             folders[EXTENDED], stages[EXTENDED] = resumable_stage(args, extend_stage)
         results.setdefault(name, {})[candidate] = evaluate_candidate(job, name, candidate, folders[candidate], tokenizer)
-    return job.key, {"phase": job.phase, "training": job.training, "trial": job.trial, "seed": job.seed,
-                     "commit": code_commit(), "attention": attention_path(),
-                     "minutes": (time.perf_counter() - started) / 60, "stages": stages, "results": results}
+    return stages, results
+
+
+class JobClock:
+    """The minutes a job has run over every run that worked on it, kept in its folder every `interval` seconds and
+    at the end: a job stopped and resumed counts each run's time (less at most `interval` of a run killed)."""
+
+    def __init__(self, work: Path, interval: float = 30.0):
+        self.path = work / "minutes.json"
+        self.before = json.loads(self.path.read_text())["minutes"] if self.path.is_file() else 0.0
+        self.started, self.ended = time.perf_counter(), None
+        self.stopped = threading.Event()
+        work.mkdir(parents=True, exist_ok=True)
+        self.keeper = threading.Thread(target=self.keep, args=(interval,), daemon=True)
+        self.keeper.start()
+
+    def minutes(self) -> float:
+        return self.before + ((self.ended or time.perf_counter()) - self.started) / 60
+
+    def save(self) -> None:
+        write_json(self.path, {"minutes": self.minutes()})
+
+    def keep(self, interval: float) -> None:
+        while not self.stopped.wait(interval):
+            self.save()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.keeper.join()
+        self.ended = time.perf_counter()
+        self.save()
 
 
 def evaluations(job: Job) -> list[tuple[str, str]]:

@@ -127,6 +127,25 @@ def without_costs(value):
     return value
 
 
+def test_a_job_s_minutes_count_every_run_that_worked_on_it(tmp_path, monkeypatch):
+    """A job stopped after 60 s and finished by a resumed run of 30 s records 1.5 minutes, not the last run's 0.5."""
+    now = [100.0]
+    monkeypatch.setattr(jobs.time, "perf_counter", lambda: now[0])
+    first = jobs.JobClock(tmp_path / "job", interval=3600)
+    now[0] = 160.0
+    first.stop()  # the stopped run: 1 minute kept in the job's folder
+    now[0] = 1000.0
+    resumed = jobs.JobClock(tmp_path / "job", interval=3600)
+    now[0] = 1030.0
+    resumed.stop()
+    now[0] = 5000.0  # after the end: not counted
+    assert resumed.minutes() == 1.5
+    assert json.loads((tmp_path / "job" / "minutes.json").read_text()) == {"minutes": 1.5}
+    another = jobs.JobClock(tmp_path / "another job", interval=3600)
+    another.stop()
+    assert another.minutes() == 0.0
+
+
 def test_a_job_stopped_mid_stage_or_mid_evaluation_goes_on_where_it_stopped_and_ends_as_never_stopped(
         tmp_path, monkeypatch):
     """A test job past 64x (12 training steps, a checkpoint every 4, 4 extension steps, two evaluations): stopped at
