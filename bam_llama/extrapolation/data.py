@@ -4,7 +4,8 @@ keys the training texts hold, which no evaluation key may be).
 
 A passkey document is the evaluation's prompt at 1x with its answer, 0 to as many fillers as fit a training row, the
 key at a uniformly drawn depth; packing keeps every document that fits a row whole (`data.packing`), so each answer is
-trained with its key in view.
+trained with its key in view. Where the study asks (`Study.extension_passkeys`), the context extension trains on texts
+of its own whose passkey documents fill its longer rows: keys farther from the question than training ever put them.
 """
 
 from __future__ import annotations
@@ -77,13 +78,14 @@ def first_documents(documents: list[Document], max_characters: int | None) -> li
     return kept
 
 
-def training_texts(train: list[Document], study: Study, seed: int) -> list[str]:
+def training_texts(train: list[Document], study: Study, seed: int, row_length: int | None = None) -> list[str]:
     """The training split (cut to `max_train_characters`) with passkey documents inserted at random places until they
-    make `passkey_share` of the characters; the seed's own stream."""
-    rng = random.Random(seed)
+    make `passkey_share` of the characters; the seed's own stream. The passkey documents fit rows of the training
+    length, or of `row_length` (the context extension's own texts, drawn from a stream of their own)."""
+    rng = random.Random(seed if row_length is None else f"extension {row_length}:{seed}")
     texts = [document.text for document in first_documents(train, study.max_train_characters)]
     passkey_characters = study.passkey_share / (1 - study.passkey_share) * sum(map(len, texts))
-    max_fillers = max_passkey_fillers(study.train_length)
+    max_fillers = max_passkey_fillers(row_length or study.train_length)
     while passkey_characters > 0:
         document = passkey_document(rng, max_fillers)
         texts.insert(rng.randint(0, len(texts)), document)
@@ -138,6 +140,13 @@ class SeedData:
     def tokenizer(self) -> Path:
         return self.work / "tokenizer"
 
+    @property
+    def extension_texts(self) -> Path:
+        """The context extension's texts: its own where the study asks for longer passkey documents, else the
+        training texts."""
+        own = self.work / "extension.jsonl"
+        return own if own.is_file() else self.texts
+
 
 def seed_data(train: list[Document], never_trained: list[Document], study: Study, seed: int, documents: int,
               work: Path) -> SeedData:
@@ -148,9 +157,19 @@ def seed_data(train: list[Document], never_trained: list[Document], study: Study
     check_passkey_documents(tokenizer, study.train_length)
     work.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(work / "tokenizer")
-    (work / "train.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    write_texts(work / "train.jsonl", texts)
+    keys = set(keys_in_texts(texts, PASSKEY_DIGITS))
+    if study.extension_passkeys is not None:
+        extension = training_texts(train, study, seed, study.extension_passkeys)
+        check_passkey_documents(tokenizer, study.extension_passkeys)
+        write_texts(work / "extension.jsonl", extension)
+        keys |= set(keys_in_texts(extension, PASSKEY_DIGITS))
     longest = study.train_length * max(study.scales + study.long_scales)
     evaluation = perplexity_documents(never_trained, tokenizer, documents, longest)
     counts = {"texts": len(texts), "characters": sum(map(len, texts)),
               "perplexity_documents": {name: len(tokens) for name, tokens in evaluation.items()}}
-    return SeedData(work, evaluation, frozenset(keys_in_texts(texts, PASSKEY_DIGITS)), counts)
+    return SeedData(work, evaluation, frozenset(keys), counts)
+
+
+def write_texts(path: Path, texts: list[str]) -> None:
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))

@@ -109,8 +109,8 @@ def trained_and_evaluated(job: Job) -> tuple[dict, dict]:
     results = {}
     for name, candidate in evaluations(job):
         if candidate not in folders:
-            args = extension_arguments(folders[TRAINED], trial, job.study, job.seed, job.data.texts, work / EXTENDED,
-                                       encoding.ssmax)
+            args = extension_arguments(folders[TRAINED], trial, job.study, job.seed, job.data.extension_texts,
+                                       work / EXTENDED, encoding.ssmax)
             folders[EXTENDED], stages[EXTENDED] = resumable_stage(args, extend_stage)
         results.setdefault(name, {})[candidate] = evaluate_candidate(job, name, candidate, folders[candidate], tokenizer)
     return stages, results

@@ -35,6 +35,8 @@ class Study:
     extension_steps: int = 256  # ... for this many steps ...
     extension_batch_size: int = 8  # ... of this many rows (the tokens of a pretraining step) ...
     extension_rate_factor: float = 0.1  # ... at this times the stage's learning rates (where its cosine ended)
+    extension_passkeys: int | None = None  # ... on the training texts (None), or on texts of their own whose passkey
+    # documents are as long as rows of this many tokens hold (keys up to that far from the question)
     validation_seeds: tuple[int, ...] = (100, 101)
     test_seeds: tuple[int, ...] = (3, 4, 5)
     validation_prompts: int = 20  # passkey prompts a length, 1x-64x
@@ -63,6 +65,13 @@ class Study:
     @property
     def extension_length(self) -> int:
         return self.train_length * self.extension_factor
+
+    def check(self) -> "Study":
+        """The study, or a ValueError naming a setting that cannot hold."""
+        if self.extension_passkeys is not None and not self.train_length < self.extension_passkeys <= self.extension_length:
+            raise ValueError(f"extension_passkeys={self.extension_passkeys}: the extension's passkey documents must be longer "
+                             f"than the training length {self.train_length} and fit its rows of {self.extension_length}")
+        return self
 
 
 QUICK = Study(
@@ -102,7 +111,7 @@ def with_settings(study: Study, assignments: list[str]) -> Study:
             raise ValueError(f"--set {assignment!r}: expected FIELD=VALUE with FIELD among {', '.join(SETTABLE)}")
         name = name.strip()
         changes[name] = setting_value(name, SETTABLE[name], text.strip())
-    return replace(study, **changes)
+    return replace(study, **changes).check()
 
 
 def setting_value(name: str, kind: str, text: str):

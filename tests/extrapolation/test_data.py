@@ -77,3 +77,35 @@ def test_the_test_phase_finds_its_perplexity_documents_at_the_longest_length(tmp
     longest = study.train_length * study.longest_scale(TEST)
     assert len(data.documents) == study.test_documents
     assert all(len(tokens) == longest for tokens in data.documents.values())
+
+
+def test_the_extension_s_own_texts_hold_keys_farther_from_the_question_than_training_rows_can(tokenizer, tmp_path):
+    """With `extension_passkeys`, the extension trains on texts of its own: passkey documents too long for a training
+    row and none too long for an extension row, drawn apart from the training texts; their keys are kept from the
+    evaluation too. Without it, the extension reads the training texts."""
+    from dataclasses import replace
+
+    from bam_llama.extrapolation.data import seed_data
+    from bam_llama.extrapolation.settings import VALIDATION
+
+    study = replace(STUDY, extension_passkeys=STUDY.extension_length).check()
+    extension = training_texts(CORPUS, study, 1, study.extension_passkeys)
+    lengths = [len(tokenizer(text)["input_ids"]) + 2 for text in extension if "The pass key is" in text]
+    assert max(lengths) <= study.extension_length and max(lengths) > STUDY.train_length
+    training = [text for text in training_texts(CORPUS, study, 1) if "The pass key is" in text]
+    assert not set(training) & set(extension)
+
+    data = seed_data(CORPUS, CORPUS, study, 1, study.documents(VALIDATION), tmp_path / "own")
+    assert data.extension_texts.name == "extension.jsonl"
+    keys = {text.split(" The pass key is ")[1][:PASSKEY_DIGITS] for text in extension if "The pass key is" in text}
+    assert keys <= data.training_keys
+    plain = seed_data(CORPUS, CORPUS, STUDY, 1, STUDY.documents(VALIDATION), tmp_path / "plain")
+    assert plain.extension_texts == plain.texts
+
+
+@pytest.mark.parametrize("length", [QUICK.train_length, QUICK.extension_length + 1])
+def test_extension_passkeys_must_be_longer_than_training_rows_and_fit_the_extension_s(length):
+    from bam_llama.extrapolation.settings import with_settings
+
+    with pytest.raises(ValueError, match=f"extension_passkeys={length}"):
+        with_settings(QUICK, [f"extension_passkeys={length}"])

@@ -263,3 +263,14 @@ def test_a_rope_ssmax_validation_job_trains_its_scales_and_evaluates_the_trained
     assert list(entry["results"]) == ["rope-ssmax"] and list(entry["results"]["rope-ssmax"]) == ["trained"]
     result = entry["results"]["rope-ssmax"]["trained"]
     assert sorted(result["passkey"]) == [STUDY.train_length * scale for scale in STUDY.scales]
+
+
+def test_the_extension_trains_on_its_own_texts_where_the_study_asks_for_longer_passkeys(tmp_path):
+    study = replace(STUDY, extension_passkeys=STUDY.extension_length).check()
+    data = runs.phase_data(VALIDATION, study, tmp_path)
+    seed = study.validation_seeds[0]
+    job = runs.make_job(VALIDATION, ("bam", "lr-1e-3", seed, {}), study, data, tmp_path)
+    _, entry = jobs.run_job(job)
+    own = len(data[seed].extension_texts.read_text().splitlines())
+    assert data[seed].extension_texts != data[seed].texts
+    assert entry["stages"]["extended"]["documents"] == own != entry["stages"]["trained"]["documents"]
