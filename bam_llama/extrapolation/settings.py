@@ -68,9 +68,10 @@ class Study:
 
     def check(self) -> "Study":
         """The study, or a ValueError naming a setting that cannot hold."""
-        if self.extension_passkeys is not None and not self.train_length < self.extension_passkeys <= self.extension_length:
-            raise ValueError(f"extension_passkeys={self.extension_passkeys}: the extension's passkey documents must be longer "
-                             f"than the training length {self.train_length} and fit its rows of {self.extension_length}")
+        passkeys = self.extension_passkeys
+        if passkeys is not None and not self.train_length < passkeys <= self.extension_length:
+            raise ValueError(f"extension_passkeys={passkeys}: the extension's passkey documents must be longer than "
+                             f"the training length {self.train_length} and fit its rows of {self.extension_length}")
         return self
 
 
