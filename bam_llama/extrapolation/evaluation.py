@@ -22,15 +22,17 @@ from .data import PASSKEY_DIGITS, TEXT_TEMPLATE, SeedData
 
 
 def load(folder: Path, rope_scaling: str | None, length: int, train_length: int):
-    """The saved model in float32; with `rope_scaling`, Transformers' dynamic-NTK or YaRN rope_parameters set for
-    `length` against `train_length`."""
+    """The saved model in float32; with `rope_scaling`, Transformers' dynamic-NTK or YaRN rope_parameters that stretch
+    `train_length` to `length`."""
     config = AutoConfig.from_pretrained(folder)
     if rope_scaling is not None:
         theta = config.rope_parameters["rope_theta"]
-        factor = max(length / train_length, 1.0)
         config.rope_parameters = (
-            {"rope_type": "dynamic", "factor": factor, "rope_theta": theta} if rope_scaling == "dynamic"
-            else {"rope_type": "yarn", "factor": factor, "rope_theta": theta, "original_max_position_embeddings": train_length}
+            # Dynamic NTK stretches by factor * n / train_length - (factor - 1) at n tokens: factor 1 stretches by
+            # exactly n / train_length (base theta * (n / train_length) ** (d / (d - 2))), whatever the prompt's n.
+            {"rope_type": "dynamic", "factor": 1.0, "rope_theta": theta} if rope_scaling == "dynamic"
+            else {"rope_type": "yarn", "factor": max(length / train_length, 1.0), "rope_theta": theta,
+                  "original_max_position_embeddings": train_length}
         )
         config.max_position_embeddings = train_length
     return AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32).eval()
