@@ -40,7 +40,11 @@ def pooled_cell(results: list[dict], length: int) -> str:
 def seeds_interval_cell(results: list[dict], length: int) -> str:
     rates = [hits / prompts for hits, prompts in counts_at(results, length)]
     interval = interval_over_seeds(rates)
-    return "—" if interval is None else f"{interval[0]:.0%}-{interval[1]:.0%}"
+    if interval is None:
+        return "—"
+    if len(set(rates)) == 1:  # no spread to estimate: a t-interval of zero width would claim certainty
+        return f"{rates[0]:.0%} on every seed"
+    return f"{interval[0]:.0%}-{interval[1]:.0%}"
 
 
 def lengths_header(study: Study, scales) -> tuple[str, str]:
@@ -278,7 +282,8 @@ def write_report(report: dict, study: Study) -> str:
         "",
         *passkey_table(jobs, study, names, pooled_cell),
         "",
-        "Interval over seeds (the 95% t-interval of the seeds' rates, which the pooled interval leaves out):",
+        "Interval over seeds (the 95% t-interval of the seeds' rates, which the pooled interval leaves out; where every "
+        "seed has the same rate it has no spread to estimate, and the cell says so):",
         "",
         *passkey_table(jobs, study, names, seeds_interval_cell),
         "",

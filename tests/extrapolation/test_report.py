@@ -52,6 +52,14 @@ def test_the_interval_over_seeds_is_student_s_t_with_two_degrees_of_freedom():
     assert seeds_interval_cell(results[:1], 8192) == "—"
 
 
+def test_seeds_with_one_rate_get_no_zero_width_interval():
+    results = [{"passkey": {65536: passkey(1, 20), 8192: passkey(50, 50)}} for _ in range(3)]
+    assert seeds_interval_cell(results, 65536) == "5% on every seed"
+    assert seeds_interval_cell(results, 8192) == "100% on every seed"
+    results[0]["passkey"][65536] = passkey(2, 20)
+    assert seeds_interval_cell(results, 65536).endswith("%") and "-" in seeds_interval_cell(results, 65536)
+
+
 def test_targets_say_by_how_much_they_are_missed():
     jobs = {}
     for seed, (at_64, at_512) in zip(STUDY.test_seeds, ((50, 18), (48, 14), (49, 16))):
