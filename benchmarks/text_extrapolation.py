@@ -13,6 +13,10 @@ local, ...) is trained at 128 tokens on the no-download Python corpus with synth
     python benchmarks/text_extrapolation.py --report-only
     # another study (sizes, steps, rates: `--set FIELD=VALUE`, see settings.Study) in a folder of its own
     python benchmarks/text_extrapolation.py --phase validation --set steps=4000 --output-dir runs/steps-4000 --resume
+    # a screen: some trials on seeds of their own (no choice until every trial is done), e.g. BAM's two stages with
+    # a uniform head kept in layer 2 of stage one's prior
+    python benchmarks/text_extrapolation.py --phase validation --encodings bam --trials two-stage \
+        --validation-seeds 102,103 --set uniform_head_layer=2 --output-dir runs/uniform-head-2 --resume
 
 Each job (one trial, one seed: about 20 minutes on one core to 64x, 1-1.5 hours more past it) is published to the
 output folder as it ends; a stopped run keeps them, and `--resume` runs the others, each unfinished one on from where
@@ -50,6 +54,17 @@ def encoding_list(text: str) -> list[str]:
     return names
 
 
+TRIAL_NAMES = sorted({trial for encoding in ENCODINGS.values() for trial in encoding.trials})
+
+
+def trial_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TRIAL_NAMES]
+    if not names or unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"distinct names among {', '.join(TRIAL_NAMES)}, got {text!r}")
+    return names
+
+
 def positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"a positive integer, got {text!r}")
@@ -62,6 +77,9 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--report-only", action="store_true", help="write the page again from results.json; run nothing")
     parser.add_argument("--encodings", type=encoding_list, default=list(ENCODINGS),
                         help=f"comma-separated, among {', '.join(ENCODINGS)} (default: all)")
+    parser.add_argument("--trials", type=trial_list, default=None,
+                        help="validation: only these trials, comma-separated (a screen; each encoding's choice waits "
+                             f"for all of its trials), among {', '.join(TRIAL_NAMES)}")
     parser.add_argument("--jobs", type=positive, default=1, help="jobs at once, each in a process of its own (default 1)")
     parser.add_argument("--threads", type=positive, default=1, help="torch threads of each job (default 1)")
     parser.add_argument("--resume", action="store_true", help="keep the jobs an earlier run of the same settings left in "
@@ -98,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             print(rewrite_report(output_dir, study))
             return 0
         run(args.phase, args.encodings, study, output_dir, jobs=args.jobs, threads=args.threads, resume=args.resume,
-            publish=lambda folder, report: publish(folder, report, study))
+            publish=lambda folder, report: publish(folder, report, study), trials=args.trials)
     except RunError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     return 0

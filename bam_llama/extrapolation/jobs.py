@@ -30,7 +30,7 @@ from .evaluation import evaluate, seed_keys
 from .selection import goes_long, job_key
 from .settings import TEST, Study
 from .stages import (extend_stage, extension_arguments, pretrain_arguments, pretrain_stage, resumable_stage,
-                     stage_one_folder, write_json)
+                     stage_one_folder, with_uniform_head, write_json)
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 
@@ -101,6 +101,11 @@ def trained_and_evaluated(job: Job) -> tuple[dict, dict]:
                                       job.data.tokenizer, work / "stage-one", None)
             _, stages["stage_one"] = resumable_stage(args, pretrain_stage)
             learned = stages["stage_one"]["learned"]
+        if job.study.uniform_head_layer is not None:
+            longest = job.study.train_length * max(job.study.scales)
+            learned, head = with_uniform_head(learned, job.study.uniform_head_layer, longest)
+            stages["stage_one_shape"] = {"uniform_head": {"layer": job.study.uniform_head_layer, "head": head},
+                                         "learned": learned}
         stage_one = stage_one_folder(learned, encoding, job.study, work / "stage-one-shape")
     args = pretrain_arguments(encoding, trial, job.study, job.seed, job.data.texts, job.data.tokenizer,
                               work / TRAINED, stage_one)

@@ -40,13 +40,17 @@ class RunError(ValueError):
     """A run that cannot start as asked: one line naming why."""
 
 
-def plan(phase: str, names: list[str], study: Study, done: dict) -> list[tuple[str, str, int, dict]]:
-    """(training, trial, seed, chosen) of every job of `phase` the encodings `names` need and `done` lacks; chosen:
+def plan(phase: str, names: list[str], study: Study, done: dict,
+         trials: list[str] | None = None) -> list[tuple[str, str, int, dict]]:
+    """(training, trial, seed, chosen) of every job of `phase` the encodings `names` need and `done` lacks, on
+    validation only the `trials` named where given (a screen: no choice is made until every trial is done); chosen:
     {encoding: its choice} on test. A RunError where a test job's encoding has no choice yet."""
+    check_uniform_head(names, study)
+    check_trials(phase, names, trials)
     planned, made = [], choices(done, study)
     for training, served in trainings(names).items():
         if phase == VALIDATION:
-            by_trial = {trial: {} for trial in ENCODINGS[served[0]].trials}
+            by_trial = {trial: {} for trial in ENCODINGS[served[0]].trials if trials is None or trial in trials}
         else:
             missing = [name for name in served if name not in made]
             if missing:
@@ -60,6 +64,27 @@ def plan(phase: str, names: list[str], study: Study, done: dict) -> list[tuple[s
                 if job_key(phase, training, trial, seed) not in done:
                     planned.append((training, trial, seed, chosen))
     return sorted(planned, key=lambda job: training_encoding(job[0]).trials[job[1]].stage_one is not None)
+
+
+def check_trials(phase: str, names: list[str], trials: list[str] | None) -> None:
+    """A RunError where `trials` is given on test (it runs each encoding's choice) or an encoding has none of them."""
+    if trials is None:
+        return
+    if phase != VALIDATION:
+        raise RunError("--trials screens validation trials; the test phase runs each encoding's choice")
+    without = [name for name in names if not set(trials) & set(ENCODINGS[name].trials)]
+    if without:
+        raise RunError(f"--trials {','.join(trials)}: no trial of {', '.join(without)} (its trials: "
+                       f"{', '.join(ENCODINGS[without[0]].trials)})")
+
+
+def check_uniform_head(names: list[str], study: Study) -> None:
+    """A RunError where `uniform_head_layer` is set and an encoding learns a shape other than BAM's GGD prior (its
+    uniform head is BAM's)."""
+    others = [name for name in names if ENCODINGS[name].learned_shape and ENCODINGS[name].positional != "bam"]
+    if study.uniform_head_layer is not None and others:
+        raise RunError(f"uniform_head_layer sets a head of BAM's GGD prior; {', '.join(others)} "
+                       f"{'learns' if len(others) == 1 else 'learn'} another shape")
 
 
 def make_job(phase: str, planned: tuple[str, str, int, dict], study: Study, data: dict[int, SeedData],
@@ -83,7 +108,7 @@ def check_jobs_in_progress(output_dir: Path, study: Study, resume: bool) -> None
         raise RunError(f"{output_dir} holds an earlier run's unfinished jobs: --resume continues them (the same "
                        "settings), or give another --output-dir")
     record = root / STUDY_RECORD
-    if not record.is_file() or json.loads(record.read_text()) != json.loads(json.dumps(asdict(study))):
+    if not record.is_file() or settings_changed(json.loads(record.read_text()), study):
         raise RunError(f"--resume: the unfinished jobs in {root} were run with other settings; remove that folder "
                        "to start them again, or give another --output-dir")
 
@@ -178,12 +203,20 @@ def earlier_results(output_dir: Path, study: Study, resume: bool) -> dict:
         raise RunError(f"{output_dir} holds an earlier run: --resume continues it (the same settings), or give "
                        "another --output-dir")
     earlier = json.loads(path.read_text())
-    now = json.loads(json.dumps(asdict(study)))
-    changed = sorted(key for key, value in earlier["study"].items() if now.get(key) != value)  # a setting added later: its default
+    changed = settings_changed(earlier["study"], study)
     if changed:
         raise RunError(f"--resume: the run in {output_dir} has other settings ({', '.join(changed)}); its results "
                        "would not compare with this run's")
     return with_int_keys(earlier["jobs"])
+
+
+def settings_changed(recorded: dict, study: Study) -> list[str]:
+    """The settings in which `study` differs from a run's `recorded` ones; a setting added since that run is its
+    default there (the run could not set it)."""
+    now = json.loads(json.dumps(asdict(study)))
+    default = json.loads(json.dumps(asdict(Study())))
+    then = {**{key: value for key, value in default.items() if key not in recorded}, **recorded}
+    return sorted(key for key in now.keys() | then.keys() if now.get(key) != then.get(key))
 
 
 def recorded_machine(output_dir: Path) -> dict:
@@ -213,9 +246,9 @@ def build_attention_kernel() -> None:
 
 
 def run(phase: str, names: list[str], study: Study, output_dir: Path, jobs: int = 1, threads: int = 1,
-        resume: bool = False, publish=None) -> dict:
-    """Run every job of `phase` that `names` need and `output_dir` lacks, publishing (`publish(output_dir, report)`)
-    after each; returns the final report."""
+        resume: bool = False, publish=None, trials: list[str] | None = None) -> dict:
+    """Run every job of `phase` that `names` need (on validation, of `trials` where given) and `output_dir` lacks,
+    publishing (`publish(output_dir, report)`) after each; returns the final report."""
     build_attention_kernel()
     try:
         hold = FolderLock(output_dir)
@@ -225,7 +258,7 @@ def run(phase: str, names: list[str], study: Study, output_dir: Path, jobs: int 
         done = earlier_results(output_dir, study, resume)
         check_jobs_in_progress(output_dir, study, resume)
         remove_job_folders(output_dir, done)
-        planned = plan(phase, names, study, done)
+        planned = plan(phase, names, study, done, trials)
         if planned:
             start_jobs_in_progress(output_dir, study)
         report = report_of(study, done, machine(threads))

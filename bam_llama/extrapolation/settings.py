@@ -37,6 +37,8 @@ class Study:
     extension_rate_factor: float = 0.1  # ... at this times the stage's learning rates (where its cosine ended)
     extension_passkeys: int | None = None  # ... on the training texts (None), or on texts of their own whose passkey
     # documents are as long as rows of this many tokens hold (keys up to that far from the question)
+    uniform_head_layer: int | None = None  # two stages of BAM's prior: stage one's flattest head of this layer (0 the
+    # first) set to the uniform prior (theta_alpha = theta_beta = 0) before it is frozen; None: stage one's as learned
     validation_seeds: tuple[int, ...] = (100, 101)
     test_seeds: tuple[int, ...] = (3, 4, 5)
     validation_prompts: int = 20  # passkey prompts a length, 1x-64x
@@ -68,6 +70,9 @@ class Study:
 
     def check(self) -> "Study":
         """The study, or a ValueError naming a setting that cannot hold."""
+        layer = self.uniform_head_layer
+        if layer is not None and not 0 <= layer < self.layers:
+            raise ValueError(f"uniform_head_layer={layer}: a layer of the model's {self.layers}, counted from 0")
         passkeys = self.extension_passkeys
         if passkeys is not None and not self.train_length < passkeys <= self.extension_length:
             raise ValueError(f"extension_passkeys={passkeys}: the extension's passkey documents must be longer than "
@@ -100,6 +105,7 @@ def with_seeds(study: Study, validation: tuple[int, ...] | None, test: tuple[int
 # Settings a study may change with `--set FIELD=VALUE` (the seeds have flags of their own), each with what it holds.
 SETTABLE = {field.name: field.type for field in fields(Study) if field.name not in ("validation_seeds", "test_seeds", "quick")}
 FRACTIONS = ("passkey_share", "heldout_fraction", "long_threshold", "extension_rate_factor")
+INDEXES = ("uniform_head_layer",)  # may be 0
 
 
 def with_settings(study: Study, assignments: list[str]) -> Study:
@@ -129,8 +135,9 @@ def setting_value(name: str, kind: str, text: str):
             numbers = (value,)
     except ValueError:
         raise ValueError(f"--set {name}={text}: {name} takes {kind}") from None
-    if not numbers or not all(number > 0 for number in numbers) or (name in FRACTIONS and value > 1):
-        bounds = "in (0, 1]" if name in FRACTIONS else "positive"
+    allowed = (lambda number: number >= 0) if name in INDEXES else (lambda number: number > 0)
+    if not numbers or not all(map(allowed, numbers)) or (name in FRACTIONS and value > 1):
+        bounds = "in (0, 1]" if name in FRACTIONS else ">= 0" if name in INDEXES else "positive"
         raise ValueError(f"--set {name}={text}: {name} must be {bounds}")
     return value
 

@@ -11,6 +11,7 @@ from its last checkpoint, with Trainer's saved optimizer, schedule and random st
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from dataclasses import asdict, replace
@@ -128,6 +129,17 @@ def learned_values(model) -> dict[str, list[list[float]]]:
                 if (kind == "prior") == isinstance(module, BamPrior) and hasattr(module, name):
                     learned.setdefault(name, []).append(getattr(module, name).detach().float().tolist())
     return learned
+
+
+def with_uniform_head(learned: dict[str, list[list[float]]], layer: int, distance: int) -> tuple[dict, int]:
+    """(the learned GGD prior with the flattest head of `layer`, the one whose prior costs least at `distance`
+    tokens, set to the uniform prior: theta_alpha = theta_beta = 0, a cost of 1 at every distance; that head)."""
+    alpha, beta = learned["theta_alpha"][layer], learned["theta_beta"][layer]
+    head = min(range(len(alpha)), key=lambda index: alpha[index] + beta[index] * math.log(distance))  # log of the cost
+    edited = {name: [list(row) for row in rows] for name, rows in learned.items()}
+    edited["theta_alpha"][layer][head] = 0.0
+    edited["theta_beta"][layer][head] = 0.0
+    return edited, head
 
 
 def stage_one_folder(learned: dict[str, list[list[float]]], encoding: Encoding, study: Study, folder: Path) -> Path:

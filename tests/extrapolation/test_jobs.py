@@ -4,6 +4,7 @@ seeds), a two-stage job waiting for its stage one, --resume refusing other setti
 RoPE with Scalable Softmax's jobs."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -53,6 +54,45 @@ def test_a_two_stage_job_waits_for_its_stage_one_only_where_the_run_has_it():
     assert Job(TEST, "bam", "lr-2e-3", 3, data=None, study=STUDY, work=None).stage_one_key is None
 
 
+def test_trials_screen_validation_only_and_a_two_stage_screen_trains_its_own_stage_one():
+    planned = plan(VALIDATION, ["bam", "alibi"], STUDY, {}, trials=["two-stage", "lr-2e-3"])
+    assert sorted(job[:2] for job in planned) == sorted([(training, trial) for training in ("alibi", "bam")
+                                                         for trial in ("lr-2e-3", "two-stage") if (training, trial)
+                                                         != ("alibi", "two-stage")] * len(STUDY.validation_seeds))
+    with pytest.raises(RunError, match="no trial of alibi"):
+        plan(VALIDATION, ["alibi"], STUDY, {}, trials=["two-stage"])
+    with pytest.raises(RunError, match="the test phase runs each encoding's choice"):
+        plan(TEST, ["bam"], STUDY, {}, trials=["two-stage"])
+
+
+def test_a_uniform_head_is_refused_for_shapes_other_than_bam_s():
+    study = replace(STUDY, uniform_head_layer=1)
+    assert plan(VALIDATION, ["bam", "bam-ssmax", "alibi"], study, {})
+    with pytest.raises(RunError, match="kerple, t5 learn another shape"):
+        plan(VALIDATION, ["bam", "kerple", "t5"], study, {})
+
+
+def test_a_uniform_head_replaces_the_flattest_head_of_its_layer_in_what_stage_two_freezes(tmp_path):
+    """Stage one's prior as learned, but for the head of the chosen layer whose prior costs least at the longest
+    validation length: it is frozen at theta_alpha = theta_beta = 0 (the uniform prior), every other value as learned."""
+    study = replace(STUDY, uniform_head_layer=1)
+    data = runs.phase_data(TEST, study, tmp_path)
+    chosen = {"bam": {"trial": "two-stage", "candidate": "trained", "goes_long": False}}
+    _, entry = jobs.run_job(runs.make_job(TEST, ("bam", "two-stage", study.test_seeds[0], chosen), study, data, tmp_path))
+    first, frozen = entry["stages"]["stage_one"]["learned"], entry["stages"]["trained"]["learned"]
+    alpha, beta = first["theta_alpha"][1], first["theta_beta"][1]
+    longest = study.train_length * max(study.scales)
+    costs = [math.exp(alpha[head]) * longest ** beta[head] for head in range(study.heads)]
+    flattest = costs.index(min(costs))
+    assert entry["stages"]["stage_one_shape"]["uniform_head"] == {"layer": 1, "head": flattest}
+    for name in ("theta_alpha", "theta_beta"):
+        expected = [list(row) for row in first[name]]
+        assert expected[1][flattest] != 0.0  # stage one moved it
+        expected[1][flattest] = 0.0
+        assert frozen[name] == expected, name
+    assert frozen["theta_mu"] == first["theta_mu"]
+
+
 def test_resume_refuses_other_settings_and_a_run_without_resume(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps({"study": {**json.loads(json.dumps(STUDY.__dict__)), "steps": 99},
                                                        "jobs": {}}))
@@ -61,6 +101,22 @@ def test_resume_refuses_other_settings_and_a_run_without_resume(tmp_path):
     with pytest.raises(RunError, match="--resume continues it"):
         earlier_results(tmp_path, replace(STUDY, steps=99), resume=False)
     assert earlier_results(tmp_path, replace(STUDY, steps=99), resume=True) == {}
+
+
+def test_a_setting_added_since_a_run_is_its_default_there(tmp_path):
+    """A folder recorded before a setting existed (`uniform_head_layer`, `extension_rate_factor` here) resumes with
+    its default and refuses another value, in its results and in its unfinished jobs."""
+    recorded = json.loads(json.dumps(STUDY.__dict__))
+    del recorded["uniform_head_layer"], recorded["extension_rate_factor"]  # defaults None and 0.1
+    (tmp_path / "results.json").write_text(json.dumps({"study": recorded, "jobs": {}}))
+    assert earlier_results(tmp_path, STUDY, resume=True) == {}
+    with pytest.raises(RunError, match=r"other settings \(uniform_head_layer\)"):
+        earlier_results(tmp_path, replace(STUDY, uniform_head_layer=1), resume=True)
+    runs.start_jobs_in_progress(tmp_path, STUDY)
+    (tmp_path / runs.JOBS_IN_PROGRESS / runs.STUDY_RECORD).write_text(json.dumps(recorded))
+    runs.check_jobs_in_progress(tmp_path, STUDY, resume=True)
+    with pytest.raises(RunError, match="were run with other settings"):
+        runs.check_jobs_in_progress(tmp_path, replace(STUDY, uniform_head_layer=1), resume=True)
 
 
 def test_one_live_run_per_folder_and_a_killed_holder_blocks_nobody(tmp_path):

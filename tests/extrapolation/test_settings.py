@@ -24,6 +24,7 @@ def test_set_reads_each_kind_of_setting():
     assert study.ssmax_scale_init == 0.2061
     assert (study.max_train_characters, study.passkey_share, study.hidden_size) == (None, 0.25, 192)
     assert with_settings(Study(), []) == Study()
+    assert with_settings(Study(), ["uniform_head_layer=0"]).uniform_head_layer == 0  # a layer index: 0 is the first
 
 
 @pytest.mark.parametrize("assignment,message", [
@@ -37,6 +38,8 @@ def test_set_reads_each_kind_of_setting():
     ("passkey_share=1.5", r"passkey_share must be in \(0, 1\]"),
     ("scales=1,0,4", "scales must be positive"),
     ("scales=1,x", "scales takes tuple"),
+    ("uniform_head_layer=-1", "uniform_head_layer must be >= 0"),
+    ("uniform_head_layer=4", "uniform_head_layer=4: a layer of the model's 4"),
 ])
 def test_set_names_the_assignment_that_is_not_one(assignment, message):
     with pytest.raises(ValueError, match=message):
