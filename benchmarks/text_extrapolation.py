@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -46,23 +47,17 @@ def seed_list(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in parts)
 
 
-def encoding_list(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in ENCODINGS]
-    if not names or unknown or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"distinct names among {', '.join(ENCODINGS)}, got {text!r}")
-    return names
+def names_among(allowed: list[str]) -> Callable[[str], list[str]]:
+    """An argparse type: distinct comma-separated names, each among `allowed`."""
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        if not names or any(name not in allowed for name in names) or len(set(names)) != len(names):
+            raise argparse.ArgumentTypeError(f"distinct names among {', '.join(allowed)}, got {text!r}")
+        return names
+    return parse
 
 
 TRIAL_NAMES = sorted({trial for encoding in ENCODINGS.values() for trial in encoding.trials})
-
-
-def trial_list(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in TRIAL_NAMES]
-    if not names or unknown or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"distinct names among {', '.join(TRIAL_NAMES)}, got {text!r}")
-    return names
 
 
 def positive(text: str) -> int:
@@ -75,9 +70,9 @@ def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--phase", choices=PHASES, help="validation (choose each recipe) or test (report the choices)")
     parser.add_argument("--report-only", action="store_true", help="write the page again from results.json; run nothing")
-    parser.add_argument("--encodings", type=encoding_list, default=list(ENCODINGS),
+    parser.add_argument("--encodings", type=names_among(list(ENCODINGS)), default=list(ENCODINGS),
                         help=f"comma-separated, among {', '.join(ENCODINGS)} (default: all)")
-    parser.add_argument("--trials", type=trial_list, default=None,
+    parser.add_argument("--trials", type=names_among(TRIAL_NAMES), default=None,
                         help="validation: only these trials, comma-separated (a screen; each encoding's choice waits "
                              f"for all of its trials), among {', '.join(TRIAL_NAMES)}")
     parser.add_argument("--jobs", type=positive, default=1, help="jobs at once, each in a process of its own (default 1)")

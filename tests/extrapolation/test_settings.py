@@ -78,3 +78,7 @@ def test_the_command_refuses_a_bad_setting_in_one_line_before_it_loads_anything(
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].endswith("error: --set steps=0: steps must be positive")
     assert not any(tmp_path.iterdir())
+    command[3:5] = ["--trials", "two-stage,nonsense"]
+    result = run_within(command, 120, env=checkout_environment())
+    assert result.returncode == 2 and "argument --trials: distinct names among" in result.stderr.splitlines()[-1]
+    assert not any(tmp_path.iterdir())
