@@ -70,6 +70,11 @@ def test_targets_say_by_how_much_they_are_missed():
     assert "| BAM | strict passkey >= 95% at 64x | 98% (3 seeds) | yes |" in lines
     assert "| BAM | strict passkey >= 80% at 512x | 80% (3 seeds) | yes |" in lines  # 90%, 70%, 80%
     assert "| BAM | last-window perplexity at 512x within 10% of 2x | 1.080x | yes |" in lines
+    for perplexity, verdict in ((44.0, "0.880x | no, lower than 2x's by more than 10%"),
+                                (56.0, "1.120x | no, higher than 2x's by more than 10%")):
+        for job in jobs.values():
+            job["results"]["bam"]["trained"]["perplexity"][65536]["last_window"]["perplexity"] = perplexity
+        assert f"| BAM | last-window perplexity at 512x within 10% of 2x | {verdict} |" in "\n".join(target_lines(jobs, STUDY))
     jobs[job_key(TEST, "bam", "two-stage", 5)]["results"]["bam"]["trained"]["passkey"][65536] = passkey(10, 20)
     assert "| 70% (3 seeds) | no, by 10 points |" in "\n".join(target_lines(jobs, STUDY))  # 90%, 70%, 50%
 
