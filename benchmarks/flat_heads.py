@@ -44,8 +44,9 @@ def prior_rows(paths: list[Path], encoding: str, distance: int, flat_below: floa
     priors = {}
     for study, key, learned, found, asked in models(paths, encoding):
         values = tuple(round(value, 1) for name in ("theta_alpha", "theta_beta") for row in learned[name] for value in row)
-        row = priors.setdefault(values, {"layers": flat_layers(learned, distance, flat_below), "rate": -1.0,
-                                         "phases": set(), "jobs": set()})
+        row = priors.setdefault(values, {"layers": flat_layers(learned, distance, flat_below),
+                                         "depth": len(learned["theta_alpha"]), "rate": -1.0, "phases": set(),
+                                         "jobs": set()})
         if found / asked > row["rate"]:
             row["rate"], row["found"], row["asked"] = found / asked, found, asked
         row["phases"].add(key.split("/")[0])
@@ -53,8 +54,8 @@ def prior_rows(paths: list[Path], encoding: str, distance: int, flat_below: floa
     return list(priors.values())
 
 
-def table(rows: list[dict], layers: int) -> list[str]:
-    below_last = [row for row in rows if any(layer < layers - 1 for layer in row["layers"])]
+def table(rows: list[dict]) -> list[str]:
+    below_last = [row for row in rows if any(layer < row["depth"] - 1 for layer in row["layers"])]
     others = [row for row in rows if row not in below_last]
     lines = ["| flat head below the last layer | priors | of them test-seed priors | read >= half the keys at 64x | "
              "best at 64x |", "|---|---:|---:|---:|---:|"]
@@ -76,9 +77,8 @@ def main() -> None:
           f"--flat-below {args.flat_below}` over {', '.join(str(p.relative_to(RESULTS)) for p in paths)}.\n")
     for encoding, name in (("bam", "BAM"), ("bam-ssmax", "BAM + SSMax")):
         rows = prior_rows(paths, encoding, args.distance, args.flat_below)
-        layers = json.loads(paths[0].read_text())["study"]["layers"]
         print(f"## {name}\n")
-        print("\n".join(table(rows, layers)))
+        print("\n".join(table(rows)))
         print("\n| flat layers | 64x, best of the prior's models | jobs |\n|---|---:|---|")
         for row in sorted(rows, key=lambda row: (row["rate"], str(row["layers"]))):
             print(f"| {row['layers']} | {row['found']}/{row['asked']} | {'; '.join(sorted(row['jobs']))} |")

@@ -48,9 +48,9 @@ def test_priors_split_by_a_flat_head_below_the_last_layer(tmp_path):
     jobs = {"validation/bam/a/seed-100": job(prior({0: 1}), 15), "validation/bam/b/seed-101": job(prior({0: 0}), 4),
             "test/bam/a/seed-3": job(prior({1: 1}), 2, "test"), "test/bam/a/seed-4": job(prior({1: 1}), 1, "test")}
     path = tmp_path / "results.json"
-    path.write_text(json.dumps({"study": {"layers": 2}, "jobs": jobs}))
+    path.write_text(json.dumps({"jobs": jobs}))
     rows = flat_heads.prior_rows([path], "bam", 4096, 5.0)
     assert sorted((row["layers"], row["found"]) for row in rows) == [([0], 4), ([0], 15), ([1], 2)]  # seed 4's prior = seed 3's
-    lines = flat_heads.table(rows, 2)
+    lines = flat_heads.table(rows)
     assert lines[2] == "| yes | 2 | 0 | 1 | 75% |"
     assert lines[3] == "| no | 1 | 1 | 0 | 10% |"
