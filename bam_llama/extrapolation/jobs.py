@@ -102,8 +102,7 @@ def trained_and_evaluated(job: Job) -> tuple[dict, dict]:
             _, stages["stage_one"] = resumable_stage(args, pretrain_stage)
             learned = stages["stage_one"]["learned"]
         if job.study.uniform_head_layer is not None:
-            longest = job.study.train_length * max(job.study.scales)
-            learned, head = with_uniform_head(learned, job.study.uniform_head_layer, longest)
+            learned, head = with_uniform_head(learned, job.study.uniform_head_layer, job.study.longest_common_length)
             stages["stage_one_shape"] = {"uniform_head": {"layer": job.study.uniform_head_layer, "head": head},
                                          "learned": learned}
         stage_one = stage_one_folder(learned, encoding, job.study, work / "stage-one-shape")

@@ -47,7 +47,7 @@ def candidate_results(jobs: dict, study: Study, encoding: str, trial: str, candi
 def candidate_scores(jobs: dict, study: Study, encoding: str) -> dict[tuple[str, str], dict] | None:
     """{(trial, candidate): score} of every candidate of `encoding`; None until all are done on validation."""
     lengths = [study.train_length * scale for scale in study.selection_scales]
-    longest = study.train_length * max(study.scales)
+    longest = study.longest_common_length
     scores = {}
     for trial in ENCODINGS[encoding].trials:
         for candidate in ENCODINGS[encoding].candidates:
@@ -81,8 +81,8 @@ def choices(jobs: dict, study: Study) -> dict[str, dict]:
 
 def goes_long(chosen: dict, result_to_longest: dict, study: Study) -> bool:
     """Whether a test model goes past 64x: its encoding's choice did on validation, or this model did at 64x."""
-    longest = study.train_length * max(study.scales)
-    return chosen["goes_long"] or rate_over(result_to_longest, [longest]) > study.long_threshold
+    at_longest = rate_over(result_to_longest, [study.longest_common_length])
+    return chosen["goes_long"] or at_longest > study.long_threshold
 
 
 def test_results(jobs: dict, study: Study, name: str) -> list[tuple[int, dict]]:

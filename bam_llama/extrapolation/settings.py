@@ -65,6 +65,12 @@ class Study:
         return max(self.scales + (self.long_scales if phase == TEST else ()))
 
     @property
+    def longest_common_length(self) -> int:
+        """The longest prompt every encoding is evaluated at (64x the training length); past it only the encodings
+        above `long_threshold` there."""
+        return self.train_length * max(self.scales)
+
+    @property
     def extension_length(self) -> int:
         return self.train_length * self.extension_factor
 
