@@ -45,8 +45,6 @@ def plan(phase: str, names: list[str], study: Study, done: dict,
     """(training, trial, seed, chosen) of every job of `phase` the encodings `names` need and `done` lacks, on
     validation only the `trials` named where given (a screen: no choice is made until every trial is done); chosen:
     {encoding: its choice} on test. A RunError where a test job's encoding has no choice yet."""
-    check_uniform_head(names, study)
-    check_trials(phase, names, trials)
     planned, made = [], choices(done, study)
     for training, served in trainings(names).items():
         if phase == VALIDATION:
@@ -64,6 +62,12 @@ def plan(phase: str, names: list[str], study: Study, done: dict,
                 if job_key(phase, training, trial, seed) not in done:
                     planned.append((training, trial, seed, chosen))
     return sorted(planned, key=lambda job: training_encoding(job[0]).trials[job[1]].stage_one is not None)
+
+
+def check_request(phase: str, names: list[str], study: Study, trials: list[str] | None) -> None:
+    """A RunError where the run asks what no job can do, before any kernel is built or folder locked."""
+    check_uniform_head(names, study)
+    check_trials(phase, names, trials)
 
 
 def check_trials(phase: str, names: list[str], trials: list[str] | None) -> None:
@@ -249,6 +253,7 @@ def run(phase: str, names: list[str], study: Study, output_dir: Path, jobs: int 
         resume: bool = False, publish=None, trials: list[str] | None = None) -> dict:
     """Run every job of `phase` that `names` need (on validation, of `trials` where given) and `output_dir` lacks,
     publishing (`publish(output_dir, report)`) after each; returns the final report."""
+    check_request(phase, names, study, trials)
     build_attention_kernel()
     try:
         hold = FolderLock(output_dir)

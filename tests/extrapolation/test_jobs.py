@@ -54,22 +54,24 @@ def test_a_two_stage_job_waits_for_its_stage_one_only_where_the_run_has_it():
     assert Job(TEST, "bam", "lr-2e-3", 3, data=None, study=STUDY, work=None).stage_one_key is None
 
 
-def test_trials_screen_validation_only_and_a_two_stage_screen_trains_its_own_stage_one():
+def test_trials_screen_validation_only_and_a_two_stage_screen_trains_its_own_stage_one(tmp_path):
     planned = plan(VALIDATION, ["bam", "alibi"], STUDY, {}, trials=["two-stage", "lr-2e-3"])
     assert sorted(job[:2] for job in planned) == sorted([(training, trial) for training in ("alibi", "bam")
                                                          for trial in ("lr-2e-3", "two-stage") if (training, trial)
                                                          != ("alibi", "two-stage")] * len(STUDY.validation_seeds))
     with pytest.raises(RunError, match="no trial of alibi"):
-        plan(VALIDATION, ["alibi"], STUDY, {}, trials=["two-stage"])
+        run(VALIDATION, ["alibi"], STUDY, tmp_path, trials=["two-stage"])
     with pytest.raises(RunError, match="the test phase runs each encoding's choice"):
-        plan(TEST, ["bam"], STUDY, {}, trials=["two-stage"])
+        run(TEST, ["bam"], STUDY, tmp_path, trials=["two-stage"])
+    assert not list(tmp_path.iterdir())  # refused before the folder is locked or written
 
 
-def test_a_uniform_head_is_refused_for_shapes_other_than_bam_s():
+def test_a_uniform_head_is_refused_for_shapes_other_than_bam_s(tmp_path):
     study = replace(STUDY, uniform_head_layer=1)
     assert plan(VALIDATION, ["bam", "bam-ssmax", "alibi"], study, {})
     with pytest.raises(RunError, match="kerple, t5 learn another shape"):
-        plan(VALIDATION, ["bam", "kerple", "t5"], study, {})
+        run(VALIDATION, ["bam", "kerple", "t5"], study, tmp_path)
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_uniform_head_replaces_the_flattest_head_of_its_layer_in_what_stage_two_freezes(tmp_path):
