@@ -173,6 +173,53 @@ def distance_table(jobs: dict, study: Study, names: list[str]) -> list[str]:
     return lines
 
 
+ANSWER_KINDS = ("found", "the key's digits in another order", "most digits in their places", "another answer")
+
+
+def answer_kind(key: str, answer: str, hit: bool) -> int:
+    """An index of ANSWER_KINDS, from the greedy answer's leading digits: the key's digits in another order (the key
+    located, its order lost); most digits in their places (as many digits as the key, more than half of them the key's
+    at the same place: the key located, some digits lost); anything else (another number, no number)."""
+    stripped = answer.lstrip()
+    digits = stripped[:len(stripped) - len(stripped.lstrip("0123456789"))]
+    if hit:
+        return 0
+    if sorted(digits) == sorted(key):
+        return 1
+    if len(digits) == len(key) and 2 * sum(a == b for a, b in zip(digits, key)) > len(key):
+        return 2
+    return 3
+
+
+def answer_kinds(passkey: dict) -> list[int]:
+    """How many of one length's prompts got each of ANSWER_KINDS."""
+    kinds = [0] * len(ANSWER_KINDS)
+    for keys, answers, correct in zip(passkey["passkeys"], passkey["predictions"], passkey["correct"]):
+        for key, answer, hit in zip(keys, answers, correct):
+            kinds[answer_kind(key, answer, hit)] += 1
+    return kinds
+
+
+def answer_kinds_table(jobs: dict, study: Study, names: list[str]) -> list[str]:
+    """Each encoding's strict answers at 1x and at the longest length every encoding reaches, by kind: test seeds
+    (the chosen recipes) and validation seeds (every finished trial's candidates)."""
+    lengths = (study.train_length, study.longest_common_length)
+    lines = ["| encoding | models | length | " + " | ".join(ANSWER_KINDS) + " |", "|---|---|---:|" + "---:|" * len(ANSWER_KINDS)]
+    for name in names:
+        validation = [result for job in jobs.values() if job["phase"] == VALIDATION and name in job["results"]
+                      for result in job["results"][name].values()]
+        test = [result for _, result in test_results(jobs, study, name)]
+        for phase, results in ((TEST, test), (VALIDATION, validation)):
+            for length in lengths:
+                counted = [answer_kinds(result["passkey"][length]) for result in results if length in result["passkey"]]
+                if counted:
+                    prompts = sum(map(sum, counted))
+                    cells = [count_cell(sum(kinds[index] for kinds in counted), prompts) for index in range(len(ANSWER_KINDS))]
+                    lines.append(f"| {ENCODINGS[name].label} | {phase}: {len(counted)} | "
+                                 f"{length // study.train_length}x | " + " | ".join(cells) + " |")
+    return lines
+
+
 def target_lines(jobs: dict, study: Study) -> list[str]:
     """Each of BAM's recipes with test results against each target: met, missed by how much, or not measured where
     a test seed stopped at 64x (it found at most half the keys there, the gate to 128x-512x)."""
@@ -308,6 +355,13 @@ def write_report(report: dict, study: Study) -> str:
         "validation job's candidates each count as a model; they share their keys).",
         "",
         *distance_table(jobs, study, names),
+        "",
+        "## What the answers are (strict)",
+        "",
+        "A miss with the key's digits in another order, or with most of them in their places, found the key and lost "
+        "some of it; another answer (another number, no number) shows no sign of the key.",
+        "",
+        *answer_kinds_table(jobs, study, names),
         "",
         "## Targets (BAM's recipes)",
         "",

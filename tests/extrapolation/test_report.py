@@ -3,7 +3,7 @@ t-interval over seeds, per-seed rows with the teacher-forced count, and the targ
 
 import math
 
-from bam_llama.extrapolation.report import (distance_table, pooled_cell, seeds_interval_cell, strongest_baseline_lines,
+from bam_llama.extrapolation.report import (answer_kinds_table, distance_table, pooled_cell, seeds_interval_cell, strongest_baseline_lines,
                                             target_lines, write_report)
 from bam_llama.extrapolation.selection import job_key
 from bam_llama.extrapolation.settings import TEST, VALIDATION, Study
@@ -12,8 +12,11 @@ STUDY = Study()
 
 
 def passkey(hits: int, prompts: int, prompt_length: int = 128) -> dict:
-    """One length's result: the first `hits` of `prompts` keys found, at depths 0, 1/(prompts-1), ..., 1."""
+    """One length's result: the first `hits` of `prompts` keys found, at depths 0, 1/(prompts-1), ..., 1; the misses
+    answer a number of other digits."""
+    keys = [f"{10000 + index}" for index in range(prompts)]
     return {"correct": [[index < hits for index in range(prompts)]], "teacher_forced": [[True] * prompts],
+            "passkeys": [keys], "predictions": [[f" {key}" if index < hits else " 99999" for index, key in enumerate(keys)]],
             "depths": [[index / max(prompts - 1, 1) for index in range(prompts)]], "prompt_lengths": [prompt_length]}
 
 
@@ -182,6 +185,30 @@ def test_keys_are_counted_near_the_question_or_far_from_it_by_the_filler_after_t
     assert lines[3] == (f"| BAM | validation: 2 | 5/6 83% (35-100) | 23/74 31% ({math.floor(100 * low)}-"
                         f"{math.ceil(100 * high)}) |")
     assert len(lines) == 4  # ALiBi: no results, no row
+
+
+def test_misses_are_told_apart_by_what_of_the_key_they_hold():
+    study = Study(scales=(1, 64), test_seeds=(3,), validation_seeds=(100,))
+    at_1 = passkey(0, 8)
+    at_1["passkeys"] = [["12345"] * 5 + ["11223"] * 3]
+    # found; reordered (then text); three of five in place (one digit more: not the key's digits); two of five in
+    # place; no number; 11223's digits reordered; its digits in other counts, three in place; other counts, two in place
+    at_1["predictions"] = [[" 12345", " 54321.", "  123999", " 12999", " the key", " 12231", " 11333", " 12333"]]
+    at_1["correct"] = [[True] + [False] * 7]
+    at_64 = passkey(1, 4, 8190)  # one found, three answering 99999
+    jobs = {job_key(TEST, "bam", "two-stage", 3): {"phase": TEST, "seed": 3,
+                                                   "results": {"bam": {"extended": {"passkey": {128: at_1, 8192: at_64}}}}}}
+    jobs[job_key(VALIDATION, "bam", "lr-1e-3", 100)] = {"phase": VALIDATION, "seed": 100, "results": {"bam": {
+        "trained": {"passkey": {128: at_1}}, "extended": {"passkey": {128: at_1}}}}}
+    lines = answer_kinds_table(jobs, study, ["bam", "alibi"])
+    cell = {(hits, prompts): f"{hits}/{prompts} {hits / prompts:.0%} ({math.floor(100 * low)}-{math.ceil(100 * high)})"
+            for hits, prompts in ((1, 8), (2, 8), (4, 8), (0, 4), (1, 4), (3, 4), (2, 16), (4, 16), (8, 16))
+            for low, high in [exact_interval(hits, prompts)]}
+    assert lines[0].count("|") == 8  # four kinds
+    assert lines[2] == f"| BAM | test: 1 | 1x | {cell[1, 8]} | {cell[2, 8]} | {cell[1, 8]} | {cell[4, 8]} |"
+    assert lines[3] == f"| BAM | test: 1 | 64x | {cell[1, 4]} | {cell[0, 4]} | {cell[0, 4]} | {cell[3, 4]} |"
+    assert lines[4] == f"| BAM | validation: 2 | 1x | {cell[2, 16]} | {cell[4, 16]} | {cell[2, 16]} | {cell[8, 16]} |"
+    assert len(lines) == 5  # no validation result reached 64x; ALiBi has none
 
 
 def test_a_page_rewritten_from_its_results_keeps_the_machine_its_run_recorded(tmp_path):
