@@ -380,12 +380,14 @@ def write_report(report: dict, study: Study) -> str:
 
 
 def publish(output_dir: Path, report: dict, study: Study) -> str:
-    """results.json, results.md, passkey.png and perplexity.png of `report`, replacing the earlier ones together."""
+    """results.json, results.md and, once a test job is done, passkey.png and perplexity.png (the figures plot test
+    seeds only) of `report`, replacing the earlier ones together."""
     text = write_report(report, study)
     names = shown_encodings(report["jobs"])
     with staged_files(output_dir, "results") as staging:
         (staging / "results.json").write_text(json.dumps(report, indent=1) + "\n")
         (staging / "results.md").write_text(text)
-        plot_passkey(report["jobs"], study, names, staging / "passkey.png")
-        plot_perplexity(report["jobs"], study, names, staging / "perplexity.png")
+        if any(job["phase"] == TEST for job in report["jobs"].values()):
+            plot_passkey(report["jobs"], study, names, staging / "passkey.png")
+            plot_perplexity(report["jobs"], study, names, staging / "perplexity.png")
     return text

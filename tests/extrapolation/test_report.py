@@ -121,6 +121,9 @@ def test_the_page_and_its_figures_are_written_together(tmp_path):
     jobs[job_key(VALIDATION, "bam", "lr-1e-3", 100)] = {
         "phase": VALIDATION, "seed": 100, "trial": "lr-1e-3", "commit": "abc", "minutes": 1.0,
         "results": {"bam": {"trained": validation, "extended": validation}}}
+    validation_only = {key: job for key, job in jobs.items() if job["phase"] == VALIDATION}
+    publish(tmp_path, {"study": {}, "machine": {}, "jobs": validation_only, "choices": {}}, study)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["results.json", "results.md"]  # no empty figures
     text = publish(tmp_path, {"study": {}, "machine": {}, "jobs": jobs, "choices": {}}, study)
     assert "| BAM | lr-1e-3 | 100 | extended | 20/20 | 3/20 (20) |" in text  # a finished validation job, as it ends
     assert sorted(path.name for path in tmp_path.iterdir()) == ["passkey.png", "perplexity.png", "results.json",
