@@ -157,15 +157,20 @@ def count_cell(hits: int, prompts: int) -> str:
     return "—" if prompts == 0 else f"{hits}/{prompts} {rate_with_interval(hits, prompts)}"
 
 
+def results_by_phase(jobs: dict, study: Study, name: str) -> tuple[tuple[str, list[dict]], tuple[str, list[dict]]]:
+    """`name`'s results on the test seeds (its chosen recipe) and on the validation seeds (every finished trial's
+    candidates)."""
+    validation = [result for job in jobs.values() if job["phase"] == VALIDATION and name in job["results"]
+                  for result in job["results"][name].values()]
+    return (TEST, [result for _, result in test_results(jobs, study, name)]), (VALIDATION, validation)
+
+
 def distance_table(jobs: dict, study: Study, names: list[str]) -> list[str]:
     """Each encoding's strict keys found near the question and far from it in the same long prompts: test seeds (the
     chosen recipes) and validation seeds (every finished trial's candidates), a row each where there are results."""
     lines = ["| encoding | models | key within 1x of the question | key farther |", "|---|---|---:|---:|"]
     for name in names:
-        validation = [result for job in jobs.values() if job["phase"] == VALIDATION and name in job["results"]
-                      for result in job["results"][name].values()]
-        test = [result for _, result in test_results(jobs, study, name)]
-        for phase, results in ((TEST, test), (VALIDATION, validation)):
+        for phase, results in results_by_phase(jobs, study, name):
             if results:
                 near, far = distance_counts(results, study)
                 lines.append(f"| {ENCODINGS[name].label} | {phase}: {len(results)} | {count_cell(*near)} | "
@@ -206,10 +211,7 @@ def answer_kinds_table(jobs: dict, study: Study, names: list[str]) -> list[str]:
     lengths = (study.train_length, study.longest_common_length)
     lines = ["| encoding | models | length | " + " | ".join(ANSWER_KINDS) + " |", "|---|---|---:|" + "---:|" * len(ANSWER_KINDS)]
     for name in names:
-        validation = [result for job in jobs.values() if job["phase"] == VALIDATION and name in job["results"]
-                      for result in job["results"][name].values()]
-        test = [result for _, result in test_results(jobs, study, name)]
-        for phase, results in ((TEST, test), (VALIDATION, validation)):
+        for phase, results in results_by_phase(jobs, study, name):
             for length in lengths:
                 counted = [answer_kinds(result["passkey"][length]) for result in results if length in result["passkey"]]
                 if counted:
