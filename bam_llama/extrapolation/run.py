@@ -200,6 +200,11 @@ def machine(threads: int) -> dict:
 
 def earlier_results(output_dir: Path, study: Study, resume: bool) -> dict:
     """The jobs an earlier run left in `output_dir` (with --resume; the same study settings), else {}."""
+    return with_int_keys(earlier_run(output_dir, study, resume).get("jobs", {}))
+
+
+def earlier_run(output_dir: Path, study: Study, resume: bool) -> dict:
+    """The results.json an earlier run left in `output_dir` (with --resume; the same study settings), else {}."""
     path = output_dir / "results.json"
     if not path.is_file():
         return {}
@@ -211,7 +216,7 @@ def earlier_results(output_dir: Path, study: Study, resume: bool) -> dict:
     if changed:
         raise RunError(f"--resume: the run in {output_dir} has other settings ({', '.join(changed)}); its results "
                        "would not compare with this run's")
-    return with_int_keys(earlier["jobs"])
+    return earlier
 
 
 def settings_changed(recorded: dict, study: Study) -> list[str]:
@@ -221,12 +226,6 @@ def settings_changed(recorded: dict, study: Study) -> list[str]:
     default = json.loads(json.dumps(asdict(Study())))
     then = {**{key: value for key, value in default.items() if key not in recorded}, **recorded}
     return sorted(key for key in now.keys() | then.keys() if now.get(key) != then.get(key))
-
-
-def recorded_machine(output_dir: Path) -> dict:
-    """The machine `output_dir`'s last run recorded ({} where none): a page rewritten elsewhere keeps it."""
-    path = output_dir / "results.json"
-    return json.loads(path.read_text()).get("machine", {}) if path.is_file() else {}
 
 
 def phase_data(phase: str, study: Study, scratch: Path) -> dict[int, SeedData]:
@@ -313,7 +312,8 @@ def rewrite_report(output_dir: Path, study: Study) -> str:
     except FolderInUse as error:
         raise RunError(f"{error}: its page is rewritten as each of its jobs ends") from None
     try:
-        jobs = earlier_results(output_dir, study, resume=True)
-        return publish(output_dir, report_of(study, jobs, recorded_machine(output_dir)), study)
+        earlier = earlier_run(output_dir, study, resume=True)  # a page rewritten elsewhere keeps its run's machine
+        jobs = with_int_keys(earlier.get("jobs", {}))
+        return publish(output_dir, report_of(study, jobs, earlier.get("machine", {})), study)
     finally:
         hold.release()
