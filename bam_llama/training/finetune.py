@@ -46,6 +46,7 @@ from .trainer import training_arguments
 
 LORA_ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+SHOWN_PER_HEAD = ("theta_alpha", "theta_beta", "bucket_bias", "scale")  # in the summary: each prior family's, SSMax's
 
 
 @dataclasses.dataclass
@@ -69,12 +70,19 @@ class FinetuneSummary(TrainingSummary):
         lines.append("  learned prior per head (before -> after)")
         for module, after in self.prior_after.items():
             before = self.prior_before[module]
-            shown = [name for name in ("theta_alpha", "theta_beta", "scale") if name in after]
+            shown = [name for name in SHOWN_PER_HEAD if name in after]
             lines.append(f"    {module}")
             for head in range(len(after[shown[0]])):
-                changes = [f"{name} {before[name][head]:+.4f} -> {after[name][head]:+.4f}" for name in shown]
+                changes = [head_change(name, before[name][head], after[name][head]) for name in shown]
                 lines.append(f"      head {head:>3}  " + "   ".join(changes))
         return "\n".join(lines)
+
+
+def head_change(name: str, before: float | list[float], after: float | list[float]) -> str:
+    """One head's value before -> after, or for a head's row of values (T5's bias per bucket) the largest change."""
+    if isinstance(after, list):
+        return f"{name} largest change {max(abs(new - old) for old, new in zip(before, after)):.4f}"
+    return f"{name} {before:+.4f} -> {after:+.4f}"
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -269,6 +269,25 @@ def test_ssmax_learning_rate_gives_exactly_the_scales_their_own_rate(workspace, 
     assert sum(sizes[1e-2]) == weights
 
 
+def test_a_t5_bucket_model_is_extended_whole_and_its_summary_names_each_head_s_largest_bucket_change(
+        workspace, tmp_path, capsys):
+    """The context extension of a model whose prior is T5's table of bucket biases (with SSMax): it ends, and the
+    printed summary gives each head's largest bucket-bias change, read here from the saved weights."""
+    base = save_base_model(tmp_path / "t5", prior_formula="t5_buckets", train_bucket_bias=True, ssmax=True,
+                           prior_scope="layer")
+    args = arguments(base, workspace["data"], tmp_path / "out", lora=False, max_steps=2, save_steps=2)
+    finetune(args)
+    printed = capsys.readouterr().out
+    before, after = load_file(base / "model.safetensors"), load_file(tmp_path / "out" / "model" / "model.safetensors")
+    for layer in range(2):
+        name = f"model.layers.{layer}.self_attn.prior.bucket_bias"
+        largest = (after[name].double() - before[name].double()).abs().amax(dim=1)  # (heads,)
+        assert largest.min() > 0  # every head's table moved, so the figure below is not a zero by default
+        section = printed.split(f"model.layers.{layer}.self_attn.prior\n")[1].split("model.layers")[0]
+        shown = [float(value) for value in re.findall(r"bucket_bias largest change (\d+\.\d+)", section)]
+        assert shown == pytest.approx(largest.tolist(), abs=6e-5), f"layer {layer}"
+
+
 def test_ssmax_learning_rate_without_scalable_softmax_is_refused(workspace, tmp_path):
     with pytest.raises(ValueError, match=r"--ssmax-learning-rate: .* has no Scalable Softmax"):
         finetune(arguments(workspace["base"], workspace["data"], tmp_path / "out", ssmax_learning_rate=0.3))
