@@ -11,15 +11,16 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers import PrinterCallback, Trainer, TrainerCallback, TrainerState, TrainingArguments
 from transformers.trainer import DEFAULT_PROGRESS_CALLBACK  # Trainer's bar: tqdm's, or a notebook's
 from transformers.utils import is_torch_bf16_gpu_available
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, rotate_checkpoints
 
 from ..data.packing import IGNORE_INDEX, collate_packed_rows
 from ..files.model_folders import check_finite_loss
 from ..files.outputs import disk_full_named, move_into_place, signals_deferred
 from ..model.prior_bam import is_prior_parameter, is_ssmax_parameter
+from .checkpoints import checkpoint_step
 from .distributed import parallel_training_arguments
 from .output_hold import STAGED_CHECKPOINT
 
@@ -71,6 +72,18 @@ class BamTrainer(Trainer):
         self.ssmax_learning_rate = ssmax_learning_rate
         self.before_saving = before_saving
         self._checkpoint_staging = None
+
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        """Trainer's, except from a checkpoint at the run's last step (a run stopped after it, before its summary):
+        its weights and state are loaded and nothing is trained, as if the run had not stopped. Trainer would train
+        one step more (it compares the step with max_steps only after a step). The training loss of a run that
+        trained nothing here is NaN. Sharded runs (FSDP, DeepSpeed) load their checkpoints in Trainer's loop: theirs."""
+        if (resume_from_checkpoint is None or self.is_fsdp_enabled or self.is_deepspeed_enabled
+                or not 0 < self.args.max_steps <= (checkpoint_step(resume_from_checkpoint) or 0)):
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        self._load_from_checkpoint(resume_from_checkpoint)
+        self.state = TrainerState.load_from_json(os.path.join(resume_from_checkpoint, "trainer_state.json"))
+        return TrainOutput(self.state.global_step, float("nan"), {})
 
     def training_step(self, *args, **kwargs):
         """A loss that turned NaN or infinite stops the run here, before the optimizer step and any checkpoint

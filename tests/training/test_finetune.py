@@ -657,6 +657,25 @@ def test_a_new_run_over_earlier_results_is_refused_unless_asked_to_overwrite(wor
     assert json.loads((output_dir / "summary.json").read_text())["steps"] == 2
 
 
+def test_a_run_resumed_from_its_last_checkpoint_trains_nothing_more(lora_run, tmp_path):
+    """Stopped after checkpoint-12 of 12 steps (before its summary): resumed, it ends at step 12 with the adapter
+    the uninterrupted run saved. Transformers' Trainer alone would train a 13th step."""
+    args, uninterrupted_summary = lora_run
+    output_dir = tmp_path / "resumed"
+    output_dir.mkdir()
+    shutil.copytree(Path(args.output_dir) / "checkpoint-12", output_dir / "checkpoint-12")
+    summary = finetune(arguments(Path(args.model), Path(args.data), output_dir, resume_from_checkpoint="latest",
+                                 eval_rows=args.eval_rows))
+    assert summary.resumed_from_step == 12 and summary.steps == 12
+    assert summary.tokens_seen == uninterrupted_summary.tokens_seen
+    assert summary.loss_after == pytest.approx(uninterrupted_summary.loss_after, abs=1e-6)
+    uninterrupted = load_file(Path(args.output_dir) / "adapter" / "adapter_model.safetensors")
+    resumed = load_file(output_dir / "adapter" / "adapter_model.safetensors")
+    assert set(resumed) == set(uninterrupted)
+    for name in uninterrupted:
+        assert torch.equal(resumed[name], uninterrupted[name]), name
+
+
 def test_a_resumed_run_whose_checkpoint_is_rotated_away_still_writes_its_summary(lora_run, tmp_path):
     output_dir = tmp_path / "resumed"
     summary = finetune(resume_from_step_6(lora_run, output_dir, save_total_limit=1))
