@@ -368,11 +368,11 @@ def test_merged_model_gets_a_bam_card_naming_its_base(lora_run, workspace):
     assert f"fine-tuned at {TARGET_LENGTH} tokens" in card.text
 
 
-def resume_from_step_6(lora_run, output_dir: Path, **overrides) -> FinetuneArguments:
-    """The LoRA run's arguments, resuming in a fresh `output_dir` from a copy of its checkpoint-6."""
+def resume_from_step(lora_run, output_dir: Path, step: int = 6, **overrides) -> FinetuneArguments:
+    """The LoRA run's arguments, resuming in a fresh `output_dir` from a copy of its checkpoint-`step`."""
     args, _ = lora_run
     output_dir.mkdir()
-    shutil.copytree(Path(args.output_dir) / "checkpoint-6", output_dir / "checkpoint-6")
+    shutil.copytree(Path(args.output_dir) / f"checkpoint-{step}", output_dir / f"checkpoint-{step}")
     return arguments(
         Path(args.model), Path(args.data), output_dir, resume_from_checkpoint="latest", eval_rows=args.eval_rows,
         **overrides,
@@ -382,7 +382,7 @@ def resume_from_step_6(lora_run, output_dir: Path, **overrides) -> FinetuneArgum
 def test_resume_continues_from_the_saved_step(lora_run, tmp_path):
     args, _ = lora_run
     output_dir = tmp_path / "resumed"
-    summary = finetune(resume_from_step_6(lora_run, output_dir))
+    summary = finetune(resume_from_step(lora_run, output_dir))
     assert summary.resumed_from_step == 6 and summary.steps == 12
     assert summary.tokens_seen == lora_run[1].tokens_seen  # restored from the checkpoint, then 6 more steps
     uninterrupted = load_file(Path(args.output_dir) / "adapter" / "adapter_model.safetensors")
@@ -662,10 +662,7 @@ def test_a_run_resumed_from_its_last_checkpoint_trains_nothing_more(lora_run, tm
     the uninterrupted run saved. Transformers' Trainer alone would train a 13th step."""
     args, uninterrupted_summary = lora_run
     output_dir = tmp_path / "resumed"
-    output_dir.mkdir()
-    shutil.copytree(Path(args.output_dir) / "checkpoint-12", output_dir / "checkpoint-12")
-    summary = finetune(arguments(Path(args.model), Path(args.data), output_dir, resume_from_checkpoint="latest",
-                                 eval_rows=args.eval_rows))
+    summary = finetune(resume_from_step(lora_run, output_dir, step=12))
     assert summary.resumed_from_step == 12 and summary.steps == 12
     assert summary.tokens_seen == uninterrupted_summary.tokens_seen
     assert summary.loss_after == pytest.approx(uninterrupted_summary.loss_after, abs=1e-6)
@@ -678,7 +675,7 @@ def test_a_run_resumed_from_its_last_checkpoint_trains_nothing_more(lora_run, tm
 
 def test_a_resumed_run_whose_checkpoint_is_rotated_away_still_writes_its_summary(lora_run, tmp_path):
     output_dir = tmp_path / "resumed"
-    summary = finetune(resume_from_step_6(lora_run, output_dir, save_total_limit=1))
+    summary = finetune(resume_from_step(lora_run, output_dir, save_total_limit=1))
     assert not (output_dir / "checkpoint-6").exists()  # rotated away by checkpoint-12
     assert summary.resumed_from_step == 6
     assert json.loads((output_dir / "summary.json").read_text())["resumed_from_step"] == 6
